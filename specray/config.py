@@ -1,0 +1,79 @@
+"""Configuration models (pydantic v2, extra fields forbidden so typos fail loudly)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specray.spec.params import VerifyMethod
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class LevelConfig(_Strict):
+    """One level of the cascade, smallest first; the last level is the target."""
+
+    name: str | None = Field(None, description="Display name; defaults to the model name or 'ngram'.")
+    kind: Literal["ngram", "hf", "vllm"] = Field("hf", description="Proposer/engine backend of this level.")
+    model: str | None = Field(
+        None, description="Known name (see `specray models list`), local folder or hub id. Not for ngram."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Weights and KV dtype. float32 for bit-stable exactness tests."
+    )
+    device: str = Field("cpu", description="torch device of this level's worker.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads of this level's process (None: torch default)."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention kernel.")
+    max_context: int | None = Field(None, ge=16, description="Context limit; defaults to the model's.")
+    num_speculative_tokens: int = Field(
+        4, ge=0, le=64, description="K: tokens this level proposes to the level above per round."
+    )
+    method: VerifyMethod = Field(
+        VerifyMethod.REJECTION,
+        description="How this level verifies the level below at temperature > 0 (temperature 0 is always "
+        "greedy). Rejection over an n-gram drafter is the deterministic method (q = delta).",
+    )
+    prompt_lookup_min: int = Field(1, ge=1, description="n-gram: shortest suffix to match.")
+    prompt_lookup_max: int = Field(4, ge=1, description="n-gram: longest suffix to match (longest wins).")
+
+    @model_validator(mode="after")
+    def _check(self) -> LevelConfig:
+        if self.kind == "ngram":
+            if self.prompt_lookup_max < self.prompt_lookup_min:
+                raise ValueError("prompt_lookup_max must be >= prompt_lookup_min")
+        elif not self.model:
+            raise ValueError(f"a {self.kind} level needs `model`")
+        return self
+
+    @property
+    def display_name(self) -> str:
+        return self.name or (self.model if self.kind != "ngram" else "ngram") or self.kind
+
+
+class CascadeConfig(_Strict):
+    """The levels, small to large. A single level is plain decoding with the target."""
+
+    levels: list[LevelConfig] = Field(..., min_length=1, description="Levels, smallest first; last = target.")
+
+    @model_validator(mode="after")
+    def _check(self) -> CascadeConfig:
+        for i, lvl in enumerate(self.levels):
+            if lvl.kind == "ngram" and i != 0:
+                raise ValueError("an ngram level can only be the first level")
+        if self.levels[-1].kind == "ngram":
+            raise ValueError("the last level (the target) must be a model")
+        names = [lvl.display_name for lvl in self.levels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"level names must be unique, got {names}; set `name`")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> CascadeConfig:
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()))

@@ -1,0 +1,360 @@
+"""The draft -> verify round loop over a cascade of levels, for a batch of sequences.
+
+Levels are ordered small -> large; the last is the target. Level i verifies what level i-1 proposes; a
+middle level runs inner rounds (its drafter proposes, it verifies) until it has the K tokens it proposes
+to the level above. Level i's accepted stream is an exact sample from level i, so the target's stream is
+an exact sample from the target (lossless). Plain decoding is the same loop with the target alone.
+
+The engine owns the canonical tokens of every sequence and a mirror of what each worker holds, and sends
+each worker a `SeqSync` (keep n, append ...) with every call: one batched call per level per (inner)
+round, and rollback is just a shorter `keep`. It talks to workers only through the protocol, so a fake
+worker, an in-process `HFWorker` or a Ray actor proxy all fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specray.engine.protocol import DraftMode, SeqSync, Worker
+from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams, VerifyMethod
+
+
+@dataclass
+class Level:
+    """One level of a cascade: an n-gram proposer (level 0 only) or a model worker.
+
+    k: tokens this level proposes to the level above per round (unused for the target).
+    method: how this level verifies the level below (unused for level 0).
+    """
+
+    name: str
+    worker: Worker | None = None
+    ngram: NgramConfig | None = None
+    k: int = 4
+    method: VerifyMethod = VerifyMethod.DETERMINISTIC
+
+    def __post_init__(self) -> None:
+        if (self.worker is None) == (self.ngram is None):
+            raise ValueError(f"level {self.name!r}: give exactly one of worker or ngram")
+        if self.ngram is not None and self.k == 4:
+            self.k = self.ngram.num_speculative_tokens
+        self.method = VerifyMethod(self.method)
+
+    @property
+    def is_ngram(self) -> bool:
+        return self.ngram is not None
+
+
+@dataclass
+class LevelStats:
+    """What one level saw as a verifier: drafts proposed to it and how many it accepted, per position."""
+
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    verify_calls: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, n_draft: int, n_acc: int, n_emitted: int) -> None:
+        self.verify_calls += 1
+        self.emitted_tokens += n_emitted
+        if n_draft > 0:
+            self.num_drafts += 1
+            self.draft_tokens += n_draft
+            self.accepted_tokens += n_acc
+            if len(self.accepted_per_pos) < n_draft:
+                self.accepted_per_pos.extend([0] * (n_draft - len(self.accepted_per_pos)))
+            for j in range(n_acc):
+                self.accepted_per_pos[j] += 1
+
+    def merge(self, other: LevelStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.emitted_tokens += other.emitted_tokens
+        self.verify_calls += other.verify_calls
+        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
+        for j, c in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[j] += c
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification call (accepted + 1), vLLM's 'mean acceptance length'."""
+        return self.emitted_tokens / self.verify_calls if self.verify_calls else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts, "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens, "emitted_tokens": self.emitted_tokens,
+            "verify_calls": self.verify_calls, "accepted_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which levels run this round (indices, ascending, always ending with the target) and K for each
+    non-target active level. `Plan((top,), ())` is plain decoding."""
+
+    levels: tuple[int, ...]
+    k: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.k) != len(self.levels) - 1:
+            raise ValueError("a plan needs one K per non-target level")
+        if any(x < 0 for x in self.k) or list(self.levels) != sorted(set(self.levels)):
+            raise ValueError(f"invalid plan {self}")
+
+    @property
+    def speculative(self) -> bool:
+        return len(self.levels) > 1 and any(self.k)
+
+
+@dataclass
+class Sequence_:
+    """One sequence in the batch: canonical tokens and per-level bookkeeping."""
+
+    seq_id: str
+    prompt_len: int
+    tokens: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: dict[int, LevelStats] = field(default_factory=dict)
+    rounds: int = 0
+    # per level: mirror of the worker's tokens, and a length known to agree with the canonical tokens
+    mirror: dict[int, list[int]] = field(default_factory=dict)
+    agreed: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - (len(self.tokens) - self.prompt_len)
+
+
+def _lcp(a: list[int], b: list[int], start: int) -> int:
+    n = min(len(a), len(b))
+    i = min(start, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class CascadeEngine:
+    """Runs rounds over a batch of sequences. Not thread-safe; one engine per coordinator loop."""
+
+    def __init__(self, levels: Sequence[Level], max_context: int | None = None) -> None:
+        if not levels:
+            raise ValueError("a cascade needs at least one level (the target)")
+        levels = list(levels)
+        for i, lvl in enumerate(levels):
+            if lvl.is_ngram and i != 0:
+                raise ValueError(f"level {lvl.name!r}: an n-gram proposer can only be the first (smallest) level")
+        if levels[-1].is_ngram:
+            raise ValueError("the last level (the target) must be a model")
+        self.levels = levels
+        self.top = len(levels) - 1
+        limits = [lvl.worker.max_context for lvl in levels if lvl.worker is not None and
+                  getattr(lvl.worker, "max_context", None)]
+        self.max_context = min([*limits, *( [max_context] if max_context else [])], default=None)
+        self.default_plan = Plan(tuple(range(len(levels))), tuple(lvl.k for lvl in levels[:-1]))
+        self._ids = itertools.count()
+
+    # ----- sequence lifecycle --------------------------------------------------------------------
+    def new_sequence(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, max_tokens: int,
+        stop_ids: Sequence[int] = (), seq_id: str | None = None,
+    ) -> Sequence_:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.max_context is not None:
+            if len(prompt_ids) >= self.max_context:
+                raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context {self.max_context}")
+            max_tokens = min(max_tokens, self.max_context - len(prompt_ids))
+        sid = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
+        return Sequence_(sid, len(prompt_ids), list(prompt_ids), sampling.with_seed(), max_tokens, frozenset(stop_ids))
+
+    def release(self, seq: Sequence_) -> None:
+        """Free the sequence on every level that has seen it (idempotent)."""
+        for i in list(seq.mirror):
+            worker = self.levels[i].worker
+            if worker is not None:
+                worker.free(seq.seq_id)
+            del seq.mirror[i]
+
+    # ----- one round -----------------------------------------------------------------------------
+    def step(self, seqs: Sequence[Sequence_], plan: Plan | None = None) -> list[list[int]]:
+        """One round for the active sequences: returns the tokens newly committed to each."""
+        plan = plan or self.default_plan
+        if plan.levels[-1] != self.top:
+            raise ValueError("a plan must end with the target level")
+        active = [s for s in seqs if not s.finished]
+        if not active:
+            return [[] for _ in seqs]
+        chain = list(plan.levels)
+        ks = dict(zip(chain[:-1], plan.k))
+        bases = [s.tokens for s in active]
+        if len(chain) > 1 and ks[chain[-2]] > 0:
+            want = [max(0, min(ks[chain[-2]], s.remaining - 1)) for s in active]
+            drafts, probs = self._produce(chain, len(chain) - 2, active, bases, want, ks)
+        else:
+            drafts, probs = [[] for _ in active], None
+        lower = chain[-2] if len(chain) > 1 else None
+        res = self._verify(self.top, lower, active, bases, drafts, probs, return_probs=False)
+        new_by_id: dict[str, list[int]] = {}
+        for s, toks, nacc, d in zip(active, res.token_ids, res.num_accepted, drafts):
+            s.rounds += 1
+            committed = self._commit(s, toks)
+            new_by_id[s.seq_id] = committed
+            s.stats.setdefault(self.top, LevelStats()).record(len(d), nacc, len(toks))
+        return [new_by_id.get(s.seq_id, []) for s in seqs]
+
+    def _commit(self, s: Sequence_, toks: list[int]) -> list[int]:
+        out = []
+        for t in toks:
+            if s.remaining <= 0:
+                break
+            s.tokens.append(t)
+            out.append(t)
+            if t in s.stop_ids:
+                s.finished, s.finish_reason = True, "stop"
+                break
+        if not s.finished and s.remaining <= 0:
+            s.finished, s.finish_reason = True, "length"
+        return out
+
+    def _sync(self, level: int, s: Sequence_, desired: list[int]) -> SeqSync:
+        worker = self.levels[level].worker
+        assert worker is not None
+        mirror = s.mirror.get(level)
+        if mirror is None:
+            worker.add(s.seq_id, s.tokens[: s.prompt_len])
+            mirror = s.mirror[level] = s.tokens[: s.prompt_len]
+            s.agreed[level] = s.prompt_len
+        keep = _lcp(mirror, desired, s.agreed.get(level, 0))
+        sync = SeqSync(keep, tuple(desired[keep:]))
+        del mirror[keep:]
+        mirror.extend(desired[keep:])
+        s.agreed[level] = min(len(s.tokens), len(mirror))
+        return sync
+
+    def _produce(
+        self, chain: list[int], ci: int, seqs: list[Sequence_], bases: list[list[int]], want: list[int],
+        ks: dict[int, int],
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Level chain[ci] proposes want[b] tokens beyond bases[b] to level chain[ci + 1]."""
+        i = chain[ci]
+        lvl, above = self.levels[i], self.levels[chain[ci + 1]]
+        if lvl.is_ngram:
+            assert lvl.ngram is not None
+            return [lvl.ngram.propose(base, w) if w > 0 else [] for base, w in zip(bases, want)], None
+        assert lvl.worker is not None
+        if ci == 0:
+            syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
+            prop = lvl.worker.propose(
+                [s.seq_id for s in seqs], want, [s.sampling for s in seqs],
+                mode=DraftMode.for_method(self._method(chain[ci + 1], i)), salt=i, sync=syncs,
+            )
+            for s, toks in zip(seqs, prop.token_ids):
+                s.mirror[i].extend(toks)
+            return prop.token_ids, prop.probs
+        # a middle level: inner rounds until each row has want[b] tokens
+        need_probs = self._method(chain[ci + 1], i) == VerifyMethod.REJECTION
+        outs: list[list[int]] = [[] for _ in seqs]
+        prob_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        while True:
+            rows = [b for b in range(len(seqs)) if len(outs[b]) < want[b]]
+            if not rows:
+                break
+            sub = [seqs[b] for b in rows]
+            sub_bases = [bases[b] + outs[b] for b in rows]
+            sub_want = [max(0, min(ks[chain[ci - 1]], want[b] - len(outs[b]) - 1)) for b in rows]
+            if any(sub_want):
+                d, dp = self._produce(chain, ci - 1, sub, sub_bases, sub_want, ks)
+            else:
+                d, dp = [[] for _ in rows], None
+            res = self._verify(i, chain[ci - 1], sub, sub_bases, d, dp, return_probs=need_probs)
+            for j, b in enumerate(rows):
+                toks = res.token_ids[j]
+                outs[b].extend(toks)
+                seqs[b].stats.setdefault(i, LevelStats()).record(len(d[j]), res.num_accepted[j], len(toks))
+                if res.probs is not None:
+                    prob_rows[b].append(res.probs[j, : len(toks)])
+        outs = [o[:w] for o, w in zip(outs, want)]
+        probs = None
+        if need_probs:
+            probs = torch.zeros(len(seqs), max(want, default=0), lvl.worker.vocab_size)
+            for b, chunks in enumerate(prob_rows):
+                if chunks:
+                    cat = torch.cat(chunks)[: want[b]]
+                    probs[b, : cat.shape[0]] = cat
+        return outs, probs
+
+    def _method(self, level: int, lower: int | None) -> VerifyMethod:
+        """The verification method of `level` over drafts from `lower`; rejection over a deterministic
+        drafter (n-gram) is the deterministic method (q = delta_x), so it is resolved to it."""
+        method = self.levels[level].method
+        if lower is not None and self.levels[lower].is_ngram and method == VerifyMethod.REJECTION:
+            return VerifyMethod.DETERMINISTIC
+        return method
+
+    def _verify(
+        self, i: int, lower: int | None, seqs: list[Sequence_], bases: list[list[int]],
+        drafts: list[list[int]], probs: torch.Tensor | None, return_probs: bool,
+    ):
+        worker = self.levels[i].worker
+        assert worker is not None
+        syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
+        method = self._method(i, lower)
+        res = worker.verify(
+            [s.seq_id for s in seqs], drafts, probs if method == VerifyMethod.REJECTION else None,
+            [s.sampling for s in seqs], method, salt=i, sync=syncs, return_probs=return_probs,
+        )
+        for s, toks in zip(seqs, res.token_ids):
+            s.mirror[i].extend(toks)
+        return res
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    rounds: int
+    stats: dict[str, LevelStats]
+
+
+def run_to_completion(
+    engine: CascadeEngine, seqs: list[Sequence_], plan: Plan | None = None,
+    on_tokens: Callable[[Sequence_, list[int]], None] | None = None,
+) -> None:
+    """Step until every sequence finishes, then free them on every level."""
+    try:
+        while any(not s.finished for s in seqs):
+            new = engine.step(seqs, plan)
+            if on_tokens is not None:
+                for s, toks in zip(seqs, new):
+                    if toks:
+                        on_tokens(s, toks)
+    finally:
+        for s in seqs:
+            engine.release(s)

@@ -1,0 +1,147 @@
+"""In-process cascade: build levels from configuration and run `generate(...)` without Ray.
+
+This is the same round loop (`CascadeEngine`) the Ray coordinator drives; here the workers live in this
+process. Plain decoding is the target alone (or `plain=True`), through the same code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specray.config import CascadeConfig, LevelConfig
+from specray.coordinator.cascade import (
+    CascadeEngine,
+    GenerationResult,
+    Level,
+    LevelStats,
+    Plan,
+    Sequence_,
+    run_to_completion,
+)
+from specray.engine.protocol import Worker
+from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams
+
+
+def create_worker(cfg: LevelConfig) -> Worker:
+    """Construct the worker of a model level (imports the backend only when used)."""
+    if cfg.kind == "hf":
+        from specray.engine.hf import HFWorker
+
+        return HFWorker(
+            cfg.model or "", name=cfg.display_name, dtype=cfg.dtype, device=cfg.device,
+            num_threads=cfg.num_threads, attn_implementation=cfg.attn_implementation,
+            max_context=cfg.max_context,
+        )
+    if cfg.kind == "vllm":
+        raise NotImplementedError("the vllm backend is not available yet (see the vLLM backend issue)")
+    raise ValueError(f"level kind {cfg.kind!r} has no worker")
+
+
+def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
+    if cfg.kind == "ngram":
+        ng = NgramConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return Level(cfg.display_name, ngram=ng, k=cfg.num_speculative_tokens, method=cfg.method)
+    return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
+                 method=cfg.method)
+
+
+def build_levels(cfg: CascadeConfig) -> list[Level]:
+    """Create every level and check that all model levels share one tokenizer."""
+    from specray.engine.models import check_tokenizers
+
+    levels = [level_from_config(lc) for lc in cfg.levels]
+    named = [(lvl.name, lvl.worker.tokenizer) for lvl in levels if lvl.worker is not None]
+    if len(named) > 1:
+        check_tokenizers(named)
+    return levels
+
+
+@dataclass
+class Batch:
+    """Results of one `generate` call plus the summed per-level statistics."""
+
+    results: list[GenerationResult]
+    stats: dict[str, LevelStats]
+
+    @property
+    def rounds(self) -> int:
+        return sum(r.rounds for r in self.results)
+
+
+def _stop_ids(levels: Sequence[Level], tokenizer) -> set[int]:
+    ids: set[int] = set()
+    target = levels[-1].worker
+    ids.update(getattr(target, "eos_token_ids", ()) or ())
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def generate(
+    levels: Sequence[Level] | CascadeEngine,
+    prompts: Sequence[str | Sequence[int]],
+    *,
+    max_tokens: int = 64,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    plan: Plan | None = None,
+    plain: bool = False,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    chat: bool = False,
+    tokenizer=None,
+) -> Batch:
+    """Generate for a batch of prompts (text or token ids) with the cascade; returns tokens, text, stats.
+
+    `plain=True` runs the target alone (plain decoding, same loop). `chat=True` wraps text prompts in the
+    tokenizer's chat template. Greedy output equals plain greedy output token for token; at temperature
+    > 0 the output is an exact sample from the target.
+    """
+    engine = levels if isinstance(levels, CascadeEngine) else CascadeEngine(levels)
+    if plain:
+        plan = Plan((engine.top,), ())
+    tok = tokenizer or getattr(engine.levels[-1].worker, "tokenizer", None)
+    params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(params) != len(prompts):
+        raise ValueError("one SamplingParams per prompt, or one for all")
+    stop_ids = set() if ignore_eos else _stop_ids(engine.levels, tok)
+    seqs: list[Sequence_] = []
+    for p, sp in zip(prompts, params):
+        if isinstance(p, str):
+            if tok is None:
+                raise ValueError("text prompts need a tokenizer")
+            if chat:
+                ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+                ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            else:
+                ids = tok.encode(p)
+        else:
+            ids = list(p)
+        seqs.append(engine.new_sequence(ids, sp, max_tokens, stop_ids))
+
+    stop_strs = [s for s in stop if s]
+
+    def on_tokens(s: Sequence_, new: list[int]) -> None:
+        if stop_strs and tok is not None:
+            text = tok.decode(s.output, skip_special_tokens=True)
+            if any(x in text for x in stop_strs):
+                s.finished, s.finish_reason = True, "stop"
+
+    run_to_completion(engine, seqs, plan, on_tokens if stop_strs else None)
+    results = []
+    total: dict[str, LevelStats] = {}
+    for s in seqs:
+        text = None
+        if tok is not None:
+            text = tok.decode(s.output, skip_special_tokens=True)
+            for x in stop_strs:
+                cut = text.find(x)
+                if cut >= 0:
+                    text = text[:cut]
+        stats = {engine.levels[i].name: st for i, st in sorted(s.stats.items())}
+        for name, st in stats.items():
+            total.setdefault(name, LevelStats()).merge(st)
+        results.append(GenerationResult(s.output, text, s.finish_reason or "length", s.rounds, stats))
+    return Batch(results, total)

@@ -1,0 +1,136 @@
+"""The `hf` backend: a transformers causal LM behind the worker protocol, exact at every temperature.
+
+One forward pass serves a whole ragged batch: each row feeds its pending tokens (not yet in the KV cache)
+plus its draft, at explicit positions, into its own cache slot (`SlotKVCache`). Verification runs here,
+next to the logits (see `LogitsWorker`), so only token ids (and q when the drafter sampled) leave it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specray.engine.base import LogitsWorker, SeqState
+from specray.engine.kv_cache import SlotKVCache
+from specray.engine.protocol import WorkerStats
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
+    """End-of-sequence ids from the generation config and the tokenizer (instruct models often list two)."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+class HFWorker(LogitsWorker):
+    """Worker over a transformers model folder, known name or hub id (Llama, Qwen2, Mistral, GPT-2, ...).
+
+    num_threads sets torch's intra-op threads for this process (process-wide: in-process levels share
+    it; Ray actors each have their own). prefill_chunk bounds the tokens of one prompt forward.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        name: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        num_threads: int | None = None,
+        attn_implementation: str = "sdpa",
+        max_context: int | None = None,
+        prefill_chunk: int = 512,
+        initial_slots: int = 4,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from specray.engine.models import load_tokenizer, resolve_model
+
+        super().__init__()
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.name = name or model
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        t0 = time.perf_counter()
+        path = resolve_model(model)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=self.dtype, attn_implementation=attn_implementation
+        ).to(self.device).eval()
+        self.tokenizer = load_tokenizer(path)
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        cfg = self.model.config.get_text_config()
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", None) or 4096)
+        self.cache = SlotKVCache(
+            cfg.num_hidden_layers, kv_heads, head_dim, self.dtype, self.device,
+            initial_slots=initial_slots, initial_capacity=256, max_capacity=self.max_context,
+        )
+        self.prefill_chunk = prefill_chunk
+        self.forward_calls = 0
+        self.forward_seconds = 0.0
+        self.load_seconds = time.perf_counter() - t0
+        log.info("loaded %s (%s) in %.1fs", self.name, self.dtype, self.load_seconds)
+
+    def _allocate(self) -> int:
+        return self.cache.allocate()
+
+    def _release(self, slot: int) -> None:
+        self.cache.release(slot)
+
+    def _cache_bytes(self) -> int:
+        return self.cache.nbytes()
+
+    def stats(self) -> WorkerStats:
+        st = super().stats()
+        st.extra.update(forward_calls=self.forward_calls, forward_seconds=self.forward_seconds)
+        return st
+
+    @torch.inference_mode()
+    def _forward(self, seqs: Sequence[SeqState], inputs: Sequence[Sequence[int]], keep: Sequence[int]) -> torch.Tensor:
+        q = max(len(x) for x in inputs)
+        ids = torch.zeros(len(seqs), q, dtype=torch.long)  # [B, q], right-padded with token 0
+        want = torch.zeros(len(seqs), q, dtype=torch.bool)  # [B, q] positions whose logits we need
+        for b, (x, n) in enumerate(zip(inputs, keep)):
+            ids[b, : len(x)] = torch.tensor(list(x), dtype=torch.long)
+            want[b, len(x) - n : len(x)] = True
+        pos, mask = self.cache.begin([s.slot for s in seqs], [s.kv_len for s in seqs], q, eager=self.eager)
+        t0 = time.perf_counter()
+        try:
+            out = self.model(
+                input_ids=ids.to(self.device), position_ids=pos, attention_mask=mask,
+                past_key_values=self.cache, use_cache=True, logits_to_keep=want.to(self.device),
+            )
+        finally:
+            self.cache.end()
+        self.forward_calls += 1
+        self.forward_seconds += time.perf_counter() - t0
+        return out.logits.reshape(-1, out.logits.shape[-1]).float()

@@ -1,0 +1,148 @@
+"""A slot-pool KV cache with position-indexed writes, so rollback only sets a length.
+
+Stock transformers caches cannot write at different positions in different batch rows, and undoing a
+rejected draft with them means copying KV (see shared/notes/transformers-kv.md). This cache is a
+duck-typed stand-in: the model only ever calls `update(k, v, layer_idx)` and `get_seq_length()` when we
+pass explicit `position_ids` and a 4D mask, which `begin()` builds.
+
+Layout per layer: K and V pools of shape [S_slots, H_kv, capacity, D]. A sequence owns one slot; its
+valid length is kept by the worker and passed to `begin()`. Rejected tokens stay in the pool past that
+length and are hidden by the mask until a later write overwrites them, so rollback copies nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    """KV pools for `num_layers` layers, grown on demand (amortised doubling) in slots and length."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        initial_slots: int = 4,
+        initial_capacity: int = 256,
+        max_capacity: int | None = None,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_capacity = max_capacity
+        self._slots = 0
+        self._capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._grow(initial_slots, initial_capacity)
+        # set by begin() for the forward in flight
+        self._rows: torch.Tensor | None = None  # [B]
+        self._pos: torch.Tensor | None = None  # [B, q]
+        self._kv_len = 0
+        self._contiguous: tuple[int, int] | None = None
+
+    # ----- slot management -------------------------------------------------------------------
+    def allocate(self) -> int:
+        """Take a free slot, growing the pool if none is left."""
+        if not self._free:
+            self._grow(max(1, self._slots) * 2, self._capacity)
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+        self._free.sort(reverse=True)  # hand out low slots first: keeps active rows near-contiguous
+
+    @property
+    def num_slots(self) -> int:
+        return self._slots
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        if self.max_capacity is not None:
+            capacity = min(capacity, self.max_capacity)
+        slots, capacity = max(slots, self._slots), max(capacity, self._capacity)
+        if (slots, capacity) == (self._slots, self._capacity):
+            return
+        shape = (slots, self.num_kv_heads, capacity, self.head_dim)
+        for store in (self.k, self.v):
+            for i in range(self.num_layers):
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if store and i < len(store):
+                    old = store[i]
+                    new[: old.shape[0], :, : old.shape[2]] = old
+                    store[i] = new
+                else:
+                    store.append(new)
+        self._free.extend(range(slots - 1, self._slots - 1, -1))
+        self._free.sort(reverse=True)
+        self._slots, self._capacity = slots, capacity
+
+    def ensure_capacity(self, length: int) -> None:
+        if length > self._capacity:
+            if self.max_capacity is not None and length > self.max_capacity:
+                raise ValueError(f"sequence needs {length} KV positions, more than the limit {self.max_capacity}")
+            cap = self._capacity
+            while cap < length:
+                cap *= 2
+            self._grow(self._slots, cap)
+
+    # ----- one forward -----------------------------------------------------------------------
+    def begin(
+        self, rows: list[int], starts: list[int], q: int, eager: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare a forward of q new tokens for each row (slot); returns (position_ids [B,q], mask).
+
+        New token j of row b goes to absolute position starts[b] + j (starts = the row's valid KV length). The mask is bool [B,1,q,kv_len]
+        for sdpa, or additive float for eager attention (a bool mask is silently wrong with eager).
+        """
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        pos = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(q)[None, :]  # [B, q]
+        kv_len = int(pos.max()) + 1
+        self.ensure_capacity(kv_len)
+        self._rows, self._pos, self._kv_len = rows_t, pos, kv_len
+        r0 = rows[0]
+        self._contiguous = (r0, r0 + len(rows)) if rows == list(range(r0, r0 + len(rows))) else None
+        mask = torch.arange(kv_len)[None, None, None, :] <= pos[:, None, :, None]  # [B,1,q,kv_len]
+        if eager:
+            fmask = torch.zeros(mask.shape, dtype=self.dtype)
+            mask = fmask.masked_fill(~mask, torch.finfo(self.dtype).min)
+        return pos.to(self.device), mask.to(self.device)
+
+    def end(self) -> None:
+        self._rows = self._pos = None
+        self._contiguous = None
+
+    # --- the two methods a transformers model calls ---
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value [B, H_kv, q, D] -> the rows' K and V [B, H_kv, kv_len, D] including the new tokens."""
+        assert self._rows is not None and self._pos is not None, "begin() must precede the forward"
+        kp, vp = self.k[layer_idx], self.v[layer_idx]
+        rows, pos = self._rows[:, None].to(self.device), self._pos.to(self.device)  # [B,1], [B,q]
+        kp[rows, :, pos] = key.transpose(1, 2).to(self.dtype)  # indexed view is [B, q, H, D]
+        vp[rows, :, pos] = value.transpose(1, 2).to(self.dtype)
+        if self._contiguous is not None:
+            a, b = self._contiguous
+            return kp[a:b, :, : self._kv_len], vp[a:b, :, : self._kv_len]
+        idx = self._rows.to(self.device)
+        n = self._kv_len
+        return kp[:, :, :n].index_select(0, idx), vp[:, :, :n].index_select(0, idx)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len if self._rows is not None else 0
+
+    # transformers may probe these on a cache object
+    @property
+    def is_compileable(self) -> bool:
+        return False

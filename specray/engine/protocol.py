@@ -1,0 +1,119 @@
+"""The worker protocol: what the coordinator may ask of one model level.
+
+A worker holds one model and the token state of every sequence it serves. The coordinator is the only
+owner of the canonical (committed) text; it keeps each worker in step by sending a `SeqSync` with every
+batched call ("keep your first `keep` tokens, then append `append`"), so one round costs one call per
+level, whatever the backend (in-process, a Ray actor, a vLLM engine).
+
+Verification runs inside the verifying worker, next to its logits: only token ids (and draft
+probabilities when the drafter sampled) cross between levels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specray.spec.params import SamplingParams, VerifyMethod
+
+
+@dataclass(frozen=True)
+class SeqSync:
+    """Bring a worker's copy of a sequence in line: truncate to `keep` tokens, then append `append`.
+
+    Truncation is a rollback: the worker sets its length and never copies KV.
+    """
+
+    keep: int
+    append: tuple[int, ...] = ()
+
+
+class DraftMode:
+    """How a drafter draws its proposals; chosen from the verification method of the level above."""
+
+    GREEDY = "greedy"  # argmax: deterministic drafts (greedy / deterministic verification)
+    RANDOM = "random"  # sample from q and send q (rejection verification)
+    COUPLED = "coupled"  # Gumbel-max with the request's shared noise (coupled verification)
+
+    @staticmethod
+    def for_method(method: VerifyMethod) -> str:
+        return {
+            VerifyMethod.GREEDY: DraftMode.GREEDY,
+            VerifyMethod.DETERMINISTIC: DraftMode.GREEDY,
+            VerifyMethod.REJECTION: DraftMode.RANDOM,
+            VerifyMethod.COUPLED: DraftMode.COUPLED,
+        }[VerifyMethod(method)]
+
+
+@dataclass
+class DraftProposal:
+    """Tokens proposed for each sequence (ragged), and q when the drafter sampled (rejection)."""
+
+    token_ids: list[list[int]]
+    probs: torch.Tensor | None = None  # [B, k_max, V] float32; rows padded past len(token_ids[b])
+
+
+@dataclass
+class VerifyResult:
+    """Per sequence: the accepted draft tokens followed by one correction or bonus token."""
+
+    token_ids: list[list[int]]
+    num_accepted: list[int]
+    probs: torch.Tensor | None = None  # [B, n_max, V] distributions of the emitted tokens, if asked for
+
+
+@dataclass
+class WorkerStats:
+    """Cheap introspection, used by tests (leaks) and metrics."""
+
+    live_sequences: int
+    cached_tokens: int
+    cache_bytes: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Worker(Protocol):
+    """One model level. All batched methods take `seq_ids` and an optional aligned list of `SeqSync`."""
+
+    name: str
+    vocab_size: int
+
+    def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        """Register a sequence with its prompt. The prompt is prefilled lazily on the first call."""
+
+    def free(self, seq_id: str) -> None:
+        """Forget a sequence and release its cache slot (idempotent)."""
+
+    def rollback(self, seq_id: str, length: int) -> None:
+        """Truncate a sequence to `length` tokens: sets a length, copies nothing."""
+
+    def propose(
+        self,
+        seq_ids: Sequence[str],
+        k: Sequence[int],
+        sampling: Sequence[SamplingParams],
+        mode: str = DraftMode.GREEDY,
+        salt: int = 0,
+        sync: Sequence[SeqSync | None] | None = None,
+    ) -> DraftProposal:
+        """Draft k[b] tokens for each sequence autoregressively and keep them tentatively."""
+
+    def verify(
+        self,
+        seq_ids: Sequence[str],
+        draft_ids: Sequence[Sequence[int]],
+        draft_probs: torch.Tensor | None,
+        sampling: Sequence[SamplingParams],
+        method: VerifyMethod,
+        salt: int = 0,
+        sync: Sequence[SeqSync | None] | None = None,
+        return_probs: bool = False,
+    ) -> VerifyResult:
+        """Score the drafts in one forward pass, accept a prefix, append it plus one correction/bonus token."""
+
+    def stats(self) -> WorkerStats:
+        """Live sequences and cache usage."""

@@ -1,0 +1,228 @@
+"""The round loop with fake workers (no torch model, no Ray): exactness, rollback bookkeeping, stats."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from specray.coordinator.cascade import CascadeEngine, Level, Plan
+from specray.coordinator.generate import generate
+from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.sampling import SamplingBatch, processed_probs
+from specray.testing.fake import FakeWorker
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 1, 2, 3, 4, 5], [0], [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3]]
+
+
+def target(**kw) -> FakeWorker:
+    return FakeWorker("target", vocab=16, order=2, table_seed=0, **kw)
+
+
+def draft(noise: float, name: str = "draft", seed: int = 1) -> FakeWorker:
+    return FakeWorker(name, vocab=16, order=2, table_seed=0, noise=noise, noise_seed=seed)
+
+
+def cascades(method: VerifyMethod) -> dict[str, list[Level]]:
+    return {
+        "plain": [Level("target", worker=target(), method=method)],
+        "ngram": [Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("target", worker=target(), method=method)],
+        "draft": [Level("d", worker=draft(0.7), k=3), Level("target", worker=target(), method=method)],
+        "cascade3": [
+            Level("ngram", ngram=NgramConfig(2, 1, 3)),
+            Level("d", worker=draft(0.5), k=4, method=method),
+            Level("target", worker=target(), method=method),
+        ],
+        "cascade3_models": [
+            Level("d1", worker=draft(1.0, "d1", 3), k=2),
+            Level("d2", worker=draft(0.4, "d2", 4), k=5, method=method),
+            Level("target", worker=target(), method=method),
+        ],
+    }
+
+
+def test_greedy_equals_plain_greedy_for_every_cascade():
+    outs = {}
+    for name, levels in cascades(VerifyMethod.GREEDY).items():
+        batch = generate(levels, PROMPTS, max_tokens=25, ignore_eos=True)
+        outs[name] = [r.token_ids for r in batch.results]
+        assert all(len(t) == 25 for t in outs[name])
+        for lvl in levels:
+            if lvl.worker is not None:
+                assert lvl.worker.stats().live_sequences == 0  # everything freed
+    for name, out in outs.items():
+        assert out == outs["plain"], name
+    # speculation actually happened and was accepted sometimes
+    b = generate(cascades(VerifyMethod.GREEDY)["draft"], PROMPTS, max_tokens=25, ignore_eos=True)
+    assert b.stats["target"].accepted_tokens > 0
+    assert b.rounds < 4 * 25
+
+
+@pytest.mark.parametrize("method", [VerifyMethod.REJECTION, VerifyMethod.DETERMINISTIC, VerifyMethod.COUPLED])
+def test_coupled_and_seeded_outputs_are_reproducible(method):
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(4)]
+    a = generate(cascades(method)["cascade3"], PROMPTS, max_tokens=20, sampling=sp, ignore_eos=True)
+    b = generate(cascades(method)["cascade3"], PROMPTS, max_tokens=20, sampling=sp, ignore_eos=True)
+    assert [r.token_ids for r in a.results] == [r.token_ids for r in b.results]
+
+
+def test_coupled_output_independent_of_drafter():
+    sp = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + s) for s in range(4)]
+    outs = {
+        name: [r.token_ids for r in generate(levels, PROMPTS, max_tokens=30, sampling=sp, ignore_eos=True).results]
+        for name, levels in cascades(VerifyMethod.COUPLED).items()
+    }
+    for name, out in outs.items():
+        assert out == outs["plain"], name
+
+
+def test_stats_add_up():
+    levels = cascades(VerifyMethod.GREEDY)["cascade3"]
+    batch = generate(levels, PROMPTS, max_tokens=20, ignore_eos=True)
+    for r in batch.results:
+        top = r.stats["target"]
+        assert top.verify_calls == r.rounds
+        assert top.emitted_tokens >= len(r.token_ids)  # the last round may overshoot max_tokens
+        assert sum(top.accepted_per_pos) == top.accepted_tokens
+        assert top.accepted_tokens <= top.draft_tokens
+    mid = batch.stats["d"]
+    assert mid.draft_tokens > 0 and sum(mid.accepted_per_pos) == mid.accepted_tokens
+
+
+def test_stop_ids_and_max_tokens():
+    lv = [Level("ngram", ngram=NgramConfig(4, 1, 3)), Level("target", worker=target())]
+    plain = generate([Level("target", worker=target())], [[1, 2, 3]], max_tokens=30, ignore_eos=True)
+    toks = plain.results[0].token_ids
+    stop_tok = toks[5]
+    first = toks.index(stop_tok)
+    eng = CascadeEngine(lv)
+    s = eng.new_sequence([1, 2, 3], SamplingParams(), 30, stop_ids=[stop_tok])
+    while not s.finished:
+        eng.step([s])
+    assert s.output == toks[: first + 1] and s.finish_reason == "stop"
+    eng.release(s)
+    assert lv[1].worker.stats().live_sequences == 0
+
+
+def test_plan_switches_levels_mid_sequence():
+    """Switching plans between rounds (as the planner will) keeps greedy output exact."""
+    levels = cascades(VerifyMethod.GREEDY)["cascade3"]
+    eng = CascadeEngine(levels)
+    seqs = [eng.new_sequence(p, SamplingParams(), 30) for p in PROMPTS]
+    plans = [Plan((2,), ()), Plan((0, 1, 2), (2, 4)), Plan((1, 2), (3,)), Plan((0, 2), (4,))]
+    r = 0
+    while any(not s.finished for s in seqs):
+        eng.step(seqs, plans[r % len(plans)])
+        r += 1
+    ref = generate([Level("target", worker=target())], PROMPTS, max_tokens=30, ignore_eos=True)
+    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
+
+
+def _exact_joint(worker: FakeWorker, prompt: list[int], sp: SamplingParams, n: int) -> dict[tuple, float]:
+    """Exact distribution of the next n tokens under the target's processed sampling distribution."""
+    sb = SamplingBatch.from_params([SamplingParams(sp.temperature, sp.top_k, sp.top_p, 0)])
+    out = {}
+    for seq in itertools.product(range(worker.vocab_size), repeat=n):
+        ctx, pr = list(prompt), 1.0
+        for t in seq:
+            p = processed_probs(worker.next_logits(ctx)[None, None], sb)[0, 0]
+            pr *= float(p[t])
+            ctx.append(t)
+        if pr > 0:
+            out[seq] = pr
+    return out
+
+
+@pytest.mark.parametrize(
+    "method,setup,sp",
+    [
+        (VerifyMethod.REJECTION, "draft", SamplingParams(temperature=1.0)),
+        (VerifyMethod.REJECTION, "cascade3_models", SamplingParams(temperature=0.7, top_k=3)),
+        (VerifyMethod.DETERMINISTIC, "cascade3", SamplingParams(temperature=1.0, top_p=0.8)),
+        (VerifyMethod.COUPLED, "cascade3_models", SamplingParams(temperature=0.7)),
+    ],
+)
+def test_cascade_output_distribution_is_the_targets(method, setup, sp):
+    """End to end over whole cascades: the joint law of 2 generated tokens equals the target's."""
+    vocab, n_draws, n_tok = 5, 6000, 2
+
+    def mk(name, noise, seed):
+        return FakeWorker(name, vocab=vocab, order=1, table_seed=7, noise=noise, noise_seed=seed, sharpness=1.0)
+
+    levels = {
+        "draft": [Level("d", worker=mk("d", 0.8, 2), k=2), Level("t", worker=mk("t", 0, 0), method=method)],
+        "cascade3": [Level("ng", ngram=NgramConfig(2, 1, 2)), Level("d", worker=mk("d", 0.6, 2), k=3, method=method),
+                     Level("t", worker=mk("t", 0, 0), method=method)],
+        "cascade3_models": [Level("d1", worker=mk("d1", 1.2, 3), k=2), Level("d2", worker=mk("d2", 0.5, 4), k=3,
+                            method=method), Level("t", worker=mk("t", 0, 0), method=method)],
+    }[setup]
+    prompt = [1, 2, 1, 2, 1]
+    sps = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, 10_000 + i) for i in range(n_draws)]
+    batch = generate(levels, [prompt] * n_draws, max_tokens=n_tok, sampling=sps, ignore_eos=True)
+    counts: dict[tuple, int] = {}
+    for r in batch.results:
+        key = tuple(r.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    exact = _exact_joint(levels[-1].worker, prompt, sp, n_tok)
+    assert set(counts) <= set(exact), "emitted a sequence the target cannot produce"
+    # chi-square goodness of fit over the cells with enough mass (others pooled)
+    stat, cells, pooled_e, pooled_o = 0.0, 0, 0.0, 0
+    for key, p in exact.items():
+        e, o = p * n_draws, counts.get(key, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            cells += 1
+        else:
+            pooled_e += e
+            pooled_o += o
+    if pooled_e > 0:
+        stat += (pooled_o - pooled_e) ** 2 / pooled_e
+        cells += 1
+    dof = cells - 1
+    # Wilson-Hilferty approximation of the chi-square 0.9999 quantile: a false alarm 1 run in 10^4
+    z = 3.719
+    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert stat < crit, f"chi2={stat:.1f} > {crit:.1f} (dof {dof})"
+    assert batch.stats["t"].accepted_tokens > 0
+
+
+def test_rejection_over_ngram_is_deterministic_method():
+    lv = [Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("target", worker=target(), method=VerifyMethod.REJECTION)]
+    sp = [SamplingParams(temperature=0.8, seed=s) for s in range(4)]
+    batch = generate(lv, PROMPTS, max_tokens=10, sampling=sp, ignore_eos=True)
+    assert all(len(r.token_ids) == 10 for r in batch.results)
+
+
+def test_bad_levels_are_rejected():
+    with pytest.raises(ValueError, match="first"):
+        CascadeEngine([Level("t0", worker=target()), Level("ng", ngram=NgramConfig()), Level("t", worker=target())])
+    with pytest.raises(ValueError, match="target"):
+        CascadeEngine([Level("ng", ngram=NgramConfig())])
+    with pytest.raises(ValueError):
+        Plan((0, 1), (1, 2))
+
+
+def test_worker_verify_ragged_batch_and_rollback():
+    """A ragged greedy verify accepts exactly the greedy prefix; rollback then re-verify agrees."""
+    w = target()
+    sp = [SamplingParams(seed=0)] * 2
+    w.add("a", [1, 2, 3])
+    w.add("b", [5])
+    greedy, ctx = [], [1, 2, 3]
+    for _ in range(3):
+        greedy.append(int(torch.argmax(w.next_logits(ctx))))
+        ctx.append(greedy[-1])
+    bad = (greedy[1] + 1) % 16
+    res = w.verify(["a", "b"], [[greedy[0], bad, 7], []], None, sp, VerifyMethod.GREEDY)
+    assert res.token_ids[0] == greedy[:2] and res.num_accepted == [1, 0]
+    assert res.token_ids[1] == [int(torch.argmax(w.next_logits([5])))]
+    assert w.tokens("a") == [1, 2, 3, *greedy[:2]]
+    w.rollback("a", 3)
+    res = w.verify(["a"], [greedy[:3]], None, sp[:1], VerifyMethod.GREEDY)
+    assert res.num_accepted == [3] and res.token_ids[0][:3] == greedy
+    w.free("a")
+    w.free("b")
+    assert w.stats().live_sequences == 0
