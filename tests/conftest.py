@@ -18,3 +18,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory):
+    """Where tiny test models are built (once per session; SPECRAY_TINY_DIR reuses a folder across runs)."""
+    root = os.environ.get("SPECRAY_TINY_DIR")
+    if root:
+        os.makedirs(root, exist_ok=True)
+        return root
+    return str(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_root):
+    """A tiny Llama target with a high-agreement ("mid") and a low-agreement ("small") draft, fp32."""
+    from specray.testing.tiny import tiny_family
+
+    return tiny_family(tiny_root)

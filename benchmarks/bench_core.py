@@ -1,0 +1,172 @@
+"""Batch-1 speed of specray plans vs plain decoding and vs HF transformers' own speculation, one process.
+
+    .venv/bin/python benchmarks/bench_core.py --sets code extraction chat --max-tokens 96 --threads 1
+
+Every configuration runs on the same loaded models (Qwen2.5-Coder 0.5B draft, 1.5B target, bf16 by
+default), same prompts (chat template), same max tokens, greedy, side by side in one run, so the ratios are
+comparable even on a noisy machine. Writes benchmarks/results/core-*.json and prints a markdown table.
+
+Theoretical bound: the speedup if drafting cost nothing and verifying K+1 tokens cost one step, i.e. the
+expected accepted length E[L] = 1 + sum_i prod_{j<=i} alpha_j from the measured per-position acceptance at
+the target (ARCHITECTURE.md section 4). "of bound" = achieved speedup / E[L].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from prompts import SETS  # noqa: E402
+
+from specray.coordinator.cascade import Level, LevelStats  # noqa: E402
+from specray.coordinator.generate import generate  # noqa: E402
+from specray.engine.hf import HFWorker  # noqa: E402
+from specray.engine.models import check_tokenizers  # noqa: E402
+from specray.spec.bound import expected_accepted_length  # noqa: E402
+from specray.spec.ngram import NgramConfig  # noqa: E402
+from specray.spec.params import VerifyMethod  # noqa: E402
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def alphas(st: LevelStats) -> list[float]:
+    """Conditional per-position acceptance alpha_j = P(accept j | accepted 1..j-1) from the counters."""
+    out, prev = [], st.num_drafts
+    for c in st.accepted_per_pos:
+        if prev <= 0:
+            break
+        out.append(c / prev)
+        prev = c
+    return out
+
+
+def run_specray(levels, prompts_ids, max_tokens):
+    t0 = time.perf_counter()
+    batch = None
+    toks = 0
+    stats: dict[str, LevelStats] = {}
+    for ids in prompts_ids:  # batch 1: one prompt at a time
+        batch = generate(levels, [ids], max_tokens=max_tokens)
+        toks += len(batch.results[0].token_ids)
+        for k, v in batch.stats.items():
+            stats.setdefault(k, LevelStats()).merge(v)
+    dt = time.perf_counter() - t0
+    return toks, dt, stats
+
+
+def run_hf(model, prompts_ids, max_tokens, eos, **kw):
+    toks, t0 = 0, time.perf_counter()
+    for ids in prompts_ids:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=list(eos), pad_token_id=eos[0], **kw)
+        toks += out.shape[1] - len(ids)
+    return toks, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--sets", nargs="+", default=list(SETS))
+    ap.add_argument("--configs", nargs="+",
+                    default=["plain", "ngram", "draft", "cascade", "hf_plain", "hf_assisted", "hf_lookup"])
+    ap.add_argument("--k-ngram", type=int, default=8, help="n-gram K (standalone n-gram plan)")
+    ap.add_argument("--k-draft", type=int, default=4, help="draft-model K (standalone draft plan)")
+    ap.add_argument("--k-cascade", type=int, nargs=2, default=[6, 8], help="K of n-gram and 0.5B in the cascade")
+    ap.add_argument("--hf-lookup-k", type=int, default=10, help="HF prompt_lookup_num_tokens (its default is 10)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    target = HFWorker(args.target, name="target", dtype=args.dtype)
+    draft = HFWorker(args.draft, name="draft", dtype=args.dtype)
+    check_tokenizers([("draft", draft.tokenizer), ("target", target.tokenizer)])
+    print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()} dtype={args.dtype}",
+          file=sys.stderr)
+    tok = target.tokenizer
+    eos = list(target.eos_token_ids)
+    M = VerifyMethod.GREEDY
+    plans = {
+        "plain": lambda: [Level("target", worker=target, method=M)],
+        "ngram": lambda: [Level("ngram", ngram=NgramConfig(args.k_ngram, 1, 4)),
+                          Level("target", worker=target, method=M)],
+        "draft": lambda: [Level("draft", worker=draft, k=args.k_draft), Level("target", worker=target, method=M)],
+        "cascade": lambda: [Level("ngram", ngram=NgramConfig(args.k_cascade[0], 1, 4)),
+                            Level("draft", worker=draft, k=args.k_cascade[1], method=M),
+                            Level("target", worker=target, method=M)],
+    }
+    # warm up both models and the code paths
+    warm = chat_ids(tok, "Say hi.")
+    generate(plans["cascade"](), [warm], max_tokens=8)
+    run_hf(target.model, [warm], 4, eos)
+
+    results: dict = {"args": vars(args), "sets": {}}
+    for set_name in args.sets:
+        prompts_ids = [chat_ids(tok, p) for p in SETS[set_name]]
+        rows = {}
+        for cfg in args.configs:
+            if cfg in plans:
+                n, dt, stats = run_specray(plans[cfg](), prompts_ids, args.max_tokens)
+                top = stats.get("target", LevelStats())
+                row = {"tokens": n, "seconds": dt, "tok_s": n / dt,
+                       "stats": {k: v.as_dict() for k, v in stats.items()},
+                       "E_L": expected_accepted_length(alphas(top)) if top.num_drafts else 1.0}
+            else:
+                kw = {}
+                if cfg == "hf_assisted":
+                    kw = {"assistant_model": draft.model}
+                elif cfg == "hf_lookup":
+                    kw = {"prompt_lookup_num_tokens": args.hf_lookup_k}
+                n, dt = run_hf(target.model, prompts_ids, args.max_tokens, eos, **kw)
+                row = {"tokens": n, "seconds": dt, "tok_s": n / dt}
+            rows[cfg] = row
+            print(f"[{set_name}] {cfg:12s} {row['tokens']:5d} tok {row['seconds']:7.1f}s {row['tok_s']:6.2f} tok/s",
+                  file=sys.stderr)
+        base = rows.get("plain", {}).get("tok_s")
+        hf_base = rows.get("hf_plain", {}).get("tok_s")
+        for cfg, row in rows.items():
+            ref = hf_base if cfg.startswith("hf_") else base
+            if ref:
+                row["speedup"] = row["tok_s"] / ref
+            if "E_L" in row and "speedup" in row:
+                row["fraction_of_bound"] = row["speedup"] / row["E_L"]
+        results["sets"][set_name] = rows
+
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        f"core-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out}\n")
+    print("| set | config | tok/s | speedup vs own plain | target accept rate | E[L] | of bound |")
+    print("|---|---|---|---|---|---|---|")
+    for set_name, rows in results["sets"].items():
+        for cfg, row in rows.items():
+            st = row.get("stats", {}).get("target", {})
+            acc = f"{st['acceptance_rate']:.2f}" if st.get("draft_tokens") else "-"
+            el = f"{row['E_L']:.2f}" if "E_L" in row else "-"
+            fb = f"{row['fraction_of_bound']:.2f}" if "fraction_of_bound" in row else "-"
+            print(f"| {set_name} | {cfg} | {row['tok_s']:.2f} | {row.get('speedup', float('nan')):.2f}x | {acc} | "
+                  f"{el} | {fb} |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,110 @@
+"""`specray` command line: generate (in-process cascade) and models (pull/list).
+
+    specray generate --model qwen-1.5b --draft qwen-0.5b --ngram "Write a function that ..."
+    specray models pull qwen-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from specray.spec.params import VerifyMethod
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="run the cascade in this process and print text + statistics")
+    p.add_argument("prompt", nargs="+", help="prompt text (several prompts are generated as one batch)")
+    p.add_argument("--model", required=True, help="target model: known name, folder or hub id")
+    p.add_argument("--draft", action="append", default=[],
+                   help="draft model, smallest first; repeat for a cascade (e.g. --draft 0.5b --draft 1b)")
+    p.add_argument("--ngram", action="store_true", help="add an n-gram (prompt lookup) proposer as level 0")
+    p.add_argument("--k", type=int, action="append", default=None,
+                   help="tokens each non-target level proposes per round; repeat per level (default 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--method", choices=[m.value for m in VerifyMethod], default=VerifyMethod.REJECTION.value,
+                   help="verification method at temperature > 0 (temperature 0 is always greedy)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (process-wide)")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
+    p.add_argument("--plain", action="store_true", help="plain decoding with the target only (same code path)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from specray.config import CascadeConfig, LevelConfig
+    from specray.coordinator.generate import build_levels, generate
+    from specray.spec.params import SamplingParams
+
+    n_prop = len(args.draft) + (1 if args.ngram else 0)
+    ks = args.k or [4]
+    if len(ks) == 1:
+        ks = ks * n_prop
+    if len(ks) != n_prop:
+        print(f"error: give one --k for all or one per proposing level ({n_prop})", file=sys.stderr)
+        return 2
+    common = dict(dtype=args.dtype, num_threads=args.threads, method=args.method)
+    levels = []
+    if args.ngram:
+        levels.append(LevelConfig(kind="ngram", num_speculative_tokens=ks[0], method=args.method,
+                                  prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max))
+    for i, d in enumerate(args.draft):
+        levels.append(LevelConfig(kind="hf", model=d, num_speculative_tokens=ks[i + (1 if args.ngram else 0)],
+                                  **common))
+    levels.append(LevelConfig(kind="hf", model=args.model, **common))
+    cfg = CascadeConfig(levels=levels)
+    t0 = time.perf_counter()
+    built = build_levels(cfg)
+    t_load = time.perf_counter() - t0
+    sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    t0 = time.perf_counter()
+    batch = generate(built, args.prompt, max_tokens=args.max_tokens, sampling=sp, plain=args.plain, chat=args.chat)
+    dt = time.perf_counter() - t0
+    n_tok = sum(len(r.token_ids) for r in batch.results)
+    if args.json:
+        print(json.dumps({
+            "results": [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                         "rounds": r.rounds, "stats": {k: v.as_dict() for k, v in r.stats.items()}}
+                        for r in batch.results],
+            "seconds": dt, "tokens": n_tok, "tokens_per_s": n_tok / dt if dt else 0.0, "load_seconds": t_load,
+        }))
+        return 0
+    for r in batch.results:
+        print(r.text)
+        print("-" * 60)
+    print(f"{n_tok} tokens in {dt:.2f}s = {n_tok / dt:.2f} tok/s (models loaded in {t_load:.1f}s), "
+          f"{batch.rounds} target rounds", file=sys.stderr)
+    for name, st in batch.stats.items():
+        per_pos = ", ".join(f"{c}" for c in st.accepted_per_pos)
+        print(f"  {name}: drafts {st.num_drafts}, draft tokens {st.draft_tokens}, accepted {st.accepted_tokens} "
+              f"({st.acceptance_rate:.0%}), mean acceptance length {st.mean_acceptance_length:.2f}, "
+              f"accepted per position [{per_pos}], verify calls {st.verify_calls}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from specray.engine.models import add_models_arguments, run_models_command
+
+    parser = argparse.ArgumentParser(prog="specray", description="lossless speculative decoding with cascades")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _generate_parser(sub)
+    add_models_arguments(sub.add_parser("models", help="pull / list the built-in demo models"))
+    args = parser.parse_args(argv)
+    if args.cmd == "generate":
+        return _cmd_generate(args)
+    return run_models_command(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
