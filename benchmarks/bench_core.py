@@ -25,15 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prompts import SETS  # noqa: E402
+from prompts import SETS
 
-from specray.coordinator.cascade import Level, LevelStats  # noqa: E402
-from specray.coordinator.generate import generate  # noqa: E402
-from specray.engine.hf import HFWorker  # noqa: E402
-from specray.engine.models import check_tokenizers  # noqa: E402
-from specray.spec.bound import expected_accepted_length  # noqa: E402
-from specray.spec.ngram import NgramConfig  # noqa: E402
-from specray.spec.params import VerifyMethod  # noqa: E402
+from specray.coordinator.cascade import Level, LevelStats
+from specray.coordinator.generate import generate
+from specray.engine.hf import HFWorker
+from specray.engine.models import check_tokenizers
+from specray.spec.bound import expected_accepted_length
+from specray.spec.ngram import NgramConfig
+from specray.spec.params import VerifyMethod
 
 
 def chat_ids(tok, text: str) -> list[int]:

@@ -42,6 +42,13 @@ class LevelConfig(_Strict):
     )
     prompt_lookup_min: int = Field(1, ge=1, description="n-gram: shortest suffix to match.")
     prompt_lookup_max: int = Field(4, ge=1, description="n-gram: longest suffix to match (longest wins).")
+    # --- where the level runs (Ray); ignored in-process and for ngram (it runs inside the coordinator) ---
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for this level's actor.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for this level's actor (fractions allowed).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources, e.g. {'draft': 1} to pin a level to a node."
+    )
+    accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. 'A100' or 'L4'.")
 
     @model_validator(mode="after")
     def _check(self) -> LevelConfig:
@@ -57,10 +64,20 @@ class LevelConfig(_Strict):
         return self.name or (self.model if self.kind != "ngram" else "ngram") or self.kind
 
 
+class PlacementConfig(_Strict):
+    """How the model levels of one cascade are reserved together (one placement-group bundle per level)."""
+
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement strategy; SPREAD/STRICT_SPREAD put levels on different nodes."
+    )
+    enabled: bool = Field(True, description="Reserve a placement group; off: plain actors with their resources.")
+
+
 class CascadeConfig(_Strict):
     """The levels, small to large. A single level is plain decoding with the target."""
 
     levels: list[LevelConfig] = Field(..., min_length=1, description="Levels, smallest first; last = target.")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Placement of the levels.")
 
     @model_validator(mode="after")
     def _check(self) -> CascadeConfig:

@@ -263,7 +263,7 @@ class CascadeEngine:
     ) -> tuple[list[list[int]], torch.Tensor | None]:
         """Level chain[ci] proposes want[b] tokens beyond bases[b] to level chain[ci + 1]."""
         i = chain[ci]
-        lvl, above = self.levels[i], self.levels[chain[ci + 1]]
+        lvl = self.levels[i]
         if lvl.is_ngram:
             assert lvl.ngram is not None
             return [lvl.ngram.propose(base, w) if w > 0 else [] for base, w in zip(bases, want)], None

@@ -84,7 +84,7 @@ def generate(
     prompts: Sequence[str | Sequence[int]],
     *,
     max_tokens: int = 64,
-    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     plan: Plan | None = None,
     plain: bool = False,
     stop: Sequence[str] = (),
@@ -102,6 +102,7 @@ def generate(
     if plain:
         plan = Plan((engine.top,), ())
     tok = tokenizer or getattr(engine.levels[-1].worker, "tokenizer", None)
+    sampling = SamplingParams() if sampling is None else sampling
     params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(params) != len(prompts):
         raise ValueError("one SamplingParams per prompt, or one for all")

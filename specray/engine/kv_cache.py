@@ -92,7 +92,7 @@ class SlotKVCache:
     def ensure_capacity(self, length: int) -> None:
         if length > self._capacity:
             if self.max_capacity is not None and length > self.max_capacity:
-                raise ValueError(f"sequence needs {length} KV positions, more than the limit {self.max_capacity}")
+                raise ValueError(f"sequence needs {length} KV positions, over the limit {self.max_capacity}")
             cap = self._capacity
             while cap < length:
                 cap *= 2
@@ -104,8 +104,9 @@ class SlotKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepare a forward of q new tokens for each row (slot); returns (position_ids [B,q], mask).
 
-        New token j of row b goes to absolute position starts[b] + j (starts = the row's valid KV length). The mask is bool [B,1,q,kv_len]
-        for sdpa, or additive float for eager attention (a bool mask is silently wrong with eager).
+        New token j of row b goes to absolute position starts[b] + j (starts = the row's valid KV length).
+        The mask is bool [B,1,q,kv_len] for sdpa, or additive float for eager attention (a bool mask is
+        silently wrong with eager).
         """
         rows_t = torch.tensor(rows, dtype=torch.long)
         pos = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(q)[None, :]  # [B, q]

@@ -73,7 +73,7 @@ def test_ragged_batched_verify_matches_unbatched(family, tmp_path, tiny):
     keep = [len(drafts[i]) + 1 for i in order]
     flat = w._forward(batch, inputs, keep)
     o = 0
-    for s, i, n in zip(batch, order, keep):
+    for i, n in zip(order, keep):
         exp = full_logits(ref, prompts[i] + drafts[i])[-n:]
         torch.testing.assert_close(flat[o : o + n], exp, atol=2e-5, rtol=1e-5)
         o += n
