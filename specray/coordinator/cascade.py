@@ -202,8 +202,15 @@ class CascadeEngine:
             del seq.mirror[i]
 
     # ----- one round -----------------------------------------------------------------------------
-    def step(self, seqs: Sequence[Sequence_], plan: Plan | None = None) -> list[list[int]]:
-        """One round for the active sequences: returns the tokens newly committed to each."""
+    def step(
+        self, seqs: Sequence[Sequence_], plan: Plan | None = None, method: VerifyMethod | None = None
+    ) -> list[list[int]]:
+        """One round for the active sequences: returns the tokens newly committed to each.
+
+        `method` overrides every level's verification method for this round (a per-request choice).
+        Calls for disjoint sets of sequences may run concurrently from different threads when the
+        workers are thread-safe (actor proxies): that is how pipelining overlaps levels.
+        """
         plan = plan or self.default_plan
         if plan.levels[-1] != self.top:
             raise ValueError("a plan must end with the target level")
@@ -215,11 +222,11 @@ class CascadeEngine:
         bases = [s.tokens for s in active]
         if len(chain) > 1 and ks[chain[-2]] > 0:
             want = [max(0, min(ks[chain[-2]], s.remaining - 1)) for s in active]
-            drafts, probs = self._produce(chain, len(chain) - 2, active, bases, want, ks)
+            drafts, probs = self._produce(chain, len(chain) - 2, active, bases, want, ks, method)
         else:
             drafts, probs = [[] for _ in active], None
         lower = chain[-2] if len(chain) > 1 else None
-        res = self._verify(self.top, lower, active, bases, drafts, probs, return_probs=False)
+        res = self._verify(self.top, lower, active, bases, drafts, probs, False, method)
         new_by_id: dict[str, list[int]] = {}
         for s, toks, nacc, d in zip(active, res.token_ids, res.num_accepted, drafts):
             s.rounds += 1
@@ -259,7 +266,7 @@ class CascadeEngine:
 
     def _produce(
         self, chain: list[int], ci: int, seqs: list[Sequence_], bases: list[list[int]], want: list[int],
-        ks: dict[int, int],
+        ks: dict[int, int], override: VerifyMethod | None = None,
     ) -> tuple[list[list[int]], torch.Tensor | None]:
         """Level chain[ci] proposes want[b] tokens beyond bases[b] to level chain[ci + 1]."""
         i = chain[ci]
@@ -272,13 +279,13 @@ class CascadeEngine:
             syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
             prop = lvl.worker.propose(
                 [s.seq_id for s in seqs], want, [s.sampling for s in seqs],
-                mode=DraftMode.for_method(self._method(chain[ci + 1], i)), salt=i, sync=syncs,
+                mode=DraftMode.for_method(self._method(chain[ci + 1], i, override)), salt=i, sync=syncs,
             )
             for s, toks in zip(seqs, prop.token_ids):
                 s.mirror[i].extend(toks)
             return prop.token_ids, prop.probs
         # a middle level: inner rounds until each row has want[b] tokens
-        need_probs = self._method(chain[ci + 1], i) == VerifyMethod.REJECTION
+        need_probs = self._method(chain[ci + 1], i, override) == VerifyMethod.REJECTION
         outs: list[list[int]] = [[] for _ in seqs]
         prob_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
         while True:
@@ -289,10 +296,10 @@ class CascadeEngine:
             sub_bases = [bases[b] + outs[b] for b in rows]
             sub_want = [max(0, min(ks[chain[ci - 1]], want[b] - len(outs[b]) - 1)) for b in rows]
             if any(sub_want):
-                d, dp = self._produce(chain, ci - 1, sub, sub_bases, sub_want, ks)
+                d, dp = self._produce(chain, ci - 1, sub, sub_bases, sub_want, ks, override)
             else:
                 d, dp = [[] for _ in rows], None
-            res = self._verify(i, chain[ci - 1], sub, sub_bases, d, dp, return_probs=need_probs)
+            res = self._verify(i, chain[ci - 1], sub, sub_bases, d, dp, need_probs, override)
             for j, b in enumerate(rows):
                 toks = res.token_ids[j]
                 outs[b].extend(toks)
@@ -309,10 +316,10 @@ class CascadeEngine:
                     probs[b, : cat.shape[0]] = cat
         return outs, probs
 
-    def _method(self, level: int, lower: int | None) -> VerifyMethod:
+    def _method(self, level: int, lower: int | None, override: VerifyMethod | None = None) -> VerifyMethod:
         """The verification method of `level` over drafts from `lower`; rejection over a deterministic
         drafter (n-gram) is the deterministic method (q = delta_x), so it is resolved to it."""
-        method = self.levels[level].method
+        method = VerifyMethod(override) if override is not None else self.levels[level].method
         if lower is not None and self.levels[lower].is_ngram and method == VerifyMethod.REJECTION:
             return VerifyMethod.DETERMINISTIC
         return method
@@ -320,11 +327,12 @@ class CascadeEngine:
     def _verify(
         self, i: int, lower: int | None, seqs: list[Sequence_], bases: list[list[int]],
         drafts: list[list[int]], probs: torch.Tensor | None, return_probs: bool,
+        override: VerifyMethod | None = None,
     ):
         worker = self.levels[i].worker
         assert worker is not None
         syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
-        method = self._method(i, lower)
+        method = self._method(i, lower, override)
         res = worker.verify(
             [s.seq_id for s in seqs], drafts, probs if method == VerifyMethod.REJECTION else None,
             [s.sampling for s in seqs], method, salt=i, sync=syncs, return_probs=return_probs,

@@ -1,0 +1,431 @@
+"""Sampling primitives shared by drafting, plain decoding and verification.
+
+Two ideas make speculative decoding in specray exact *and* reproducible:
+
+1. `processed_probs` turns logits into exactly the distribution plain sampling would draw from
+   (temperature, then top-k, then top-p). Verification then works on these probabilities, so a
+   verified stream is an exact sample from what the user asked for, filters included.
+2. Every random number is *keyed*: `keyed_uniform` is a counter-based hash (Philox-4x32-10) of
+   (request seed, absolute position, stream, index). No global RNG state is consumed, so the same
+   request produces the same tokens whatever the batch it lands in, the machine, or the number of
+   rounds it took. Streams separate the independent uses of noise at one position:
+
+   - `COUPLED_STREAM` (0): Gumbel noise shared by *all* levels (that sharing is the coupling);
+   - `accept_stream(salt)`: the accept/reject coin of level `salt`;
+   - `residual_stream(salt)`: the inverse-CDF draw of level `salt` (corrections, bonus tokens,
+     random-mode drafting and plain decoding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specray.spec.params import SamplingParams
+
+__all__ = [
+    "COUPLED_STREAM",
+    "SAMPLE_MODES",
+    "SamplingBatch",
+    "accept_stream",
+    "coupled_argmax",
+    "gumbel_noise",
+    "inverse_cdf_sample",
+    "keyed_uniform",
+    "keyed_uniform_at",
+    "philox4x32",
+    "processed_probs",
+    "residual_stream",
+    "sample_tokens",
+]
+
+#: Stream of the Gumbel noise used by coupled drafting/verification; the same for every level.
+COUPLED_STREAM = 0
+
+#: Modes accepted by `sample_tokens`.
+SAMPLE_MODES = ("random", "coupled", "greedy")
+
+_MASK32 = 0xFFFFFFFF
+# Philox-4x32 multipliers and Weyl key increments (Salmon et al., "Parallel random numbers: as easy as
+# 1, 2, 3", SC 2011).
+_PHILOX_M0 = 0xD2511F53
+_PHILOX_M1 = 0xCD9E8D57
+_PHILOX_W0 = 0x9E3779B9
+_PHILOX_W1 = 0xBB67AE85
+_PHILOX_ROUNDS = 10
+# Philox words computed per chunk on CPU: small enough to stay in cache, big enough to amortise op overhead.
+_CPU_CHUNK = 1 << 14
+# First candidate-prefix length when searching the top-p cut.
+_TOP_P_CANDIDATES = 1024
+
+
+def accept_stream(salt: int) -> int:
+    """Stream of the accept/reject uniforms of level `salt` (odd, never the coupled stream)."""
+    return 2 * salt + 1
+
+
+def residual_stream(salt: int) -> int:
+    """Stream of the inverse-CDF uniforms of level `salt` (even and > 0, never the coupled stream)."""
+    return 2 * salt + 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-row sampling parameters as tensors
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling parameters of a batch of rows, as tensors so that all rows are processed at once.
+
+    top_k 0 disables top-k; top_p 1 disables nucleus filtering; temperature 0 means greedy.
+    """
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], device: torch.device | str | None = None
+    ) -> SamplingBatch:
+        """Build from per-request params; every seed must already be concrete (see `with_seed`)."""
+        for i, p in enumerate(params):
+            if p.seed is None:
+                raise ValueError(f"params[{i}].seed is None: call SamplingParams.with_seed() on admission")
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seed=torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
+        )
+
+    def select(self, rows: torch.Tensor | list[int]) -> SamplingBatch:
+        """The sub-batch made of `rows` (indices), in that order."""
+        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.temperature.device)
+        return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.seed[idx])
+
+    def to(self, device: torch.device | str) -> SamplingBatch:
+        return SamplingBatch(
+            self.temperature.to(device), self.top_k.to(device), self.top_p.to(device), self.seed.to(device)
+        )
+
+    def __len__(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @property
+    def greedy(self) -> torch.Tensor:  # [B] bool
+        return self.temperature == 0
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+
+# --------------------------------------------------------------------------------------------------
+# Logits -> the distribution plain sampling draws from
+# --------------------------------------------------------------------------------------------------
+
+
+def _filter_thresholds(
+    x: torch.Tensor,  # [R, V] float32 temperature-scaled logits
+    top_k: torch.Tensor,  # [R] int64
+    top_p: torch.Tensor,  # [R] float32
+) -> torch.Tensor:  # [R, 1] float32
+    """Per-row logit threshold: tokens whose scaled logit is below it are filtered out. Masks x in place.
+
+    Avoids a full sort of the vocabulary: top-k needs the k largest logits, and top-p only the sorted
+    prefix that reaches top_p, found with `topk` on a candidate count that grows x8 for the rows whose
+    prefix was too short (a full sort only for very flat rows).
+    """
+    rows, vocab = x.shape
+    neg_inf = torch.full((rows, 1), float("-inf"), device=x.device)
+    k = top_k.clamp(max=vocab).unsqueeze(-1)  # [R, 1]
+    thr = neg_inf
+    if bool((k > 0).any()):
+        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp(min=0))
+        thr = torch.where(k > 0, kth, neg_inf)
+        x.masked_fill_(x < thr, float("-inf"))  # in place: the caller applies a threshold >= thr anyway
+    use_p = top_p < 1
+    if not bool(use_p.any()):
+        return thr
+    every_row = bool(use_p.all())
+    p_rows = use_p.nonzero().squeeze(-1)
+    xs = x if every_row else x.index_select(0, p_rows)  # [P, V] (no copy in the common all-rows case)
+    goal = top_p.index_select(0, p_rows).double().unsqueeze(-1)  # [P, 1]
+    # log-normaliser with a float64 sum (float32 exp): cumulative masses are then accurate to ~1e-7.
+    top = xs.amax(dim=-1, keepdim=True)  # [P, 1], finite: the top token survives top-k
+    lse = top.double() + torch.log(torch.exp(xs - top).sum(dim=-1, keepdim=True, dtype=torch.float64))
+    thr_p = torch.empty((p_rows.shape[0], 1), device=x.device)
+    pending = torch.arange(p_rows.shape[0], device=x.device)
+    m = min(vocab, _TOP_P_CANDIDATES)
+    while True:
+        vals = torch.topk(xs, m, dim=-1).values  # [P', m] descending
+        csum = torch.exp(vals.double() - lse).cumsum(dim=-1)
+        done = (csum[:, -1:] >= goal).squeeze(-1) | (m == vocab)
+        n_keep = ((csum < goal).sum(dim=-1, keepdim=True) + 1).clamp(max=m)
+        thr_p[pending[done]] = vals.gather(-1, n_keep - 1)[done]
+        if bool(done.all()):
+            break
+        # Rows whose prefix was too short (flat distributions) try again with 8x more candidates.
+        pending, xs, lse, goal = pending[~done], xs[~done], lse[~done], goal[~done]
+        m = min(vocab, m * 8)
+    if every_row:
+        return torch.maximum(thr, thr_p)
+    return thr.index_put((p_rows,), torch.maximum(thr.index_select(0, p_rows), thr_p))
+
+
+def processed_probs(
+    logits: torch.Tensor,  # [B, T, V] any float dtype
+    sb: SamplingBatch,
+) -> torch.Tensor:  # [B, T, V] float32
+    """The distribution plain sampling from these logits would draw from, per row's parameters.
+
+    Order: logits / temperature, then top-k, then top-p, then softmax. Filters are *value thresholds*,
+    so ties are resolved by keeping every tied token (and the result never depends on sort order):
+
+    - top-k keeps every token whose logit is >= the k-th largest logit (may keep more than k on ties);
+    - top-p takes the smallest prefix of tokens by decreasing probability whose cumulative probability
+      (of the top-k renormalised distribution, summed in float64) is >= top_p, and keeps every token whose
+      logit is >= the smallest logit of that prefix. The top token is always kept. top_p == 1 is off.
+
+    Rows with temperature 0 give a one-hot at the argmax of the raw logits (first index on ties), so
+    every verification method reduces to greedy verification on them.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    bsz, steps, vocab = logits.shape
+    if len(sb) != bsz:
+        raise ValueError(f"SamplingBatch has {len(sb)} rows, logits have {bsz}")
+    if logits.numel() == 0:
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    dev = logits.device
+    temp = sb.temperature.to(dev, torch.float32)
+    greedy = temp == 0
+    x = logits.float() / torch.where(greedy, torch.ones_like(temp), temp).view(bsz, 1, 1)
+    top_k = sb.top_k.to(dev)
+    top_p = sb.top_p.to(dev, torch.float32)
+    needs_filter = ~greedy & ((top_k > 0) & (top_k < vocab) | (top_p < 1))
+    if bool(needs_filter.all()):  # no gather/scatter copies of the (large) logits
+        flat = x.view(-1, vocab)
+        thr = _filter_thresholds(flat, top_k.repeat_interleave(steps), top_p.repeat_interleave(steps))
+        x = flat.masked_fill_(flat < thr, float("-inf")).view(bsz, steps, vocab)
+    elif bool(needs_filter.any()):
+        rows = needs_filter.nonzero().squeeze(-1)
+        sub = x.index_select(0, rows).view(-1, vocab)  # [R*T, V]
+        thr = _filter_thresholds(
+            sub, top_k[rows].repeat_interleave(steps), top_p[rows].repeat_interleave(steps)
+        )
+        sub = sub.masked_fill_(sub < thr, float("-inf")).view(-1, steps, vocab)
+        x = x.index_copy_(0, rows, sub)
+    probs = torch.softmax(x, dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.view(bsz, 1, 1), one_hot, probs)
+    return probs
+
+
+# --------------------------------------------------------------------------------------------------
+# Keyed (counter-based) noise
+# --------------------------------------------------------------------------------------------------
+
+
+def _mulhilo32(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit halves of the 64-bit product m * x, for m < 2**32 and int64 x in [0, 2**32).
+
+    The multiplier is split into 16-bit limbs so that no intermediate reaches 2**63 (int64 overflow).
+    """
+    t_lo = x * (m & 0xFFFF)  # < 2**48
+    t_hi = x * (m >> 16)  # < 2**48
+    s = t_lo + ((t_hi & 0xFFFF) << 16)  # < 2**49
+    return (t_hi >> 16) + (s >> 32), s & _MASK32
+
+
+def philox4x32(
+    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # 4 x [...] int64 in [0, 2**32)
+    key: tuple[torch.Tensor, torch.Tensor],  # 2 x [...] int64 in [0, 2**32)
+    rounds: int = _PHILOX_ROUNDS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # 4 x [...] int64 in [0, 2**32)
+    """Philox-4x32 bijection of a 128-bit counter under a 64-bit key, with 32-bit words held in int64.
+
+    Crush-resistant, stateless and embarrassingly parallel: word-for-word the same on every device.
+    """
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(rounds):
+        if r:
+            k0 = (k0 + _PHILOX_W0) & _MASK32
+            k1 = (k1 + _PHILOX_W1) & _MASK32
+        hi0, lo0 = _mulhilo32(_PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(_PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def _keyed_words(
+    seed: torch.Tensor,  # [N] int64
+    position: torch.Tensor,  # [N] int64
+    stream: int,
+    total: int,
+    locate: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:  # [total, 4] int64 32-bit words
+    """Philox blocks for `total` (row, block) pairs; `locate` maps flat ids to them, one chunk at a time.
+
+    Key = seed (two 32-bit limbs); counter = (block, stream, position low, position high).
+    """
+    if not 0 <= stream < 2**32:
+        raise ValueError(f"stream must be in [0, 2**32), got {stream}")
+    dev = seed.device
+    seed = seed.to(torch.int64)
+    position = position.to(device=dev, dtype=torch.int64)
+    seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
+    pos_lo, pos_hi = position & _MASK32, (position >> 32) & _MASK32
+    c1 = torch.tensor(stream, dtype=torch.int64, device=dev)
+    words = torch.empty((total, 4), dtype=torch.int64, device=dev)
+    chunk = _CPU_CHUNK if dev.type == "cpu" else max(total, 1)
+    for start in range(0, total, chunk):
+        row, block = locate(torch.arange(start, min(total, start + chunk), dtype=torch.int64, device=dev))
+        out = philox4x32((block, c1, pos_lo[row], pos_hi[row]), (seed_lo[row], seed_hi[row]))
+        words[start : start + chunk] = torch.stack(out, dim=-1)
+    return words
+
+
+def _to_uniform(words: torch.Tensor) -> torch.Tensor:
+    """32-bit words -> ((w >> 9) + 0.5) / 2**23: 2**23 equally spaced float32 values, never 0 or 1."""
+    return ((words >> 9).to(torch.float32) + 0.5) * (2.0**-23)
+
+
+def keyed_uniform(
+    seed: torch.Tensor,  # [N] int64
+    position: torch.Tensor,  # [N] int64
+    stream: int,
+    n: int,
+) -> torch.Tensor:  # [N, n] float32, strictly inside (0, 1)
+    """Uniforms that are a pure function of (seed, position, stream, index); no RNG state is used.
+
+    Philox-4x32-10 with key = seed and counter = (index // 4, stream, position low, position high); each
+    call of the bijection yields four words, used for indices 4c..4c+3 (so index i of a long request is
+    the same number as index i of a short one).
+    """
+    if seed.shape != position.shape or seed.dim() != 1:
+        raise ValueError(
+            f"seed, position must be [N] tensors, got {tuple(seed.shape)}, {tuple(position.shape)}"
+        )
+    n_blocks = (n + 3) // 4
+    rows = seed.shape[0]
+
+    def locate(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        row = flat // n_blocks
+        return row, flat - row * n_blocks
+
+    words = _keyed_words(seed, position, stream, rows * n_blocks, locate)
+    return _to_uniform(words.view(rows, n_blocks * 4)[:, :n])
+
+
+def keyed_uniform_at(
+    seed: torch.Tensor,  # [N] int64
+    position: torch.Tensor,  # [N] int64
+    stream: int,
+    rows: torch.Tensor,  # [M] int64 row of each requested value
+    index: torch.Tensor,  # [M] int64 index of each requested value
+) -> torch.Tensor:  # [M] float32
+    """keyed_uniform(seed, position, stream, n)[rows, index] without computing the other entries."""
+    words = _keyed_words(seed, position, stream, rows.shape[0], lambda f: (rows[f], index[f] >> 2))
+    return _to_uniform(words.gather(1, (index & 3).unsqueeze(-1)).squeeze(-1))
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    # float64 then one rounding, so that it is the same float32 on every device.
+    return (-torch.log(-torch.log(u.double()))).float()
+
+
+def gumbel_noise(
+    seed: torch.Tensor,  # [N] int64
+    position: torch.Tensor,  # [N] int64
+    vocab: int,
+) -> torch.Tensor:  # [N, V] float32
+    """Standard Gumbel noise g = -log(-log u) on the coupled stream, shared by every level."""
+    return _gumbel(keyed_uniform(seed, position, COUPLED_STREAM, vocab))
+
+
+#: Every keyed Gumbel value lies in [-log(-log(2**-24)), -log(-log(1 - 2**-24))] ~ [-2.81, 16.64], a range
+#: below 19.5 nats, so a token whose log-probability is 20 nats below the row's best can never win the
+#: Gumbel-max: `coupled_argmax` skips its noise, and the result is exactly the full computation's.
+_GUMBEL_PRUNE_NATS = 20.0
+
+
+def coupled_argmax(
+    probs: torch.Tensor,  # [N, V] processed probabilities
+    seed: torch.Tensor,  # [N] int64
+    position: torch.Tensor,  # [N] int64
+) -> torch.Tensor:  # [N] int64
+    """argmax_v log p(v) + gumbel_noise(seed, position)[v], first index on ties (scores in float64).
+
+    Noise is only computed for tokens that can win (see _GUMBEL_PRUNE_NATS): with top-k/top-p or a
+    peaked distribution that is a small part of the vocabulary, which makes coupling cheap.
+    """
+    n, vocab = probs.shape
+    cand = probs >= probs.amax(dim=-1, keepdim=True) * math.exp(-_GUMBEL_PRUNE_NATS)  # [N, V]
+    n_cand = int(cand.sum())
+    if 4 * n_cand >= probs.numel():  # dense: whole Philox blocks are cheaper than single words
+        g = gumbel_noise(seed, position, vocab).double()
+        return (torch.log(probs.double()) + g).argmax(dim=-1)
+    rows, cols = cand.nonzero(as_tuple=True)  # row-major: columns ascend within a row
+    u = keyed_uniform_at(seed, position, COUPLED_STREAM, rows, cols)
+    scores = torch.log(probs[rows, cols].double()) + _gumbel(u).double()  # [M]
+    best = torch.full((n,), float("-inf"), dtype=torch.float64, device=probs.device)
+    best = best.scatter_reduce(0, rows, scores, reduce="amax")
+    first = torch.full((n,), vocab, dtype=torch.int64, device=probs.device)
+    winners = torch.where(scores == best[rows], cols, vocab)
+    return first.scatter_reduce(0, rows, winners, reduce="amin")
+
+
+# --------------------------------------------------------------------------------------------------
+# Drawing tokens
+# --------------------------------------------------------------------------------------------------
+
+
+def inverse_cdf_sample(
+    weights: torch.Tensor,  # [N, V] float64, non-negative, not necessarily normalised
+    u: torch.Tensor,  # [N] float in (0, 1)
+) -> torch.Tensor:  # [N] int64
+    """The first token whose cumulative weight exceeds u * total; never a token of zero weight.
+
+    On CPU the float64 cumulative sum is sequential per row, so a per-row Python loop reproduces it
+    exactly (a GPU scan may differ in the last bit, which can only matter at an exact CDF boundary).
+    """
+    cdf = weights.cumsum(dim=-1)
+    r = (u.double() * cdf[:, -1]).unsqueeze(-1)
+    return (cdf <= r).sum(dim=-1).clamp(max=weights.shape[-1] - 1)
+
+
+def sample_tokens(
+    probs: torch.Tensor,  # [B, V] processed probabilities
+    sb: SamplingBatch,
+    positions: torch.Tensor,  # [B] int64 absolute position of the token being sampled
+    mode: str,
+    salt: int,
+) -> torch.Tensor:  # [B] int64
+    """Draw one token per row, for drafting and plain decoding.
+
+    random:  inverse CDF with keyed_uniform(seed, pos, residual_stream(salt)) (what REJECTION and
+             DETERMINISTIC verification use for their bonus token, so K=0 verification == this);
+    coupled: argmax(log p + gumbel_noise(seed, pos)): the token COUPLED verification would emit;
+    greedy:  argmax p.
+    """
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be [B, V], got shape {tuple(probs.shape)}")
+    if mode == "greedy":
+        return probs.argmax(dim=-1)
+    seed = sb.seed.to(probs.device)
+    positions = positions.to(probs.device, torch.int64)
+    if mode == "random":
+        u = keyed_uniform(seed, positions, residual_stream(salt), 1)[:, 0]
+        return inverse_cdf_sample(probs.double(), u)
+    if mode == "coupled":
+        return coupled_argmax(probs, seed, positions)
+    raise ValueError(f"unknown sampling mode {mode!r}; expected one of {SAMPLE_MODES}")
