@@ -177,6 +177,11 @@ class CascadeEngine:
         self.default_plan = Plan(tuple(range(len(levels))), tuple(lvl.k for lvl in levels[:-1]))
         self._ids = itertools.count()
 
+    def plan_name(self, plan: Plan) -> str:
+        """A short label, e.g. 'ngram:4>draft:4>target' or 'target' (plain decoding)."""
+        parts = [f"{self.levels[i].name}:{k}" for i, k in zip(plan.levels, plan.k)]
+        return ">".join([*parts, self.levels[plan.levels[-1]].name])
+
     # ----- sequence lifecycle --------------------------------------------------------------------
     def new_sequence(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, max_tokens: int,
