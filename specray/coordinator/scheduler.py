@@ -14,6 +14,7 @@ Pure Python: no Ray, no HTTP. The Serve deployment wraps it; tests drive it with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -202,10 +203,8 @@ class Scheduler:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
         for live in self._active + self._waiting:
             self._finish(live, "abort", error=RuntimeError("scheduler closed"))
         self._pool.shutdown(wait=False)
@@ -244,7 +243,7 @@ class Scheduler:
                 for g in groups:
                     try:
                         results.append(await loop.run_in_executor(self._pool, self._run_group, *g))
-                    except Exception as exc:  # noqa: BLE001 - handed to the group's requests below
+                    except Exception as exc:  # handed to the group's requests below
                         results.append(exc)
             dt = time.perf_counter() - t0
             batch = len(self._active)
