@@ -94,3 +94,35 @@ class CascadeConfig(_Strict):
     @classmethod
     def from_yaml(cls, path: str | Path) -> CascadeConfig:
         return cls.model_validate(yaml.safe_load(Path(path).read_text()))
+
+
+class ServerConfig(_Strict):
+    """The coordinator deployment: batching and the HTTP API."""
+
+    model_name: str = Field("specray", description="Model id served on /v1/models and expected in requests.")
+    max_batch_size: int = Field(32, ge=1, le=1024, description="Sequences in the running batch at most.")
+    pipeline: bool = Field(
+        False, description="Overlap drafting of one half of the batch with verification of the other "
+        "(levels on different devices)."
+    )
+    in_process: bool = Field(
+        False, description="Run the model levels inside the coordinator process instead of one Ray actor per "
+        "level (single-box development and tests)."
+    )
+    default_max_tokens: int = Field(
+        16, ge=1, description="max_tokens of /v1/completions when the request omits it (OpenAI's default)."
+    )
+    api_key: str | None = Field(None, description="If set (or SPECRAY_API_KEY), requests need 'Bearer <key>'.")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
+    log_prompts: bool = Field(False, description="Write prompts to the logs (off: only sizes are logged).")
+
+
+class AppConfig(_Strict):
+    """Everything `build_app` needs: the cascade and the server."""
+
+    cascade: CascadeConfig
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> AppConfig:
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()))

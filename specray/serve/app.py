@@ -1,0 +1,243 @@
+"""The coordinator deployment and `build_app`: Serve ingress, Python handle API, level actors.
+
+`Coordinator` is a plain class (not decorated here). `build_app` binds it as a Serve deployment whose
+HTTP routes come from `specray.serve.http.build_http_app(coordinator)`, built on the replica after the
+constructor (Serve's `__serve_build_asgi_app__` hook), so routes close over the live scheduler.
+
+Python handle API (non-streaming and streaming):
+
+    h = serve.get_app_handle("specray")
+    out = h.generate.remote("def f(x):", max_tokens=32, temperature=0.0, speculation={"method": "cascade"}).result()
+    for chunk in h.options(stream=True).generate_stream.remote("def f(x):", max_tokens=32):
+        print(chunk["text"], end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from specray.config import AppConfig
+from specray.coordinator.cascade import CascadeEngine
+from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler, Speculation
+from specray.metrics import SpecMetrics
+from specray.serve.protocol import SpeculationOptions, usage_from_stats
+from specray.spec.params import SamplingParams
+
+log = logging.getLogger("specray")
+
+
+class TargetUnavailable(RuntimeError):
+    """The target level failed: requests in flight end with a 503 error."""
+
+
+def _speculation(spec: Mapping[str, Any] | SpeculationOptions | Speculation | None) -> Speculation | None:
+    if spec is None or isinstance(spec, Speculation):
+        return spec
+    opts = spec if isinstance(spec, SpeculationOptions) else SpeculationOptions.model_validate(dict(spec))
+    return Speculation(opts.method, opts.num_speculative_tokens, opts.verify)
+
+
+class Coordinator:
+    """Owns the cascade (level actors or in-process workers), the scheduler and the metrics."""
+
+    def __init__(self, config: Mapping[str, Any] | AppConfig, factories: Sequence[Any] | None = None) -> None:
+        self.config = config if isinstance(config, AppConfig) else AppConfig.model_validate(dict(config))
+        server = self.config.server
+        t0 = time.perf_counter()
+        self._launched = None
+        if server.in_process:
+            from specray.coordinator.generate import build_levels, level_from_config
+
+            if factories is not None:
+                levels = [level_from_config(lc, worker=f() if f and lc.kind != "ngram" else None)
+                          for lc, f in zip(self.config.cascade.levels, factories)]
+            else:
+                levels = build_levels(self.config.cascade)
+        else:
+            from specray.serve.actors import launch_levels
+
+            self._launched = launch_levels(self.config.cascade, factories, name_prefix=None)
+            levels = self._launched.levels
+        self.levels = levels
+        target = levels[-1].worker
+        self.tokenizer = getattr(target, "tokenizer", None)
+        self.engine = CascadeEngine(levels)
+        self.max_context = self.engine.max_context or 4096
+        self.vocab_size = target.vocab_size
+        self.model_name = server.model_name
+        self.metrics = SpecMetrics(model_name=self.model_name)
+        self.scheduler = Scheduler(
+            self.engine, self.tokenizer, max_batch_size=server.max_batch_size,
+            pipeline=server.pipeline and not server.in_process,
+            stop_token_ids=getattr(target, "eos_token_ids", ()) or (), on_round=self._on_round,
+        )
+        self.api_key = server.api_key or os.environ.get("SPECRAY_API_KEY") or None
+        self.started = time.time()
+        log.info("specray coordinator ready in %.1fs: %s", time.perf_counter() - t0,
+                 " -> ".join(lv.name for lv in levels))
+
+    # ----- Serve hooks ----------------------------------------------------------------------------
+    def __serve_build_asgi_app__(self):
+        from specray.serve.http import build_http_app
+
+        return build_http_app(self)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics for Serve (see the batch-size regime issue)."""
+        return {"batch_size": float(self.scheduler.num_active), "waiting": float(len(self.scheduler._waiting))}
+
+    def __del__(self) -> None:  # best effort: owned actors die with the replica anyway
+        launched = getattr(self, "_launched", None)
+        if launched is not None:
+            try:
+                launched.shutdown()
+            except Exception:
+                pass
+
+    # ----- metrics --------------------------------------------------------------------------------
+    def _on_round(self, batch: int, plan_sizes: Mapping[Any, int], seconds: float) -> None:
+        self.metrics.observe_round(batch, {self.engine.plan_name(p): n for p, n in plan_sizes.items()}, seconds)
+
+    # ----- core request path ----------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this server has no tokenizer; send token ids")
+            if chat:
+                return self.apply_chat_template([{"role": "user", "content": prompt}])
+            return list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("messages: this model has no chat template; use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    async def run(self, req: Request) -> AsyncIterator[Event]:
+        """Scheduler events for one request, with latency metrics; the caller closing it cancels it."""
+        t0 = time.perf_counter()
+        ttft = None
+        agen = self.scheduler.generate(req)
+        last: Event | None = None
+        try:
+            async for ev in agen:
+                if ttft is None and ev.token_ids:
+                    ttft = time.perf_counter() - t0
+                last = ev
+                if ev.finished and ev.error is not None:
+                    raise self._map_error(ev.error)
+                yield ev
+        finally:
+            await agen.aclose()
+            if last is not None and last.finished:
+                self.metrics.observe_request(last.stats, last.finish_reason or "length", last.prompt_tokens,
+                                             last.completion_tokens, ttft, time.perf_counter() - t0)
+            elif last is None or not last.finished:
+                self.metrics.requests.labels(self.model_name, "cancelled").inc()
+
+    @staticmethod
+    def _map_error(exc: BaseException) -> BaseException:
+        """A round that failed took its requests with it: the model is (at least briefly) unavailable."""
+        if isinstance(exc, RequestError):
+            return exc
+        return TargetUnavailable(f"the model is unavailable: {exc}")
+
+    def make_request(
+        self, prompt_ids: list[int], *, max_tokens: int | None, temperature: float = 0.0, top_p: float = 1.0,
+        top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str | None = None,
+        speculation: Mapping[str, Any] | SpeculationOptions | None = None, ignore_eos: bool = False,
+    ) -> Request:
+        room = self.max_context - len(prompt_ids)
+        if room < 1:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context "
+                               f"of {self.max_context}")
+        if max_tokens is not None and max_tokens > room:
+            raise RequestError(f"max_tokens: at most {room} for this prompt (context {self.max_context})")
+        try:
+            sampling = SamplingParams(float(temperature), int(top_k if top_k and top_k > 0 else 0), float(top_p),
+                                      seed)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return Request(prompt_ids, sampling, max_tokens or room, stops, ignore_eos, _speculation(speculation))
+
+    # ----- Python handle API ----------------------------------------------------------------------
+    async def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                       stop: Sequence[str] | str | None = None, speculation: Mapping[str, Any] | None = None,
+                       chat: bool = False, ignore_eos: bool = False) -> dict[str, Any]:
+        """Generate to completion; returns text, token ids, finish reason and usage (with speculation)."""
+        req = self.make_request(self.tokenize_prompt(prompt, chat), max_tokens=max_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, seed=seed, stop=stop, speculation=speculation,
+                                ignore_eos=ignore_eos)
+        text, ids, last = [], [], None
+        async for ev in self.run(req):
+            text.append(ev.text)
+            ids.extend(ev.token_ids)
+            last = ev
+        assert last is not None
+        return {"text": "".join(text), "token_ids": ids, "finish_reason": last.finish_reason,
+                "usage": usage_from_stats(last.prompt_tokens, last.completion_tokens, last.stats).model_dump()}
+
+    async def generate_stream(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0,
+                              top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                              stop: Sequence[str] | str | None = None,
+                              speculation: Mapping[str, Any] | None = None, chat: bool = False,
+                              ignore_eos: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """Stream dicts {text, token_ids, finished, finish_reason[, usage]} as tokens are accepted."""
+        req = self.make_request(self.tokenize_prompt(prompt, chat), max_tokens=max_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, seed=seed, stop=stop, speculation=speculation,
+                                ignore_eos=ignore_eos)
+        async for ev in self.run(req):
+            out: dict[str, Any] = {"text": ev.text, "token_ids": ev.token_ids, "finished": ev.finished,
+                                   "finish_reason": ev.finish_reason}
+            if ev.finished:
+                out["usage"] = usage_from_stats(ev.prompt_tokens, ev.completion_tokens, ev.stats).model_dump()
+            yield out
+
+    async def health(self) -> dict[str, Any]:
+        """Liveness of every model level (ping through the protocol's stats call)."""
+        out: dict[str, Any] = {"status": "ok", "levels": {}}
+        for lv in self.levels:
+            if lv.worker is None:
+                out["levels"][lv.name] = "in-process"
+                continue
+            try:
+                st = await asyncio.wait_for(asyncio.to_thread(lv.worker.stats), timeout=10)
+                out["levels"][lv.name] = {"live_sequences": st.live_sequences, "cache_bytes": st.cache_bytes}
+            except Exception as exc:  # noqa: BLE001
+                out["levels"][lv.name] = f"unavailable: {exc}"
+                if lv is self.levels[-1]:
+                    out["status"] = "unavailable"
+        out["active"] = self.scheduler.num_active
+        return out
+
+
+def build_app(args: Mapping[str, Any] | None = None):
+    """Serve application builder (`import_path: specray.serve.app:build_app`, `args` = AppConfig fields).
+
+    `args` may also be {"config_path": "file.yaml"} or {"config": {...}}. Deployment options (replicas,
+    autoscaling, ray_actor_options) come from the Serve config file's `deployments:` section.
+    """
+    from ray import serve
+
+    args = dict(args or {})
+    if "config_path" in args:
+        cfg = AppConfig.from_yaml(args.pop("config_path"))
+    else:
+        cfg = AppConfig.model_validate(args.pop("config", args))
+    deployment = serve.deployment(name="Coordinator", ray_actor_options={"num_cpus": 0.5})(
+        serve.ingress()(Coordinator)
+    )
+    return deployment.bind(cfg.model_dump(mode="json"))

@@ -1,0 +1,195 @@
+"""The OpenAI-compatible API over real HTTP on 127.0.0.1, driven by the official `openai` client.
+
+Levels run in-process here (tiny fp32 models) so the HTTP layer is tested without a Ray cluster;
+tests/ray/test_app.py runs the same API through Ray Serve with one actor per level.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from specray.config import AppConfig
+from specray.serve.app import Coordinator
+from specray.serve.http import build_http_app
+
+MODEL = "tiny-cascade"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_config(tiny, **server) -> AppConfig:
+    return AppConfig.model_validate({
+        "cascade": {"levels": [
+            {"kind": "ngram", "num_speculative_tokens": 3},
+            {"kind": "hf", "model": str(tiny.draft_dirs["mid"]), "name": "mid", "dtype": "float32",
+             "num_speculative_tokens": 4},
+            {"kind": "hf", "model": str(tiny.target_dir), "name": "target", "dtype": "float32"},
+        ]},
+        "server": {"model_name": MODEL, "in_process": True, **server},
+    })
+
+
+class Server:
+    def __init__(self, coord: Coordinator) -> None:
+        import uvicorn
+
+        self.port = _free_port()
+        self.coord = coord
+        config = uvicorn.Config(build_http_app(coord), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    srv = Server(Coordinator(app_config(tiny)))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_and_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ok" and set(h["levels"]) == {"ngram", "mid", "target"}
+
+
+def test_completion_non_stream_greedy_equals_plain(client, server):
+    r = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    spec = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True, "speculation": {"method": "none"}})
+    assert r.choices[0].text == spec.choices[0].text
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 20
+    usage = r.model_dump()["usage"]
+    assert "target" in usage["speculation"] and usage["speculation"]["target"]["draft_tokens"] > 0
+
+
+def test_completion_stream_matches_non_stream(client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_stream_and_non_stream(client):
+    msgs = [{"role": "user", "content": "Write a function."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+
+
+def test_seed_reproducible_and_stop(client):
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=16, temperature=1.0, extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    assert a == b
+    full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[3:6]
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert ei.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": -1}, {"temperature": 5}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}, {"n": 2},
+    {"max_tokens": 100000}, {"speculation": {"method": "warp"}}, {"speculation": {"num_speculative_tokens": 999}},
+    {"stop": ["a", "b", "c", "d", "e"]}, {"prompt": ""}, {"bogus_field": 1},
+])
+def test_invalid_parameters_are_400_with_openai_body(client, bad):
+    kw = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **bad}
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(**{k: v for k, v in kw.items() if k in ("model", "prompt", "max_tokens")},
+                                  extra_body={k: v for k, v in kw.items() if k not in ("model", "prompt", "max_tokens")}
+                                  if bad.keys() - {"model", "prompt", "max_tokens"} else None)
+    err = ei.value.body
+    assert err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_malformed_json_and_content_type(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(server.url + "/v1/completions", content=b"x", headers={"content-type": "text/plain"})
+    assert r.status_code in (400, 415) and "error" in r.json()
+
+
+def test_metrics_counters_equal_sum_of_usage(server, client):
+    before = _counter(httpx.get(server.url + "/metrics").text, "spec_decode_num_draft_tokens_total", "target")
+    total = 0
+    for p in ["a b a b a b", "def f(x):", "1 2 3 1 2 3"]:
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        total += r.model_dump()["usage"]["speculation"]["target"]["draft_tokens"]
+    after = _counter(httpx.get(server.url + "/metrics").text, "spec_decode_num_draft_tokens_total", "target")
+    assert after - before == total
+
+
+def _counter(text: str, name: str, level: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'level="{level}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_api_key(tiny):
+    srv = Server(Coordinator(app_config(tiny, api_key="sekrit")))
+    try:
+        bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
+        assert good.models.list().data[0].id == MODEL
+        assert httpx.get(srv.url + "/health").status_code == 200  # health stays open for probes
+    finally:
+        srv.stop()
+
+
+def test_sse_wire_format(server):
+    with httpx.stream("POST", server.url + "/v1/completions", json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 4, "stream": True, "temperature": 0, "ignore_eos": True,
+    }) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+    json.loads(lines[0][6:])
