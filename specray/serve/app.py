@@ -216,7 +216,7 @@ class Coordinator:
             try:
                 st = await asyncio.wait_for(asyncio.to_thread(lv.worker.stats), timeout=10)
                 out["levels"][lv.name] = {"live_sequences": st.live_sequences, "cache_bytes": st.cache_bytes}
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 out["levels"][lv.name] = f"unavailable: {exc}"
                 if lv is self.levels[-1]:
                     out["status"] = "unavailable"

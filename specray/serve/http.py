@@ -126,7 +126,7 @@ def build_http_app(coord: Coordinator) -> FastAPI:
                 last = ev
         except RequestError as exc:
             return _error(400, str(exc))
-        except Exception as exc:  # noqa: BLE001 - the model failed mid-request
+        except Exception as exc:
             return _error(503, str(exc), "server_error", code="model_unavailable")
         assert last is not None
         usage = usage_from_stats(last.prompt_tokens, last.completion_tokens, last.stats)
@@ -162,7 +162,7 @@ def build_http_app(coord: Coordinator) -> FastAPI:
                     usage = usage_from_stats(ev.prompt_tokens, ev.completion_tokens, ev.stats)
                     cls = ChatCompletionChunk if chat else CompletionStreamChunk
                     yield sse_event(cls(id=rid, model=model, choices=[], usage=usage))
-        except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 header is already sent
+        except Exception as exc:
             status = 400 if isinstance(exc, RequestError) else 503
             body_ = error_response_body(str(exc), type="server_error" if status == 503 else "invalid_request_error",
                                         code="model_unavailable" if status == 503 else None)
