@@ -14,6 +14,7 @@ worker, an in-process `HFWorker` or a Ray actor proxy all fit.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -176,6 +177,10 @@ class CascadeEngine:
         self.max_context = min([*limits, *( [max_context] if max_context else [])], default=None)
         self.default_plan = Plan(tuple(range(len(levels))), tuple(lvl.k for lvl in levels[:-1]))
         self._ids = itertools.count()
+        #: objects with on_call(level, kind, batch, tokens, seconds) and on_verify(level, lower, draft_lens,
+        #: accepted) — live measurements for the planner (kind "propose": tokens = autoregressive steps;
+        #: "verify": tokens = the longest draft + 1, fed in one forward)
+        self.observers: list = []
 
     def plan_name(self, plan: Plan) -> str:
         """A short label, e.g. 'ngram:4>draft:4>target' or 'target' (plain decoding)."""
@@ -282,10 +287,13 @@ class CascadeEngine:
         assert lvl.worker is not None
         if ci == 0:
             syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
+            t0 = time.perf_counter()
             prop = lvl.worker.propose(
                 [s.seq_id for s in seqs], want, [s.sampling for s in seqs],
                 mode=DraftMode.for_method(self._method(chain[ci + 1], i, override)), salt=i, sync=syncs,
             )
+            for ob in self.observers:
+                ob.on_call(i, "propose", len(seqs), max(want, default=0), time.perf_counter() - t0)
             for s, toks in zip(seqs, prop.token_ids):
                 s.mirror[i].extend(toks)
             return prop.token_ids, prop.probs
@@ -338,12 +346,21 @@ class CascadeEngine:
         assert worker is not None
         syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
         method = self._method(i, lower, override)
+        t0 = time.perf_counter()
         res = worker.verify(
             [s.seq_id for s in seqs], drafts, probs if method == VerifyMethod.REJECTION else None,
             [s.sampling for s in seqs], method, salt=i, sync=syncs, return_probs=return_probs,
         )
+        dt = time.perf_counter() - t0
         for s, toks in zip(seqs, res.token_ids):
             s.mirror[i].extend(toks)
+        if self.observers:
+            tokens = max((len(d) for d in drafts), default=0) + 1
+            lens = [len(d) for d in drafts]
+            for ob in self.observers:
+                ob.on_call(i, "verify", len(seqs), tokens, dt)
+                if lower is not None:
+                    ob.on_verify(i, lower, lens, list(res.num_accepted))
         return res
 
 

@@ -1,0 +1,126 @@
+"""The Serve application on a real local Ray: one actor per level, HTTP via the openai client, handle API."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_app_args(tiny) -> dict:
+    """The tiny test config (tests/ray/serve_config_tiny.yaml) with this session's model folders."""
+    text = (Path(__file__).parent / "serve_config_tiny.yaml").read_text()
+    text = text.replace("${TINY_MID}", str(tiny.draft_dirs["mid"])).replace("${TINY_TARGET}", str(tiny.target_dir))
+    return yaml.safe_load(text)
+
+
+@pytest.fixture(scope="module")
+def serve_app(tiny):
+    import ray
+    from ray import serve
+
+    from specray.serve.app import build_app
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}})
+    port = _free_port()
+    cfg = tiny_app_args(tiny)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app_cfg = cfg["applications"][0]
+    handle = serve.run(build_app(app_cfg["args"]), name=app_cfg["name"], route_prefix="/")
+    try:
+        yield handle, f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_tiny_serve_config_validates(tiny):
+    from ray.serve.schema import ServeDeploySchema
+
+    from specray.config import AppConfig
+
+    cfg = tiny_app_args(tiny)
+    ServeDeploySchema.model_validate(cfg)
+    AppConfig.model_validate(cfg["applications"][0]["args"]["config"])
+
+
+def test_root_serve_config_validates():
+    from ray.serve.schema import ServeDeploySchema
+
+    from specray.config import AppConfig
+
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    ServeDeploySchema.model_validate(cfg)
+    app = AppConfig.model_validate(cfg["applications"][0]["args"]["config"])
+    assert [lv.kind for lv in app.cascade.levels] == ["ngram", "hf", "hf"]
+    assert cfg["http_options"]["host"] == "127.0.0.1"
+
+
+def test_openai_client_through_serve(serve_app):
+    _, url = serve_app
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    kw = dict(model=MODEL, prompt="def fibonacci(n):", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    spec = client.completions.create(**kw)
+    plain = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "speculation": {"method": "none"}}})
+    assert spec.choices[0].text == plain.choices[0].text
+    assert spec.model_dump()["usage"]["speculation"]["target"]["draft_tokens"] > 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=8, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, temperature=-3)
+    metrics = httpx.get(url + "/metrics").text
+    assert "spec_decode_num_draft_tokens_total" in metrics
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_handle_api_unary_and_streaming(serve_app):
+    handle, _ = serve_app
+    out = handle.generate.remote("def fibonacci(n):", max_tokens=12, temperature=0.0, ignore_eos=True).result()
+    assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
+    plain = handle.generate.remote("def fibonacci(n):", max_tokens=12, ignore_eos=True,
+                                   speculation={"method": "none"}).result()
+    assert plain["token_ids"] == out["token_ids"]
+    chunks = list(handle.options(stream=True).generate_stream.remote("def fibonacci(n):", max_tokens=12,
+                                                                     ignore_eos=True))
+    assert "".join(c["text"] for c in chunks) == out["text"]
+    assert chunks[-1]["finished"] and chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_eight_concurrent_requests_batch_and_match_alone(serve_app):
+    handle, _ = serve_app
+    prompts = ["def f(x):", "Hello", "The quick brown fox", "class Stack:", "a b a b", "import os", "x = 1", "for i"]
+    lengths = [5, 17, 9, 24, 12, 3, 20, 8]
+
+    async def main():
+        resps = [handle.generate.remote(p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+        return [await r for r in resps]
+
+    together = asyncio.run(main())
+    for p, n, got in zip(prompts, lengths, together):
+        alone = handle.generate.remote(p, max_tokens=n, ignore_eos=True).result()
+        assert got["token_ids"] == alone["token_ids"]
+    text = httpx.get(serve_app[1] + "/metrics").text
+    assert "specray_batch_size" in text
