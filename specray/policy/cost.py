@@ -1,0 +1,214 @@
+"""Live cost and acceptance models for the planner (pure Python + numpy).
+
+`StepCost` predicts one level's forward time from few, noisy measurements; `Acceptance` tracks how often a
+verifier accepts a drafter's tokens, per draft position. Both forget old data exponentially, because the
+load (batch size, context length) and the text being generated drift while a server runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from specray.spec.bound import expected_accepted_length
+
+__all__ = ["Acceptance", "StepCost", "linear_cost"]
+
+Coefs = tuple[float, float, float]
+
+
+def _features(batch: int, tokens: int) -> np.ndarray:
+    return np.array([1.0, float(batch * tokens), float(batch)])
+
+
+def linear_cost(a: float, b: float, c: float = 0.0) -> Callable[[int, int], float]:
+    """A synthetic step-time curve t(B, q) = a + b*B*q + c*B (tests and simulations)."""
+    return lambda batch, tokens: a + b * batch * tokens + c * batch
+
+
+class StepCost:
+    """Predicted time of one forward of a level over `batch` sequences of `tokens` new tokens each.
+
+    Model: t = a + b*(B*q) + c*B with a, b, c >= 0. `a` is the fixed per-call cost (launch, RPC, weight
+    reads: dominant on a GPU at small B*q, which makes the curve flat), `b` the compute per token
+    (dominant on a CPU, where 9 tokens cost ~3-4x one), `c` the per-sequence cost (KV reads, sampling).
+    The fit is an exponentially weighted least squares solved exactly under the sign constraints, with a
+    weak ridge towards the prior's *shape* rescaled to the measured level, so a single measured (B, q)
+    already gives a sensible curve and directions the data do not pin down stay at the prior. Where a
+    (B, q) was measured recently, its decayed mean is blended in (1 pseudo-observation of the fit), which
+    covers curves that are not linear (a GPU that is flat up to a knee).
+
+    `prior` is (a, b, c) or a callable returning it (e.g. a fraction of the target's live fit), used
+    as-is before any measurement.
+    """
+
+    def __init__(
+        self,
+        prior: Coefs | Callable[[], Coefs] = (1.0, 0.02, 0.0),
+        decay: float = 0.97,
+        table_decay: float = 0.9,
+        ridge: float = 1e-3,
+    ) -> None:
+        if not (0.0 < decay <= 1.0 and 0.0 < table_decay <= 1.0):
+            raise ValueError("decays must be in (0, 1]")
+        self._prior = prior
+        self.decay, self.table_decay, self.ridge = decay, table_decay, ridge
+        self._A = np.zeros((3, 3))  # sum w x x^T
+        self._v = np.zeros(3)  # sum w x t
+        self._w = 0.0  # sum w
+        self._wt = 0.0  # sum w t
+        self._wx = np.zeros(3)  # sum w x (to rescale the prior)
+        self._table: dict[tuple[int, int], list[float]] = {}  # (B, q) -> [weight, weighted sum, stamp]
+        self._clock = 0
+        self.n_obs = 0
+        self._cache: tuple[Coefs, Coefs] | None = None  # (prior used, fitted)
+
+    @property
+    def prior(self) -> Coefs:
+        p = self._prior() if callable(self._prior) else self._prior
+        return (float(p[0]), float(p[1]), float(p[2]))
+
+    def observe(self, batch: int, tokens: int, seconds: float, weight: float = 1.0) -> None:
+        """One measured forward (a propose of k steps is k forwards of (B, 1): pass seconds / k, weight k)."""
+        if batch <= 0 or tokens <= 0 or weight <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        x = _features(batch, tokens)
+        d = self.decay
+        self._A = self._A * d + weight * np.outer(x, x)
+        self._v = self._v * d + weight * seconds * x
+        self._wx = self._wx * d + weight * x
+        self._w = self._w * d + weight
+        self._wt = self._wt * d + weight * seconds
+        self._clock += 1
+        entry = self._table.get((batch, tokens))
+        if entry is None:
+            self._table[(batch, tokens)] = [weight, weight * seconds, float(self._clock)]
+        else:
+            f = self.table_decay ** (self._clock - entry[2])
+            entry[0] = entry[0] * f + weight
+            entry[1] = entry[1] * f + weight * seconds
+            entry[2] = float(self._clock)
+        self.n_obs += 1
+        self._cache = None
+
+    @property
+    def coefficients(self) -> Coefs:
+        """The fitted (a, b, c); the prior before any measurement."""
+        prior = self.prior
+        if self._w <= 0:
+            return prior
+        if self._cache is not None and self._cache[0] == prior:
+            return self._cache[1]
+        fit = self._solve(prior)
+        self._cache = (prior, fit)
+        return fit
+
+    def _solve(self, prior: Coefs) -> Coefs:
+        p = np.array(prior)
+        denom = float(self._wx @ p)
+        ref = p * (self._wt / denom) if denom > 0 else p
+        # ridge in units of each feature's mean square, so it is scale-free and only breaks ties
+        m = np.maximum(np.diag(self._A) / self._w, 1e-12)
+        lam = self.ridge * self._w
+        H = self._A + lam * np.diag(m)
+        g = self._v + lam * m * ref
+        best, best_val = np.zeros(3), 0.0  # theta = 0 is feasible with objective 0
+        for r in range(1, 4):
+            for free in itertools.combinations(range(3), r):
+                idx = list(free)
+                try:
+                    sol = np.linalg.solve(H[np.ix_(idx, idx)], g[idx])
+                except np.linalg.LinAlgError:
+                    continue
+                if np.any(sol < -1e-15):
+                    continue
+                theta = np.zeros(3)
+                theta[idx] = np.maximum(sol, 0.0)
+                val = float(theta @ H @ theta - 2.0 * theta @ g)
+                if val < best_val:
+                    best, best_val = theta, val
+        return (float(best[0]), float(best[1]), float(best[2]))
+
+    def predict(self, batch: int, tokens: int) -> float:
+        """Expected seconds for one forward of (batch, tokens)."""
+        a, b, c = self.coefficients
+        fit = a + b * batch * tokens + c * batch
+        entry = self._table.get((batch, tokens))
+        if entry is None:
+            return fit
+        w = entry[0] * self.table_decay ** (self._clock - entry[2])
+        return (entry[1] * w / entry[0] + fit) / (w + 1.0) if entry[0] > 0 else fit
+
+
+class Acceptance:
+    """Decayed per-position conditional acceptance of one (verifier, drafter) pair.
+
+    alpha_j = P(draft token j accepted | tokens 1..j-1 accepted). Estimates shrink in two steps, so K can
+    be chosen beyond the positions measured so far: a pooled rate over all positions with a Beta prior
+    (`prior_mean`, `prior_strength` pseudo-trials), then each position towards the pooled rate with
+    `pos_strength` pseudo-trials. A draft of length n with a accepted is a trial at positions
+    1..min(a+1, n) and a success at 1..a.
+    """
+
+    def __init__(
+        self, prior_mean: float = 0.5, prior_strength: float = 2.0, pos_strength: float = 4.0,
+        decay: float = 0.9, k_max: int = 32,
+    ) -> None:
+        if not 0.0 <= prior_mean <= 1.0:
+            raise ValueError("prior_mean must be in [0, 1]")
+        self.prior_mean, self.prior_strength, self.pos_strength = prior_mean, prior_strength, pos_strength
+        self.decay = decay
+        self.trials = np.zeros(k_max)
+        self.successes = np.zeros(k_max)
+        self.n_obs = 0
+
+    def observe(
+        self, draft_lens: Sequence[int], accepted: Sequence[int], gap: float = 1.0, proposed: int | None = None
+    ) -> None:
+        """One verify call (one entry per sequence). `gap`: how many rounds since the last call, so data
+        from before a long pause (the pair was switched off) is forgotten faster than in steady use.
+        `proposed`: tokens each row was asked for; a row that drafted fewer (an n-gram with no match) and
+        had all of them accepted counts a failure at the next position, since the round ends there too."""
+        f = self.decay ** min(max(gap, 0.0), 500.0)
+        self.trials *= f
+        self.successes *= f
+        size = len(self.trials)
+        for n, a in zip(draft_lens, accepted):
+            n = min(int(n), size)
+            a = max(0, min(int(a), n))
+            if proposed is not None and a == n < min(proposed, size):
+                self.trials[: n + 1] += 1.0
+                self.successes[:n] += 1.0
+            elif n > 0:
+                self.trials[: min(a + 1, n)] += 1.0
+                self.successes[:a] += 1.0
+        self.n_obs += 1
+
+    @property
+    def pooled(self) -> float:
+        """The acceptance rate over all positions, shrunk to the prior."""
+        s, t = float(self.successes.sum()), float(self.trials.sum())
+        return (s + self.prior_mean * self.prior_strength) / (t + self.prior_strength)
+
+    @property
+    def weight(self) -> float:
+        """Decayed number of position-1 trials (how much the estimate rests on data)."""
+        return float(self.trials[0])
+
+    def alphas(self, k: int) -> list[float]:
+        """alpha_1..alpha_k."""
+        pooled, ps = self.pooled, self.pos_strength
+        out = []
+        for j in range(k):
+            if j < len(self.trials):
+                out.append(float((self.successes[j] + ps * pooled) / (self.trials[j] + ps)))
+            else:
+                out.append(pooled)
+        return out
+
+    def expected_length(self, k: int) -> float:
+        """E[L] = 1 + sum_{i<=k} prod_{j<=i} alpha_j: tokens emitted per verify of a k-token draft."""
+        return expected_accepted_length(self.alphas(k))

@@ -1,0 +1,371 @@
+"""Choose the speculation plan (which levels run, and K for each) per round from live measurements.
+
+Goodput of a plan at batch B is E[L] * B / T_round (ARCHITECTURE.md section 4), extended to cascades:
+
+- plain decoding [target]: E[L] = 1, T_round = T_t(B, 1).
+- [d(K), target]: E[L] = 1 + sum_{i<=K} prod_{j<=i} alpha_j(target | d), T_round = P_d(K) + T_t(B, K+1), where
+  P_d(K), the cost for d to produce K tokens, is K * T_d(B, 1) for a model and ~0 for the n-gram.
+- N levels l_0 < ... < l_m (target l_m), K_i proposed by l_i to l_{i+1}: a middle level l_i (i >= 1)
+  produces K_i tokens in ceil(K_i / E_i) inner rounds with E_i = E[L](alpha(l_i | l_{i-1}), K_{i-1}), each
+  costing P_{l_{i-1}}(K_{i-1}) + T_{l_i}(B, K_{i-1}+1); so recursively
+  P_{l_i}(K_i) = ceil(K_i / E_i) * (P_{l_{i-1}}(K_{i-1}) + T_{l_i}(B, K_{i-1}+1)), and
+  T_round = P_{l_{m-1}}(K_{m-1}) + T_t(B, K_{m-1}+1) + overhead, E[L] = E[L](alpha(t | l_{m-1}), K_{m-1}).
+
+T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
+decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
+(cascade at small B, one drafter at medium, none at large) fall out of the measurements.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from specray.coordinator.cascade import Plan
+from specray.policy.cost import Acceptance, StepCost
+
+if TYPE_CHECKING:
+    from specray.coordinator.cascade import CascadeEngine, Level
+
+__all__ = ["Planner", "regime_of"]
+
+REGIMES = ("cascade", "draft", "ngram", "none")
+
+
+def _effective(plan: Plan) -> list[int]:
+    """Indices into plan.levels that actually run: below a level with K = 0 nothing is asked to draft."""
+    eff = [len(plan.levels) - 1]
+    for i in range(len(plan.levels) - 2, -1, -1):
+        if plan.k[i] == 0:
+            break
+        eff.append(i)
+    return eff[::-1]
+
+
+def regime_of(plan: Plan, is_ngram: Sequence[bool]) -> str:
+    """'none' (plain decoding), 'ngram' or 'draft' (one drafter), or 'cascade' (two or more drafters)."""
+    eff = _effective(plan)
+    if len(eff) == 1:
+        return "none"
+    if len(eff) == 2:
+        return "ngram" if is_ngram[plan.levels[eff[0]]] else "draft"
+    return "cascade"
+
+
+class Planner:
+    """Picks a `Plan` per round for the best expected goodput; `planner(batch_size) -> Plan`.
+
+    Only the levels' names, `is_ngram` and `k` (the default plan) are used. `attach(engine)` subscribes
+    to the engine's measurements (`on_call`, `on_verify`); tests may call those hooks directly.
+
+    Stability: the current plan is kept unless another beats it by more than `hysteresis` (relative) on
+    `patience` consecutive calls, so noise cannot make it flap. Exploration: every `explore_every` calls,
+    the (verifier, drafter) pair (or plain decoding) measured least recently, if not within the last
+    `explore_every // 2` rounds, gets one round in the best plan containing it, so a switched-off level comes
+    back once its acceptance recovers. `table` = [(min_batch, max_batch, spec), ...] overrides where it
+    matches (first match); spec is a Plan, an int K (default plan's levels, each with K; 0 = plain), or a
+    string: 'none'/'plain', 'default', 'auto' (no override), 'ngram'/'draft'/'cascade' (best plan of that
+    regime) or a plan name like 'ngram:3>draft:4>target'.
+    """
+
+    def __init__(
+        self,
+        levels: Sequence[Level],
+        k_max: int = 8,
+        k_choices: Sequence[int] | None = None,
+        table: Sequence[tuple[int, int, Any]] | None = None,
+        hysteresis: float = 0.05,
+        patience: int = 3,
+        explore_every: int = 50,
+        decay: float = 0.9,
+        *,
+        overhead: float = 0.0,
+        ngram_cost: float = 0.0,
+        prior_alpha_model: float = 0.5,
+        prior_alpha_ngram: float = 0.3,
+        prior_cost_ratio: float = 0.1,
+        prior_target: tuple[float, float, float] = (1.0, 0.02, 0.0),
+        warmup: int = 2,
+    ) -> None:
+        if not levels:
+            raise ValueError("a planner needs at least the target level")
+        self.names = [lvl.name for lvl in levels]
+        self.is_ngram = [lvl.is_ngram for lvl in levels]
+        if self.is_ngram[-1] or any(self.is_ngram[1:]):
+            raise ValueError("only level 0 may be an n-gram, and the target must be a model")
+        self.top = len(levels) - 1
+        self.k_choices = tuple(sorted(set(k_choices))) if k_choices else tuple(range(1, k_max + 1))
+        if any(k < 1 for k in self.k_choices):
+            raise ValueError("k_choices must be >= 1 (plain decoding is always a candidate)")
+        self.hysteresis, self.patience, self.explore_every = hysteresis, patience, explore_every
+        self.overhead, self.ngram_cost, self.warmup = overhead, ngram_cost, warmup
+        self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
+        self.plain = Plan((self.top,), ())
+
+        fit_decay = decay**0.25  # the cost fit keeps a longer memory than the acceptance estimates
+        self.costs: dict[int, StepCost] = {self.top: StepCost(prior_target, decay=fit_decay, table_decay=decay)}
+        for i in range(self.top - 1, -1, -1):
+            if not self.is_ngram[i]:
+                ratio = prior_cost_ratio ** (self.top - i)
+                self.costs[i] = StepCost(self._scaled_prior(ratio), decay=fit_decay, table_decay=decay)
+        self.acceptance: dict[tuple[int, int], Acceptance] = {
+            (up, lo): Acceptance(prior_alpha_ngram if self.is_ngram[lo] else prior_alpha_model, decay=decay,
+                                 k_max=max(32, max(self.k_choices) + 1))
+            for lo, up in itertools.combinations(range(self.top + 1), 2)
+        }
+        self.candidates = self._enumerate()
+        self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
+
+        self._lock = threading.RLock()
+        self._current = self.default_plan
+        self._streak = 0
+        self._calls = 0
+        self._clock = 0  # target verify calls seen (~ engine rounds)
+        self._measured: dict[tuple[int, int] | str, int] = {}  # pair or "plain" -> clock of last measurement
+        self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
+        self._memo: dict[tuple, float] = {}  # predictions, cleared by every measurement
+        for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
+            plan = None if spec in REGIMES else self._parse(spec, lo)
+            if plan is not None and (plan.levels[-1] != self.top or max(plan.levels) > self.top):
+                raise ValueError(f"table entry {spec!r}: a plan must end with the target level")
+
+    # ----- wiring ---------------------------------------------------------------------------------
+    def attach(self, engine: CascadeEngine) -> Planner:
+        """Subscribe to `engine`'s live measurements (its level list must be the one given here)."""
+        if [lvl.name for lvl in engine.levels] != self.names:
+            raise ValueError("the engine's levels differ from the planner's")
+        if self not in engine.observers:
+            engine.observers.append(self)
+        return self
+
+    def _scaled_prior(self, ratio: float):
+        target = self.costs[self.top]
+        return lambda: tuple(ratio * c for c in target.coefficients)
+
+    def _enumerate(self) -> list[Plan]:
+        plans = [self.plain]
+        lower = list(range(self.top))
+        for r in range(1, len(lower) + 1):
+            for subset in itertools.combinations(lower, r):
+                for ks in itertools.product(self.k_choices, repeat=r):
+                    plans.append(Plan((*subset, self.top), ks))
+        return plans
+
+    # ----- measurements (engine observer hooks) ---------------------------------------------------
+    def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None:
+        """A timed worker call: kind 'propose' (tokens = sequential steps) or 'verify' (tokens = q)."""
+        with self._lock:
+            cost = self.costs.get(level)
+            if cost is None or tokens <= 0 or batch <= 0:
+                return
+            self._memo.clear()
+            if kind == "propose":
+                cost.observe(batch, 1, seconds / tokens, weight=float(tokens))
+            else:
+                cost.observe(batch, tokens, seconds)
+                if level == self.top:
+                    self._clock += 1
+                    if tokens == 1:
+                        self._measured["plain"] = self._clock
+
+    def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
+        """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call."""
+        with self._lock:
+            acc = self.acceptance.get((level, lower))
+            if acc is None:
+                return
+            last = self._measured.get((level, lower))
+            gap = 1.0 if last is None else float(self._clock - last)
+            # an n-gram drafts less than asked where it finds no match: the longest draft in the call
+            # is the best lower bound on what was asked (model drafters always fill their K)
+            proposed = max(draft_lens, default=0) if self.is_ngram[lower] else None
+            acc.observe(draft_lens, accepted, gap=gap, proposed=proposed)
+            self._memo.clear()
+            self._measured[(level, lower)] = self._clock
+
+    # ----- the model --------------------------------------------------------------------------------
+    def step_time(self, level: int, batch: int, tokens: int) -> float:
+        """Predicted seconds of one forward of `level` (memoised until the next measurement)."""
+        if self.is_ngram[level]:
+            return self.ngram_cost
+        key = ("t", level, batch, tokens)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = self.costs[level].predict(batch, tokens)
+        return t
+
+    def _elen(self, level: int, lower: int, k: int) -> float:
+        key = ("e", level, lower, k)
+        e = self._memo.get(key)
+        if e is None:
+            e = self._memo[key] = self.acceptance[(level, lower)].expected_length(k)
+        return e
+
+    def alphas(self, level: int, lower: int, k: int) -> list[float]:
+        """Current per-position acceptance estimates of `lower`'s drafts by `level`."""
+        return self.acceptance[(level, lower)].alphas(k)
+
+    def _produce(self, plan: Plan, i: int, batch: int, want: int) -> float:
+        """Expected seconds for plan.levels[i] to produce `want` tokens for the level above it."""
+        if want <= 0:
+            return 0.0
+        lvl = plan.levels[i]
+        if i == 0:
+            return self.ngram_cost if self.is_ngram[lvl] else want * self.step_time(lvl, batch, 1)
+        k_low = plan.k[i - 1]
+        e = self._elen(lvl, plan.levels[i - 1], k_low)
+        inner = math.ceil(want / e - 1e-9)
+        return inner * (self._produce(plan, i - 1, batch, k_low) + self.step_time(lvl, batch, k_low + 1))
+
+    def round_time(self, plan: Plan, batch: int) -> float:
+        """Expected seconds of one round of `plan` over `batch` sequences (module docstring)."""
+        if len(plan.levels) == 1 or plan.k[-1] == 0:
+            return self.step_time(self.top, batch, 1) + self.overhead
+        k = plan.k[-1]
+        return self._produce(plan, len(plan.levels) - 2, batch, k) + self.step_time(self.top, batch, k + 1) + (
+            self.overhead)
+
+    def expected_length(self, plan: Plan) -> float:
+        """Expected tokens committed per sequence per round."""
+        if len(plan.levels) == 1 or plan.k[-1] == 0:
+            return 1.0
+        return self._elen(self.top, plan.levels[-2], plan.k[-1])
+
+    def goodput(self, plan: Plan, batch: int) -> float:
+        """Expected committed tokens per second: E[L] * B / T_round."""
+        t = self.round_time(plan, batch)
+        return self.expected_length(plan) * batch / t if t > 0 else math.inf
+
+    def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
+        """Every candidate (and the current and default plans) with its predicted goodput, best first."""
+        with self._lock:
+            plans = list(self.candidates)
+            for extra in (self._current, self.default_plan):
+                if extra not in plans:
+                    plans.append(extra)
+            scored = [(p, self.goodput(p, max(1, batch_size))) for p in plans]
+        return sorted(scored, key=lambda x: (-x[1], len(x[0].levels), sum(x[0].k)))
+
+    # ----- choosing ---------------------------------------------------------------------------------
+    def regime_of(self, plan: Plan) -> str:
+        return regime_of(plan, self.is_ngram)
+
+    def plan_name(self, plan: Plan) -> str:
+        parts = [f"{self.names[i]}:{k}" for i, k in zip(plan.levels, plan.k)]
+        return ">".join([*parts, self.names[plan.levels[-1]]])
+
+    def _parse(self, spec: Any, batch: int) -> Plan | None:
+        """A table entry's plan at `batch` (None: no override)."""
+        if spec is None or isinstance(spec, Plan):
+            return spec
+        if isinstance(spec, int):
+            return self.plain if spec <= 0 else Plan(self.default_plan.levels, tuple(spec for _ in self.default_plan.k))
+        s = str(spec).strip()
+        if s == "auto":
+            return None
+        if s in ("none", "plain"):
+            return self.plain
+        if s == "default":
+            return self.default_plan
+        if s in REGIMES:
+            ranked = [p for p, _ in self.explain(batch) if self.regime_of(p) == s]
+            if not ranked:
+                raise ValueError(f"table entry {s!r}: no candidate plan of that regime")
+            return ranked[0]
+        levels, ks = [], []
+        parts = s.split(">")
+        for j, part in enumerate(parts):
+            name, _, k = part.partition(":")
+            if name not in self.names:
+                raise ValueError(f"table entry {s!r}: unknown level {name!r}")
+            levels.append(self.names.index(name))
+            if j < len(parts) - 1:
+                ks.append(int(k) if k else 0)
+        return Plan(tuple(levels), tuple(ks))
+
+    def _override(self, batch: int) -> Plan | None:
+        for lo, hi, spec in self.table:
+            if lo <= batch <= hi:
+                return self._parse(spec, batch)
+        return None
+
+    def _pairs(self, plan: Plan) -> list[tuple[int, int]]:
+        eff = _effective(plan)
+        return [(plan.levels[eff[j + 1]], plan.levels[eff[j]]) for j in range(len(eff) - 1)]
+
+    def _exploration(self, ranked: list[tuple[Plan, float]]) -> Plan | None:
+        """The best plan measuring the stalest pair not in the current plan, if it is stale enough."""
+        current = set(self._pairs(self._current)) | ({"plain"} if not self._pairs(self._current) else set())
+        items: list[tuple[int, int] | str] = ["plain", *self.acceptance]
+        stale = []
+        for item in items:
+            if item in current:
+                continue
+            last = self._measured.get(item)
+            age = math.inf if last is None else self._clock - last
+            if age >= self.explore_every // 2:  # measured anyway (e.g. by overridden requests): skip
+                stale.append((age, item))
+        if not stale:
+            return None
+        stale.sort(key=lambda x: -x[0])
+        for _, item in stale:
+            for p, _gp in ranked:
+                if (item == "plain" and not self._pairs(p)) or (item != "plain" and item in self._pairs(p)):
+                    return p
+        return None
+
+    def plan(self, batch_size: int) -> Plan:
+        """The plan for the next round over `batch_size` sequences (table, warm-up, hysteresis, exploration)."""
+        batch = max(1, int(batch_size))
+        with self._lock:
+            forced = self._override(batch)
+            if forced is not None:
+                self._last = (batch, forced)
+                return forced
+            self._calls += 1
+            ranked = self.explain(batch)
+            best, best_gp = ranked[0]
+            if self._clock < self.warmup:
+                # nothing measured yet: run the configured plan unless even the priors say it loses
+                start = self.default_plan if self.goodput(self.default_plan, batch) >= self.goodput(
+                    self.plain, batch) else best
+                self._current, self._streak = start, 0
+                self._last = (batch, start)
+                return start
+            if self.explore_every and self._calls % self.explore_every == 0:
+                probe = self._exploration(ranked)
+                if probe is not None:
+                    self._last = (batch, self._current)  # regime() reports the held plan, not the probe
+                    return probe
+            if best != self._current:
+                cur_gp = self.goodput(self._current, batch)
+                if best_gp > cur_gp * (1.0 + self.hysteresis):
+                    self._streak += 1
+                    if self._streak >= self.patience:
+                        self._current, self._streak = best, 0
+                else:
+                    self._streak = 0
+            else:
+                self._streak = 0
+            self._last = (batch, self._current)
+            return self._current
+
+    __call__ = plan
+
+    @property
+    def current(self) -> Plan:
+        """The plan the hysteresis currently holds (what plan() returns outside table/exploration rounds)."""
+        return self._current
+
+    def regime(self, batch_size: int) -> str:
+        """The regime for `batch_size` (for metrics): the plan held when plan() was last asked about this
+        batch size (exploration probes aside), else the table's or the best-ranked plan (no side effects)."""
+        batch = max(1, int(batch_size))
+        with self._lock:
+            if self._last is not None and self._last[0] == batch:
+                return self.regime_of(self._last[1])
+            forced = self._override(batch)
+            return self.regime_of(forced if forced is not None else self.explain(batch)[0][0])

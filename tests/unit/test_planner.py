@@ -1,0 +1,298 @@
+"""The planner on synthetic cost curves (a simulator stands in for the engine) and end to end on fakes."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from specray.coordinator.cascade import CascadeEngine, Level, Plan
+from specray.coordinator.generate import generate
+from specray.policy.cost import Acceptance, StepCost, linear_cost
+from specray.policy.planner import Planner
+from specray.spec.bound import expected_accepted_length_iid
+from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams, VerifyMethod
+from specray.testing.fake import FakeWorker
+
+CostFn = Callable[[int, int], float]
+
+
+def _dummy(name: str) -> FakeWorker:
+    return FakeWorker(name, vocab=8)
+
+
+def two_levels(k: int = 4) -> list[Level]:
+    return [Level("draft", worker=_dummy("draft"), k=k), Level("target", worker=_dummy("target"))]
+
+
+def three_levels() -> list[Level]:
+    return [
+        Level("ngram", ngram=NgramConfig(3, 1, 3)),
+        Level("mid", worker=_dummy("mid"), k=4),
+        Level("target", worker=_dummy("target")),
+    ]
+
+
+class Sim:
+    """Replays what `CascadeEngine.step` reports to its observers for a plan, from a ground truth:
+    cost curves per model level and an iid acceptance rate per (verifier, drafter) pair."""
+
+    def __init__(self, planner: Planner, costs: dict[int, CostFn], alpha: dict[tuple[int, int], float],
+                 noise: float = 0.0, seed: int = 0) -> None:
+        self.p, self.costs, self.alpha, self.noise = planner, costs, alpha, noise
+        self.rng = random.Random(seed)
+        self.is_ngram = planner.is_ngram
+
+    def _t(self, level: int, batch: int, q: int) -> float:
+        return self.costs[level](batch, q) * self.rng.uniform(1 - self.noise, 1 + self.noise)
+
+    def _accept(self, pair: tuple[int, int], n: int) -> int:
+        a = 0
+        while a < n and self.rng.random() < self.alpha[pair]:
+            a += 1
+        return a
+
+    def _verify(self, level: int, lower: int | None, lens: list[int]) -> tuple[list[int], float]:
+        dt = self._t(level, len(lens), max(lens, default=0) + 1)
+        self.p.on_call(level, "verify", len(lens), max(lens, default=0) + 1, dt)
+        acc = [self._accept((level, lower), n) if lower is not None else 0 for n in lens]
+        if lower is not None:
+            self.p.on_verify(level, lower, lens, acc)
+        return [a + 1 for a in acc], dt
+
+    def _produce(self, plan: Plan, ci: int, want: list[int]) -> float:
+        lvl = plan.levels[ci]
+        if ci == 0:
+            if self.is_ngram[lvl]:
+                return 0.0
+            steps = max(want, default=0)
+            dt = sum(self._t(lvl, len(want), 1) for _ in range(steps))
+            self.p.on_call(lvl, "propose", len(want), steps, dt)
+            return dt
+        total, outs = 0.0, [0] * len(want)
+        k_low = plan.k[ci - 1]
+        while True:
+            rows = [b for b in range(len(want)) if outs[b] < want[b]]
+            if not rows:
+                return total
+            sub = [max(0, min(k_low, want[b] - outs[b] - 1)) for b in rows]
+            if any(sub):
+                total += self._produce(plan, ci - 1, sub)
+            lower = plan.levels[ci - 1] if any(sub) else None
+            emitted, dt = self._verify(lvl, lower if lower is not None else plan.levels[ci - 1], sub)
+            total += dt
+            for b, e in zip(rows, emitted):
+                outs[b] += e
+
+    def round(self, plan: Plan, batch: int) -> tuple[int, float]:
+        """One round: (tokens committed over the batch, seconds)."""
+        if len(plan.levels) == 1 or plan.k[-1] == 0:
+            _, dt = self._verify(self.p.top, None, [0] * batch)
+            return batch, dt
+        dt = self._produce(plan, len(plan.levels) - 2, [plan.k[-1]] * batch)
+        emitted, dv = self._verify(self.p.top, plan.levels[-2], [plan.k[-1]] * batch)
+        return sum(emitted), dt + dv
+
+    def run(self, batch: int, rounds: int) -> list[Plan]:
+        chosen = []
+        for _ in range(rounds):
+            plan = self.p(batch)
+            chosen.append(plan)
+            self.round(plan, batch)
+        return chosen
+
+
+# ----- the models ---------------------------------------------------------------------------------------
+def test_step_cost_fits_cpu_and_gpu_shapes():
+    cpu, gpu = linear_cost(0.01, 0.004), linear_cost(0.02, 0.0)
+    for truth in (cpu, gpu):
+        c = StepCost()
+        for b, q in [(1, 1), (1, 5), (4, 5), (8, 1), (16, 9)]:
+            for _ in range(3):
+                c.observe(b, q, truth(b, q))
+        for b, q in [(2, 3), (32, 1), (64, 9)]:
+            assert c.predict(b, q) == pytest.approx(truth(b, q), rel=0.05)
+        assert min(c.coefficients) >= 0
+
+
+def test_step_cost_extrapolates_from_one_point_with_prior_shape():
+    c = StepCost(prior=(1.0, 0.0, 0.0))  # flat prior
+    assert c.predict(8, 5) == pytest.approx(1.0)
+    c.observe(1, 5, 0.03)
+    assert c.predict(1, 5) == pytest.approx(0.03, rel=0.02)
+    assert c.predict(4, 1) == pytest.approx(0.03, rel=0.05)  # the measured level, the prior's shape
+
+
+def test_acceptance_estimates_and_expected_length():
+    rng = random.Random(0)
+    acc = Acceptance(prior_mean=0.5, decay=0.99)
+    assert acc.alphas(3) == [0.5, 0.5, 0.5]
+    for _ in range(300):
+        lens = [4] * 8
+        accepted = []
+        for n in lens:
+            a = 0
+            while a < n and rng.random() < 0.8:
+                a += 1
+            accepted.append(a)
+        acc.observe(lens, accepted)
+    assert all(abs(a - 0.8) < 0.05 for a in acc.alphas(6))  # positions 5, 6 borrow the pooled rate
+    assert acc.expected_length(4) == pytest.approx(expected_accepted_length_iid(0.8, 4), rel=0.05)
+    # a draft of n with a accepted: trials at 1..min(a+1, n), successes at 1..a
+    one = Acceptance(prior_strength=0.0, pos_strength=1e-9)
+    one.observe([3, 3], [3, 1])
+    assert list(one.trials[:3]) == [2, 2, 1] and list(one.successes[:3]) == [2, 1, 1]
+    # an n-gram that found no match (or a shorter one) for a row: a rejection at the next position
+    ng = Acceptance(decay=1.0)
+    ng.observe([0, 2, 4], [0, 2, 1], proposed=4)
+    assert list(ng.trials[:4]) == [3, 2, 1, 0] and list(ng.successes[:4]) == [2, 1, 0, 0]
+
+
+def test_goodput_formulas():
+    p = Planner(three_levels(), decay=1.0)
+    p.costs[2] = StepCost(prior=(1.0, 0.0, 0.0))
+    p.costs[1] = StepCost(prior=(0.2, 0.0, 0.0))
+    for pair, alpha in {(2, 1): 0.8, (1, 0): 0.5, (2, 0): 0.6}.items():
+        acc = p.acceptance[pair]
+        acc.prior_mean, acc.prior_strength, acc.pos_strength = alpha, 1.0, 1.0
+    assert p.goodput(p.plain, 4) == pytest.approx(4.0)
+    e = expected_accepted_length_iid(0.8, 3)
+    assert p.goodput(Plan((1, 2), (3,)), 1) == pytest.approx(e / (3 * 0.2 + 1.0))
+    assert p.goodput(Plan((0, 2), (5,)), 1) == pytest.approx(expected_accepted_length_iid(0.6, 5))
+    inner = -(-4 // expected_accepted_length_iid(0.5, 2))  # ceil(K1 / E_mid(K0))
+    assert p.round_time(Plan((0, 1, 2), (2, 4)), 1) == pytest.approx(inner * 0.2 + 1.0)
+
+
+# ----- choices on synthetic curves -------------------------------------------------------------------------
+def test_batch_one_speculates_with_cheap_accurate_drafter():
+    p = Planner(two_levels())
+    sim = Sim(p, {1: linear_cost(0.02, 0.0), 0: linear_cost(0.004, 0.0)}, {(1, 0): 0.8})
+    sim.run(1, 100)
+    plan = p.current
+    assert p.regime(1) == "draft" and plan.levels == (0, 1) and plan.k[0] >= 3
+    assert p.alphas(1, 0, 1)[0] == pytest.approx(0.8, abs=0.15)
+
+
+def test_large_compute_bound_batch_decodes_plainly():
+    p = Planner(two_levels())
+    sim = Sim(p, {1: linear_cost(0.01, 0.002), 0: linear_cost(0.001, 0.0002)}, {(1, 0): 0.8})
+    sim.run(64, 60)
+    assert p.current == Plan((1,), ())
+    assert p.regime(64) == "none"
+
+
+def test_cascade_regimes_shift_with_batch_size():
+    p = Planner(three_levels())
+    truth = {2: linear_cost(0.1, 0.004), 1: linear_cost(0.01, 0.0004)}
+    sim = Sim(p, truth, {(2, 0): 0.9, (2, 1): 0.8, (1, 0): 0.9})
+    sim.run(1, 150)
+    assert p.regime(1) in ("cascade", "ngram", "draft")
+    assert p.goodput(p.current, 1) > 1.3 * p.goodput(p.plain, 1)
+    sim.run(512, 100)  # the free n-gram at K=1 stops paying at B ~ 0.9*0.1 / (0.1*0.004) = 225
+    assert p.regime(512) == "none"
+    assert p.current == p.plain
+
+
+def test_hysteresis_holds_under_noise_and_follows_a_real_change():
+    p = Planner(two_levels())
+    sim = Sim(p, {1: linear_cost(0.02, 0.0005), 0: linear_cost(0.003, 0.0001)}, {(1, 0): 0.9}, noise=0.2)
+    sim.run(4, 50)
+    switches, prev = 0, p.current
+    for _ in range(500):
+        sim.run(4, 1)
+        switches += p.current != prev
+        prev = p.current
+    assert p.current.levels == (0, 1)
+    assert switches < 5
+    sim.alpha[(1, 0)] = 0.1  # the drafter stops matching the target
+    for _ in range(60):
+        sim.run(4, 1)
+        if p.current == p.plain:
+            break
+    assert p.current == p.plain
+
+
+def test_exploration_brings_a_level_back():
+    p = Planner(two_levels(), explore_every=20)
+    sim = Sim(p, {1: linear_cost(0.02, 0.0), 0: linear_cost(0.003, 0.0)}, {(1, 0): 0.05})
+    sim.run(2, 80)
+    assert p.current == p.plain
+    sim.alpha[(1, 0)] = 0.9
+    chosen = sim.run(2, 100)
+    assert any(c.levels == (0, 1) for c in chosen[:25])  # a probe round measured it
+    assert p.current.levels == (0, 1)
+
+
+def test_table_override_wins():
+    table = [(2, 4, Plan((0, 1), (2,))), (5, 8, "none"), (9, 16, 3), (17, 32, "draft:6>target")]
+    p = Planner(two_levels(), table=table)
+    assert p(2) == Plan((0, 1), (2,))
+    assert p(6) == p.plain and p.regime(6) == "none"
+    assert p(10) == Plan((0, 1), (3,))
+    assert p(20) == Plan((0, 1), (6,))
+    # no entry: the planner, warming up on priors that favour the configured plan at small batch only
+    assert p(1) == p.default_plan
+    assert p(64) == p.plain
+    with pytest.raises(ValueError):
+        Planner(two_levels(), table=[(1, 2, "nosuch:3>target")])
+    with pytest.raises(ValueError):
+        Planner(two_levels(), table=[(1, 2, Plan((0,), ()))])
+
+
+# ----- end to end on fake workers ---------------------------------------------------------------------------
+def test_end_to_end_planner_switching_keeps_greedy_outputs():
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 1, 2, 3, 4, 5], [0], [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3]]
+
+    def levels() -> list[Level]:
+        return [
+            Level("ngram", ngram=NgramConfig(3, 1, 3)),
+            Level("d", worker=FakeWorker("d", vocab=16, order=2, table_seed=0, noise=0.6, noise_seed=3), k=3),
+            Level("target", worker=FakeWorker("target", vocab=16, order=2, table_seed=0),
+                  method=VerifyMethod.GREEDY),
+        ]
+
+    plain = generate([levels()[-1]], prompts, max_tokens=60, ignore_eos=True)
+    engine = CascadeEngine(levels())
+    # no hysteresis and frequent probes, so the plan changes between rounds
+    planner = Planner(engine.levels, k_max=5, hysteresis=0.0, patience=1, explore_every=3, decay=0.995)
+    planner.attach(engine)
+    rec = Recorder()
+    engine.observers.append(rec)
+    assert planner in engine.observers
+    seqs = [engine.new_sequence(p, SamplingParams(temperature=0.0), 60) for p in prompts]
+    used = set()
+    while any(not s.finished for s in seqs):
+        plan = planner(sum(not s.finished for s in seqs))
+        used.add(plan)
+        engine.step(seqs, plan)
+    assert [s.output for s in seqs] == [r.token_ids for r in plain.results]
+    assert len(used) > 1
+    # the planner's estimate of alpha_1 approaches the acceptance the engine reported, per pair (an
+    # n-gram row that drafted nothing while another row of its call did counts as a rejection)
+    checked = 0
+    for (level, lower), calls in rec.calls.items():
+        outcomes = []
+        for lens, accepted in calls:
+            for n, a in zip(lens, accepted):
+                if n > 0:
+                    outcomes.append(a >= 1)
+                elif lower == 0 and max(lens) > 0:
+                    outcomes.append(False)
+        if len(outcomes) >= 30:
+            measured = sum(outcomes) / len(outcomes)
+            assert planner.alphas(level, lower, 1)[0] == pytest.approx(measured, abs=0.1), (level, lower)
+            checked += 1
+    assert checked >= 1
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: dict[tuple[int, int], list[tuple[list[int], list[int]]]] = {}
+
+    def on_call(self, level, kind, batch, tokens, seconds) -> None:
+        pass
+
+    def on_verify(self, level, lower, draft_lens, accepted) -> None:
+        self.calls.setdefault((level, lower), []).append((list(draft_lens), list(accepted)))
