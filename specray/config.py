@@ -117,11 +117,29 @@ class ServerConfig(_Strict):
     log_prompts: bool = Field(False, description="Write prompts to the logs (off: only sizes are logged).")
 
 
+class PolicyConfig(_Strict):
+    """How the plan (active levels, K per level) is chosen each round for requests without an override."""
+
+    adaptive: bool = Field(
+        True, description="Pick the plan with the best live goodput for the current batch each round; off: always "
+        "the configured levels and K."
+    )
+    k_max: int = Field(8, ge=1, le=32, description="Largest K the planner considers per level.")
+    hysteresis: float = Field(0.05, ge=0, description="Relative goodput gain needed to switch plans.")
+    patience: int = Field(3, ge=1, description="Rounds a better plan must keep winning before a switch.")
+    explore_every: int = Field(50, ge=2, description="Rounds between probes of levels not in the current plan.")
+    table: list[tuple[int, int, int | str]] | None = Field(
+        None, description="Static override [[min_batch, max_batch, plan], ...]: plan is K (0 = plain), 'none', "
+        "'ngram', 'draft', 'cascade' or a plan name like 'ngram:3>draft:4>target'; first match wins."
+    )
+
+
 class AppConfig(_Strict):
-    """Everything `build_app` needs: the cascade and the server."""
+    """Everything `build_app` needs: the cascade, the server and the policy."""
 
     cascade: CascadeConfig
     server: ServerConfig = Field(default_factory=ServerConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> AppConfig:

@@ -63,6 +63,8 @@ class SpecMetrics:
                                 registry=r)
         self.plan_sequences = Gauge("specray_plan_sequences", "Sequences that ran each plan in the last round.",
                                     ["model_name", "plan"], registry=r)
+        self.regime = Gauge("specray_regime", "1 for the planner's current regime (cascade/draft/ngram/none).",
+                            ["model_name", "regime"], registry=r)
         self._last_plans: set[str] = set()
 
     # ----- recording ------------------------------------------------------------------------------
@@ -89,8 +91,13 @@ class SpecMetrics:
                 if count:
                     self.accepted_per_pos.labels(m, level, str(pos)).inc(count)
 
-    def observe_round(self, batch_size: int, plan_sizes: Mapping[str, int], seconds: float) -> None:
+    def observe_round(
+        self, batch_size: int, plan_sizes: Mapping[str, int], seconds: float, regime: str | None = None
+    ) -> None:
         m = self.model_name
+        if regime is not None:
+            for name in ("cascade", "draft", "ngram", "none"):
+                self.regime.labels(m, name).set(1.0 if name == regime else 0.0)
         self.batch_size.labels(m).set(batch_size)
         for plan in list(self._last_plans):
             if plan not in plan_sizes:

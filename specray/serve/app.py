@@ -71,8 +71,15 @@ class Coordinator:
         self.vocab_size = target.vocab_size
         self.model_name = server.model_name
         self.metrics = SpecMetrics(model_name=self.model_name)
+        self.planner = None
+        pol = self.config.policy
+        if pol.adaptive and len(levels) > 1:
+            from specray.policy.planner import Planner
+
+            self.planner = Planner(levels, k_max=pol.k_max, table=pol.table, hysteresis=pol.hysteresis,
+                                   patience=pol.patience, explore_every=pol.explore_every).attach(self.engine)
         self.scheduler = Scheduler(
-            self.engine, self.tokenizer, max_batch_size=server.max_batch_size,
+            self.engine, self.tokenizer, max_batch_size=server.max_batch_size, planner=self.planner,
             pipeline=server.pipeline and not server.in_process,
             stop_token_ids=getattr(target, "eos_token_ids", ()) or (), on_round=self._on_round,
         )
@@ -101,7 +108,9 @@ class Coordinator:
 
     # ----- metrics --------------------------------------------------------------------------------
     def _on_round(self, batch: int, plan_sizes: Mapping[Any, int], seconds: float) -> None:
-        self.metrics.observe_round(batch, {self.engine.plan_name(p): n for p, n in plan_sizes.items()}, seconds)
+        regime = self.planner.regime(batch) if self.planner is not None else None
+        self.metrics.observe_round(batch, {self.engine.plan_name(p): n for p, n in plan_sizes.items()}, seconds,
+                                   regime=regime)
 
     # ----- core request path ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
