@@ -1,0 +1,478 @@
+"""Model levels as Ray actors: one actor per level, with that level's own resources.
+
+- `LevelActor` holds one worker (built inside the actor from a picklable zero-arg factory, so the
+  weights never travel) and exposes the worker protocol 1:1. It is a plain class; `ray.remote` is
+  applied only in `launch_levels`.
+- `ActorWorker` is the client side: it implements the same protocol over the actor handle, so
+  `CascadeEngine` drives a remote level exactly like an in-process one. Ray failures become
+  `LevelUnavailable`, which the coordinator can act on (drop the level, or re-add its sequences).
+- `launch_levels` reserves one placement group for all model levels, starts the actors, checks that
+  their tokenizers agree, and returns ready-to-use `Level`s. N-gram levels stay in the coordinator.
+
+Restart semantics: actors run with max_restarts=-1 and max_task_retries=0. A killed actor is restarted
+by Ray with a fresh, empty worker (every sequence is lost); calls in flight or made during the restart
+raise `LevelUnavailable`, and the first call after the restart that names a lost sequence raises
+`LevelRestarted`. Retrying is the coordinator's decision, never Ray's: a silent retry of `verify`
+on a half-updated worker would not be safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from specray.config import CascadeConfig, LevelConfig
+from specray.coordinator.cascade import Level
+from specray.engine.models import TokenizerMismatchError
+from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, Worker, WorkerStats
+from specray.serve.placement import actor_options, bundle_nodes, in_bundle, level_bundle, reserve
+from specray.spec.params import SamplingParams, VerifyMethod
+
+WorkerFactory = Callable[[], Worker]
+
+_BUNDLE_RE = re.compile(r"_group_(\d+)_[0-9a-f]+$")
+
+
+class LevelUnavailable(RuntimeError):
+    """A level's actor is dead, restarting or did not answer in time; its sequences may be gone."""
+
+    def __init__(self, level: str, reason: str) -> None:
+        super().__init__(f"level {level!r} is unavailable: {reason}")
+        self.level = level
+
+
+class LevelRestarted(LevelUnavailable):
+    """The level's actor was restarted by Ray: it answers again, but every sequence it held is lost."""
+
+
+class LevelStartError(RuntimeError):
+    """A level's actor could not be created or did not become ready."""
+
+
+# ------------------------------------------------------------------------------------------ server side
+
+
+class LevelActor:
+    """One model level inside a Ray actor: builds its worker in-process and serves the protocol 1:1.
+
+    Protocol dataclasses are returned as they are; Ray pickles them (tensors in `probs` go through the
+    object store).
+    """
+
+    def __init__(self, factory: WorkerFactory, num_threads: int | None = None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)  # before the model is built, so every op uses it
+        self.worker = factory()
+        self.incarnation = uuid.uuid4().hex  # changes on every (re)start; lets clients detect restarts
+        tok = getattr(self.worker, "tokenizer", None)
+        fingerprint = eos_id = None
+        if tok is not None:
+            from specray.engine.models import tokenizer_fingerprint
+
+            fingerprint, eos_id = tokenizer_fingerprint(tok), getattr(tok, "eos_token_id", None)
+        self._static = {
+            "name": self.worker.name,
+            "vocab_size": int(self.worker.vocab_size),
+            "max_context": getattr(self.worker, "max_context", None),
+            "eos_token_ids": [int(t) for t in getattr(self.worker, "eos_token_ids", ()) or ()],
+            "tokenizer_fingerprint": fingerprint,
+            "tokenizer_eos_id": eos_id,
+            "has_tokenizer": tok is not None,
+        }
+
+    # ----- protocol -------------------------------------------------------------------------------
+    def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        self.worker.add(seq_id, prompt_ids)
+
+    def free(self, seq_id: str) -> None:
+        self.worker.free(seq_id)
+
+    def free_many(self, seq_ids: Sequence[str]) -> None:
+        """Free several sequences in one call (finished sequences are freed together)."""
+        for s in seq_ids:
+            self.worker.free(s)
+
+    def rollback(self, seq_id: str, length: int) -> None:
+        self.worker.rollback(seq_id, length)
+
+    def propose(
+        self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
+        mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
+    ) -> DraftProposal:
+        return self.worker.propose(seq_ids, k, sampling, mode=mode, salt=salt, sync=sync)
+
+    def verify(
+        self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
+        sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
+        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False,
+    ) -> VerifyResult:
+        return self.worker.verify(seq_ids, draft_ids, draft_probs, sampling, method, salt=salt, sync=sync,
+                                  return_probs=return_probs)
+
+    def stats(self) -> WorkerStats:
+        return self.worker.stats()
+
+    # ----- introspection --------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """Static facts of the worker plus where this process runs (node, pid, placement bundle)."""
+        ctx = ray.get_runtime_context()
+        return {
+            **self._static,
+            "node_id": ctx.get_node_id(),
+            "pid": os.getpid(),
+            "placement_group_id": ctx.get_placement_group_id(),
+            "bundle_index": _bundle_index(ctx),
+            "resources": ctx.get_assigned_resources(),
+            "num_threads": torch.get_num_threads(),
+            "incarnation": self.incarnation,
+            "reconstructed": _reconstructed(ctx),
+        }
+
+    def get_tokenizer(self) -> Any:
+        """The worker's tokenizer object (pickled), so a coordinator on another node needs no model files."""
+        return getattr(self.worker, "tokenizer", None)
+
+    def ping(self) -> str:
+        return self.incarnation
+
+
+def _reconstructed(ctx: Any) -> bool:
+    with warnings.catch_warnings():  # the property uses a deprecated accessor internally (Ray 2.60)
+        warnings.simplefilter("ignore")
+        return bool(ctx.was_current_actor_reconstructed)
+
+
+def _bundle_index(ctx: Any) -> int | None:
+    """The bundle this actor's resources came from, read from Ray's PG-formatted resource names
+    (CPU_group_<index>_<pg id>); the public `get_assigned_resources` strips exactly that part."""
+    try:
+        raw = ctx.worker.core_worker.resource_ids()
+    except Exception:
+        return None
+    for key in raw:
+        m = _BUNDLE_RE.search(key)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+# ------------------------------------------------------------------------------------------ client side
+
+
+class ActorWorker:
+    """The worker protocol over a `LevelActor` handle (blocking `ray.get`; `*_async` variants await).
+
+    Static facts (name, vocab size, context, eos ids, tokenizer fingerprint) are read once from
+    `info()`. Remote methods are resolved once here, not looked up by name on every call.
+    """
+
+    def __init__(
+        self, handle: Any, timeout_s: float | None = None, info: dict[str, Any] | None = None, level: str | None = None
+    ) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+        self._add, self._free, self._free_many = handle.add, handle.free, handle.free_many
+        self._rollback, self._propose, self._verify = handle.rollback, handle.propose, handle.verify
+        self._stats, self._info, self._ping = handle.stats, handle.info, handle.ping
+        self.level: str = level or "?"  # for error messages until info() answers
+        self.name: str = self.level
+        self._info_cache = info if info is not None else self._get(self._info.remote())
+        i = self._info_cache
+        self.name = i["name"]
+        self.level = level or self.name  # the cascade's name for this level (in errors)
+        self.vocab_size: int = i["vocab_size"]
+        self.max_context: int | None = i["max_context"]
+        self.eos_token_ids: tuple[int, ...] = tuple(i["eos_token_ids"])
+        self.tokenizer_fingerprint: str | None = i["tokenizer_fingerprint"]
+        self.incarnation: str = i["incarnation"]
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """Fetched from the actor on first use (the coordinator may not have the model files)."""
+        if self._tokenizer is None and self._info_cache.get("has_tokenizer"):
+            self._tokenizer = self._get(self.handle.get_tokenizer.remote())
+        return self._tokenizer
+
+    # ----- error mapping --------------------------------------------------------------------------
+    def _failed(self, exc: BaseException) -> BaseException:
+        """Turn a Ray failure into the exception the coordinator should see."""
+        if isinstance(exc, RayActorError):
+            return LevelUnavailable(self.level, f"{type(exc).__name__}: {_first_line(exc)}")
+        if isinstance(exc, GetTimeoutError):
+            return LevelUnavailable(self.level, f"no answer within {self.timeout_s}s")
+        if isinstance(exc, RayTaskError) and isinstance(exc.cause, KeyError) and self.check_restarted():
+            return LevelRestarted(self.level, "its actor was restarted and lost every sequence; re-add them")
+        return exc
+
+    def check_restarted(self) -> bool:
+        """True (once) if the actor is a new incarnation since we last looked; then its state is empty."""
+        try:
+            now = ray.get(self._ping.remote(), timeout=self.timeout_s)
+        except (RayActorError, GetTimeoutError):
+            return False
+        if now != self.incarnation:
+            self.incarnation = now
+            return True
+        return False
+
+    def _get(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except (RayActorError, GetTimeoutError, RayTaskError) as e:
+            mapped = self._failed(e)
+            if mapped is e:
+                raise  # an application error (ValueError, KeyError, ...) keeps its type
+            raise mapped from e
+
+    async def _aget(self, ref: Any) -> Any:
+        """Await a call; no timeout here (wrap in asyncio.wait_for if needed)."""
+        try:
+            return await ref
+        except (RayActorError, RayTaskError) as e:
+            mapped = self._failed(e)
+            if mapped is e:
+                raise
+            raise mapped from e
+
+    # ----- protocol (blocking) --------------------------------------------------------------------
+    def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        self._get(self._add.remote(seq_id, list(prompt_ids)))
+
+    def free(self, seq_id: str) -> None:
+        self._get(self._free.remote(seq_id))
+
+    def free_many(self, seq_ids: Sequence[str]) -> None:
+        self._get(self._free_many.remote(list(seq_ids)))
+
+    def rollback(self, seq_id: str, length: int) -> None:
+        self._get(self._rollback.remote(seq_id, length))
+
+    def propose(
+        self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
+        mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
+    ) -> DraftProposal:
+        return self._get(self._propose.remote(list(seq_ids), list(k), list(sampling), mode, salt, _opt(sync)))
+
+    def verify(
+        self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
+        sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
+        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False,
+    ) -> VerifyResult:
+        return self._get(self._verify.remote(
+            list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method, salt, _opt(sync),
+            return_probs,
+        ))
+
+    def stats(self) -> WorkerStats:
+        return self._get(self._stats.remote())
+
+    def info(self) -> dict[str, Any]:
+        """Fresh info (node, pid, incarnation, ...) from the actor."""
+        return self._get(self._info.remote())
+
+    def ping(self) -> str:
+        return self._get(self._ping.remote())
+
+    # ----- protocol (asyncio) ---------------------------------------------------------------------
+    async def add_async(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        await self._aget(self._add.remote(seq_id, list(prompt_ids)))
+
+    async def free_many_async(self, seq_ids: Sequence[str]) -> None:
+        await self._aget(self._free_many.remote(list(seq_ids)))
+
+    async def propose_async(
+        self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
+        mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
+    ) -> DraftProposal:
+        return await self._aget(self._propose.remote(list(seq_ids), list(k), list(sampling), mode, salt, _opt(sync)))
+
+    async def verify_async(
+        self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
+        sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
+        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False,
+    ) -> VerifyResult:
+        return await self._aget(self._verify.remote(
+            list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method, salt, _opt(sync),
+            return_probs,
+        ))
+
+    async def stats_async(self) -> WorkerStats:
+        return await self._aget(self._stats.remote())
+
+    def __repr__(self) -> str:
+        return f"ActorWorker({self.level!r}, node={str(self._info_cache.get('node_id'))[:8]})"
+
+
+def _opt(sync: Sequence[SeqSync | None] | None) -> list[SeqSync | None] | None:
+    return None if sync is None else list(sync)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last line of a remote traceback: the original exception ("RuntimeError: weights not found")."""
+    lines = [x for x in str(exc).strip().splitlines() if x.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+# ------------------------------------------------------------------------------------------ launcher
+
+
+@dataclass
+class LaunchedCascade:
+    """The running cascade: `levels` feed `CascadeEngine`; `shutdown()` kills the actors and frees the PG."""
+
+    levels: list[Level]
+    actors: dict[str, Any]  # level name -> actor handle (model levels only)
+    workers: dict[str, ActorWorker]
+    placement_group: PlacementGroup | None
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)  # level name -> info() at start-up
+    tokenizer_fingerprint: str | None = None
+
+    def shutdown(self) -> None:
+        """Kill every actor (no restart) and remove the placement group; idempotent."""
+        for handle in self.actors.values():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors.clear()
+        if self.placement_group is not None:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:
+                pass
+            self.placement_group = None
+
+    def __enter__(self) -> LaunchedCascade:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def default_factory(cfg: LevelConfig) -> WorkerFactory:
+    """The production factory of a model level: `create_worker(cfg)`, run inside the actor."""
+    from specray.coordinator.generate import create_worker
+
+    return functools.partial(create_worker, cfg)
+
+
+def launch_levels(
+    cfg: CascadeConfig,
+    factories: Sequence[WorkerFactory | None] | None = None,
+    name_prefix: str | None = "specray",
+    namespace: str | None = None,
+    placement_timeout_s: float = 60.0,
+    start_timeout_s: float = 600.0,
+    call_timeout_s: float | None = None,
+) -> LaunchedCascade:
+    """Start one actor per model level (in one placement group) and return the cascade's `Level`s.
+
+    factories: aligned with `cfg.levels`; None (or a None entry) uses `create_worker(level config)`.
+    Entries of n-gram levels are ignored: those levels run in the caller's process.
+    name_prefix: actors are named "<prefix>.<level>" (None: anonymous). Raises `PlacementError` if the
+    bundles cannot be reserved within `placement_timeout_s`, `LevelStartError` if an actor fails to
+    start, and `TokenizerMismatchError` if two model levels disagree on the tokenizer; nothing stays
+    running after an error.
+    """
+    from specray.coordinator.generate import level_from_config
+
+    if factories is not None and len(factories) != len(cfg.levels):
+        raise ValueError(f"factories must be aligned with the {len(cfg.levels)} levels, got {len(factories)}")
+    model_idx = [i for i, lc in enumerate(cfg.levels) if lc.kind != "ngram"]
+    names = [cfg.levels[i].display_name for i in model_idx]
+    pg = None
+    if cfg.placement.enabled:
+        pg_name = f"{name_prefix}.pg" if name_prefix else None
+        pg = reserve(names, [level_bundle(cfg.levels[i]) for i in model_idx], cfg.placement.strategy,
+                     placement_timeout_s, name=pg_name)
+    launched = LaunchedCascade([], {}, {}, pg)
+    try:
+        remote_cls = ray.remote(LevelActor)
+        for j, i in enumerate(model_idx):
+            lc = cfg.levels[i]
+            factory = (factories[i] if factories is not None else None) or default_factory(lc)
+            threads = lc.num_threads or max(1, round(lc.num_cpus))
+            opts = actor_options(lc)
+            if name_prefix:
+                opts["name"] = f"{name_prefix}.{lc.display_name}"
+            if namespace is not None:
+                opts["namespace"] = namespace
+            launched.actors[lc.display_name] = remote_cls.options(
+                max_restarts=-1, max_task_retries=0, scheduling_strategy=in_bundle(pg, j), **opts,
+            ).remote(factory, threads)
+        infos = _wait_ready(launched.actors, start_timeout_s)
+        launched.info = infos
+        launched.tokenizer_fingerprint = _check_tokenizers(infos)
+        if pg is not None:
+            where = bundle_nodes(pg)
+            for j, name in enumerate(names):
+                infos[name]["expected_bundle_index"] = j
+                infos[name]["bundle_node_id"] = where.get(j)
+        for lc in cfg.levels:
+            if lc.kind == "ngram":
+                launched.levels.append(level_from_config(lc))
+                continue
+            w = ActorWorker(launched.actors[lc.display_name], timeout_s=call_timeout_s, info=infos[lc.display_name],
+                            level=lc.display_name)
+            launched.workers[lc.display_name] = w
+            launched.levels.append(level_from_config(lc, worker=w))
+    except BaseException:
+        launched.shutdown()
+        raise
+    return launched
+
+
+def _wait_ready(actors: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """info() of every actor, waited for together (models load in parallel)."""
+    refs = {name: h.info.remote() for name, h in actors.items()}
+    pending = list(refs.values())
+    ready, pending = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+    if pending:
+        slow = [n for n, r in refs.items() if r in pending]
+        raise LevelStartError(f"levels {slow} did not become ready within {timeout_s:.0f}s "
+                              "(model still loading, or their resources are not available)")
+    out = {}
+    for name, ref in refs.items():
+        try:
+            out[name] = ray.get(ref)
+        except (RayActorError, RayTaskError) as e:
+            raise LevelStartError(f"level {name!r} failed to start: {_first_line(e)} ... {_last_line(e)}") from e
+    return out
+
+
+def _check_tokenizers(infos: dict[str, dict[str, Any]]) -> str | None:
+    """All model levels that have a tokenizer must share it (vocab and eos), else draft ids are meaningless."""
+    named = [(n, i) for n, i in infos.items() if i.get("tokenizer_fingerprint")]
+    if not named:
+        return None
+    ref_name, ref = named[0]
+    for name, i in named[1:]:
+        if i["tokenizer_fingerprint"] != ref["tokenizer_fingerprint"]:
+            raise TokenizerMismatchError(
+                f"models {ref_name!r} and {name!r} do not share a tokenizer (vocab fingerprints "
+                f"{ref['tokenizer_fingerprint'][:12]} vs {i['tokenizer_fingerprint'][:12]}), so draft token ids "
+                "cannot be verified across them"
+            )
+        if i["tokenizer_eos_id"] != ref["tokenizer_eos_id"]:
+            raise TokenizerMismatchError(
+                f"models {ref_name!r} and {name!r} do not share a tokenizer: eos id {ref['tokenizer_eos_id']} "
+                f"vs {i['tokenizer_eos_id']}"
+            )
+    return ref["tokenizer_fingerprint"]

@@ -1,0 +1,259 @@
+"""Level actors on a real single-node Ray: protocol round trips, exact cascades over actors, placement,
+restart after a kill, and placement errors."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+
+from specray.config import CascadeConfig, LevelConfig, PlacementConfig
+from specray.coordinator.cascade import Level
+from specray.coordinator.generate import generate
+from specray.engine.hf import HFWorker
+from specray.engine.models import TokenizerMismatchError
+from specray.engine.protocol import DraftMode, SeqSync
+from specray.serve.actors import ActorWorker, LevelRestarted, LevelStartError, LevelUnavailable, launch_levels
+from specray.serve.placement import PlacementError
+from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams, VerifyMethod
+from specray.testing.fake import FakeWorker
+from tests.ray.conftest import local_ray
+
+pytestmark = pytest.mark.ray
+
+RESOURCES = {"draft": 4, "target": 4, "accelerator_type:T4": 1}
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 1, 2, 3, 4, 5], [0], [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3]]
+G = SamplingParams(seed=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray():
+    with local_ray(num_cpus=12, resources=RESOURCES):
+        yield
+
+
+def fake(name: str, noise: float = 0.0, seed: int = 1) -> functools.partial:
+    """A picklable factory of the FakeWorker used by tests/unit/test_cascade.py."""
+    return functools.partial(FakeWorker, name, vocab=16, order=2, table_seed=0, noise=noise, noise_seed=seed)
+
+
+def level(name: str, **kw) -> LevelConfig:
+    kw.setdefault("num_cpus", 0.5)
+    return LevelConfig(kind="hf", model="fake", name=name, **kw)
+
+
+FAKES = {"d1": (1.0, 3), "d2": (0.4, 4), "target": (0.0, 1)}
+
+
+@pytest.fixture(scope="module")
+def fakes():
+    """Three fake model levels in actors, launched once and shared (actor start-up dominates test time)."""
+    cfg = CascadeConfig(levels=[level(name) for name in FAKES])
+    with launch_levels(cfg, [fake(n, *FAKES[n]) for n in FAKES], name_prefix="fakes") as lc:
+        yield lc
+
+
+def fake_cascade(setup: str, method: VerifyMethod, workers) -> list[Level]:
+    """The cascades of the in-process fake tests; `workers`: level name -> worker (actor or in-process)."""
+    ngram = {"draft": None, "cascade3": NgramConfig(2, 1, 3), "models3": None}[setup]
+    chain = {"draft": [("d2", 3)], "cascade3": [("d2", 4)], "models3": [("d1", 2), ("d2", 5)]}[setup]
+    levels = [Level("ngram", ngram=ngram)] if ngram else []
+    levels += [Level(n, worker=workers[n], k=k, method=method) for n, k in chain]
+    return [*levels, Level("target", worker=workers["target"], method=method)]
+
+
+def in_process() -> dict[str, FakeWorker]:
+    return {n: fake(n, *FAKES[n])() for n in FAKES}
+
+
+def test_protocol_round_trip_matches_in_process_worker(fakes):
+    remote, local = fakes.workers["target"], in_process()["target"]
+    assert (remote.name, remote.vocab_size, remote.max_context, remote.eos_token_ids) == ("target", 16, 4096, ())
+    for w in (remote, local):
+        w.add("a", [1, 2, 3])
+        w.add("b", [4, 5])
+    results = []
+    for w in (remote, local):
+        r = [w.propose(["a", "b"], [3, 1], [G, G]).token_ids]
+        r.append(w.verify(["a", "b"], [[1, 2], []], None, [G, G], VerifyMethod.GREEDY,
+                          sync=[SeqSync(3), SeqSync(2, (7,))]).token_ids)
+        prop = w.propose(["a"], [2], [SamplingParams(temperature=0.8, seed=3)], mode=DraftMode.RANDOM)
+        r.append(prop.token_ids)
+        r.append(prop.probs)
+        w.rollback("a", 4)
+        r.append(w.verify(["a"], [[5]], None, [G], VerifyMethod.GREEDY, return_probs=True).probs)
+        r.append(w.stats())
+        results.append(r)
+    for x, y in zip(*results):
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)  # tensors came through the object store
+        else:
+            assert x == y
+    assert remote.stats().live_sequences == 2
+    remote.free_many(["a", "b", "never-added"])
+    assert remote.stats().live_sequences == 0
+    with pytest.raises(KeyError, match="unknown sequence"):  # application errors keep their type
+        remote.verify(["zzz"], [[]], None, [G], VerifyMethod.GREEDY)
+    with pytest.raises(ValueError, match="already exists"):
+        remote.add("c", [1])
+        remote.add("c", [1])
+
+    async def go():
+        await remote.add_async("x", [1, 2, 3])
+        p = await remote.propose_async(["x"], [4], [G])
+        v = await remote.verify_async(["x"], [p.token_ids[0]], None, [G], VerifyMethod.GREEDY, sync=[SeqSync(3)])
+        await remote.free_many_async(["x"])
+        return p, v, await remote.stats_async()
+
+    p, v, st = asyncio.run(go())
+    assert v.num_accepted == [4] and st.live_sequences == 1  # "c" is still there
+    remote.free("c")
+    assert remote.ping() == remote.incarnation
+
+
+@pytest.mark.parametrize("setup", ["draft", "cascade3", "models3"])
+def test_cascade_over_actors_equals_in_process(setup, fakes):
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(len(PROMPTS))]
+    for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.REJECTION, sp), (VerifyMethod.COUPLED, sp)]:
+        want = generate(fake_cascade(setup, method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
+                        ignore_eos=True)
+        got = generate(fake_cascade(setup, method, fakes.workers), PROMPTS, max_tokens=20, sampling=sampling,
+                       ignore_eos=True)
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], (setup, method)
+        assert got.stats["target"].as_dict() == want.stats["target"].as_dict()
+        assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())  # everything freed
+
+
+def test_hf_cascades_over_actors_equal_plain_greedy(tiny):
+    def hf(name: str, path, **kw) -> LevelConfig:
+        return LevelConfig(kind="hf", model=str(path), name=name, dtype="float32", num_cpus=1, **kw)
+
+    target = HFWorker(str(tiny.target_dir), name="t", dtype="float32")
+    prompts = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The quick brown", "Hello"]
+    plain = generate([Level("t", worker=target)], prompts, max_tokens=16, ignore_eos=True)
+    cfg = CascadeConfig(levels=[
+        hf("small", tiny.draft_dirs["small"], num_speculative_tokens=2),
+        hf("mid", tiny.draft_dirs["mid"], num_speculative_tokens=4),
+        hf("t", tiny.target_dir),
+    ])
+    with launch_levels(cfg, name_prefix="hf3") as lc:  # default factories: create_worker inside the actors
+        assert len({i["tokenizer_fingerprint"] for i in lc.info.values()}) == 1
+        assert lc.levels[-1].worker.tokenizer.encode("Hello") == target.tokenizer.encode("Hello")
+        got = generate(lc.levels, prompts, max_tokens=16, ignore_eos=True)  # text: tokenizer from the actor
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in plain.results]
+        assert [r.text for r in got.results] == [r.text for r in plain.results]
+        assert got.stats["t"].accepted_tokens > 0 and got.stats["mid"].accepted_tokens > 0
+        # ngram -> mid -> target, reusing the running actors
+        levels = [Level("ngram", ngram=NgramConfig(3, 1, 3)), *lc.levels[1:]]
+        got = generate(levels, prompts, max_tokens=16, ignore_eos=True)
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in plain.results]
+
+
+def test_tokenizer_mismatch_fails_at_startup(tiny, tmp_path):
+    from specray.testing.tiny import build_tiny_model, train_tokenizer
+
+    other = build_tiny_model(tmp_path / "other", train_tokenizer(tmp_path / "tok1", variant=1), seed=0)
+    cfg = CascadeConfig(levels=[
+        LevelConfig(kind="hf", model=str(other), name="odd-draft", dtype="float32", num_cpus=0.5),
+        LevelConfig(kind="hf", model=str(tiny.target_dir), name="target", dtype="float32", num_cpus=0.5),
+    ])
+    with pytest.raises(TokenizerMismatchError, match="odd-draft.*target"):
+        launch_levels(cfg, name_prefix="mismatch")
+    assert not [a for a in ray.util.list_named_actors() if a.startswith("mismatch.")]  # cleaned up
+
+
+def test_each_level_lands_in_its_bundle_with_its_resources():
+    cfg = CascadeConfig(
+        levels=[LevelConfig(kind="ngram"),
+                level("d", num_cpus=1, resources={"draft": 1}),
+                level("t", num_cpus=2, resources={"target": 2}, accelerator_type="T4", num_threads=2)],
+        placement=PlacementConfig(strategy="STRICT_PACK"),
+    )
+    with launch_levels(cfg, [None, fake("d", 0.5), fake("target")], name_prefix="pl") as lc:
+        names = set(ray.util.list_named_actors())
+        assert lc.levels[0].is_ngram and set(lc.actors) == {"d", "t"}
+        pg_id = lc.placement_group.id.hex()
+        for j, (name, res) in enumerate([("d", {"CPU": 1, "draft": 1}),
+                                         ("t", {"CPU": 2, "target": 2, "accelerator_type:T4": 0.001})]):
+            info = lc.workers[name].info()
+            assert info["placement_group_id"] == pg_id
+            assert info["bundle_index"] == j == lc.info[name]["expected_bundle_index"]
+            assert info["node_id"] == lc.info[name]["bundle_node_id"]
+            assert info["resources"] == pytest.approx(res)
+        assert lc.info["t"]["num_threads"] == 2 and lc.info["d"]["num_threads"] == 1
+        assert {"pl.d", "pl.t"} <= names
+    assert not [a for a in ray.util.list_named_actors() if a.startswith("pl.")]
+    # without a placement group the actors still get their resources
+    cfg.placement.enabled = False
+    with launch_levels(cfg, [None, fake("d", 0.5), fake("target")], name_prefix=None) as lc:
+        info = lc.workers["t"].info()
+        assert info["placement_group_id"] is None and info["resources"]["target"] == 2
+        assert generate(lc.levels, PROMPTS[:1], max_tokens=5, ignore_eos=True).results[0].token_ids
+
+
+def test_killed_level_is_restarted_and_reports_lost_sequences():
+    cfg = CascadeConfig(levels=[level("d2", num_speculative_tokens=3), level("target")])
+    with launch_levels(cfg, [fake("d2", *FAKES["d2"]), fake("target")], name_prefix="kill") as lc:
+        w = lc.workers["target"]
+        w.add("a", [1, 2, 3])
+        pid = lc.info["target"]["pid"]
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        errors: list[LevelUnavailable] = []
+        while time.monotonic() - t0 < 60:
+            try:
+                w.verify(["a"], [[]], None, [G], VerifyMethod.GREEDY)
+                pytest.fail("a sequence survived the restart")
+            except LevelRestarted as e:
+                errors.append(e)
+                break
+            except LevelUnavailable as e:  # dead or restarting
+                errors.append(e)
+                time.sleep(0.1)
+        assert isinstance(errors[-1], LevelRestarted), errors
+        assert "'target'" in str(errors[-1])
+        info = w.info()
+        assert info["pid"] != pid and info["reconstructed"] and info["incarnation"] == w.incarnation
+        assert w.stats().live_sequences == 0
+        # the level serves again: a fresh generation through the same ActorWorkers is exact
+        want = generate(fake_cascade("draft", VerifyMethod.GREEDY, in_process()), PROMPTS, max_tokens=12,
+                        ignore_eos=True)
+        got = generate(lc.levels, PROMPTS, max_tokens=12, ignore_eos=True)
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
+
+
+def test_unsatisfiable_placement_fails_fast_with_a_clear_error():
+    cfg = CascadeConfig(levels=[level("d"), level("t", resources={"no-such-gpu": 1})])
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"'t' \(bundle 1\).*no-such-gpu"):
+        launch_levels(cfg, [fake("d"), fake("target")], name_prefix="bad", placement_timeout_s=2)
+    assert time.monotonic() - t0 < 10
+    assert [pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == "bad.pg"] == ["REMOVED"]
+    # two levels cannot be on different nodes of a one-node cluster
+    cfg = CascadeConfig(levels=[level("d"), level("t")], placement=PlacementConfig(strategy="STRICT_SPREAD"))
+    with pytest.raises(PlacementError, match="STRICT_SPREAD"):
+        launch_levels(cfg, [fake("d"), fake("target")], name_prefix="bad2", placement_timeout_s=1)
+
+
+def _broken() -> FakeWorker:
+    raise RuntimeError("weights not found")
+
+
+def test_a_level_that_cannot_start_is_a_clear_error():
+    cfg = CascadeConfig(levels=[level("d"), level("t")])
+    with pytest.raises(LevelStartError, match="'t' failed to start.*weights not found"):
+        launch_levels(cfg, [fake("d"), _broken], name_prefix="broken", start_timeout_s=60)
+    assert not [a for a in ray.util.list_named_actors() if a.startswith("broken.")]
+
+
+def test_actor_worker_fits_the_protocol(fakes):
+    from specray.engine.protocol import Worker
+
+    assert all(isinstance(w, Worker) and isinstance(w, ActorWorker) for w in fakes.workers.values())
