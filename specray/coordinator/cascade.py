@@ -14,6 +14,8 @@ worker, an in-process `HFWorker` or a Ray actor proxy all fit.
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +25,16 @@ import torch
 from specray.engine.protocol import DraftMode, SeqSync, Worker
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
+
+
+class LevelCallError(RuntimeError):
+    """A worker call of one level failed; `level` is its index. Below the target the engine drops the level
+    and retries the round without it (exact: drafts are only proposals); the target failing is fatal to the
+    round's requests."""
+
+    def __init__(self, level: int, name: str, cause: BaseException) -> None:
+        super().__init__(f"level {name!r} failed: {type(cause).__name__}: {cause}")
+        self.level, self.name, self.cause = level, name, cause
 
 
 @dataclass
@@ -49,6 +61,9 @@ class Level:
     @property
     def is_ngram(self) -> bool:
         return self.ngram is not None
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,6 +155,7 @@ class Sequence_:
     # per level: mirror of the worker's tokens, and a length known to agree with the canonical tokens
     mirror: dict[int, list[int]] = field(default_factory=dict)
     agreed: dict[int, int] = field(default_factory=dict)
+    epoch: dict[int, int] = field(default_factory=dict)  # the level's epoch when the mirror was made
 
     @property
     def output(self) -> list[int]:
@@ -181,6 +197,12 @@ class CascadeEngine:
         #: accepted) — live measurements for the planner (kind "propose": tokens = autoregressive steps;
         #: "verify": tokens = the longest draft + 1, fed in one forward)
         self.observers: list = []
+        # failure handling: a level that fails is skipped until `retry_after_s` passed and it answers again;
+        # its epoch is bumped so every sequence re-adds itself there (a restarted actor lost them all)
+        self.retry_after_s = 2.0
+        self.epoch = [0] * len(levels)
+        self.down: dict[int, float] = {}  # level -> monotonic time of the next health probe
+        self._lock = threading.Lock()
 
     def plan_name(self, plan: Plan) -> str:
         """A short label, e.g. 'ngram:4>draft:4>target' or 'target' (plain decoding)."""
@@ -208,7 +230,10 @@ class CascadeEngine:
         for i in list(seq.mirror):
             worker = self.levels[i].worker
             if worker is not None:
-                worker.free(seq.seq_id)
+                try:
+                    worker.free(seq.seq_id)
+                except Exception as exc:  # a dead or restarted level has lost the sequence anyway
+                    log.debug("free of %s on %s failed: %s", seq.seq_id, self.levels[i].name, exc)
             del seq.mirror[i]
 
     # ----- one round -----------------------------------------------------------------------------
@@ -227,6 +252,63 @@ class CascadeEngine:
         active = [s for s in seqs if not s.finished]
         if not active:
             return [[] for _ in seqs]
+        for _ in range(len(self.levels)):
+            try:
+                new_by_id = self._round(active, self._available(plan), method)
+                break
+            except LevelCallError as exc:
+                if exc.level == self.top:
+                    raise
+                self._mark_down(exc.level, exc)
+        else:  # pragma: no cover - every draft level failed in turn; the target alone cannot fail over
+            raise RuntimeError("no plan could run")
+        return [new_by_id.get(s.seq_id, []) for s in seqs]
+
+    def _available(self, plan: Plan) -> Plan:
+        """The plan without levels that are down (probing those whose retry time has come)."""
+        if not self.down:
+            return plan
+        keep = []
+        for i, k in zip(plan.levels[:-1], plan.k):
+            if i in self.down and not self._probe(i):
+                continue
+            keep.append((i, k))
+        return Plan((*[i for i, _ in keep], self.top), tuple(k for _, k in keep))
+
+    def _probe(self, i: int) -> bool:
+        with self._lock:
+            if i not in self.down:
+                return True
+            if time.monotonic() < self.down[i]:
+                return False
+            self.down[i] = time.monotonic() + self.retry_after_s  # one prober at a time
+        try:
+            self.levels[i].worker.stats()
+        except Exception:
+            return False
+        with self._lock:
+            self.down.pop(i, None)
+        log.warning("level %r is back in the cascade", self.levels[i].name)
+        return True
+
+    def _mark_down(self, i: int, exc: BaseException) -> None:
+        with self._lock:
+            self.epoch[i] += 1
+            self.down[i] = time.monotonic() + self.retry_after_s
+        log.warning("dropping level %r from the cascade until it answers again: %s", self.levels[i].name, exc)
+
+    def level_status(self) -> dict[str, str]:
+        return {lv.name: ("down" if i in self.down else "up") for i, lv in enumerate(self.levels)}
+
+    def _call(self, i: int, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LevelCallError:
+            raise
+        except Exception as exc:
+            raise LevelCallError(i, self.levels[i].name, exc) from exc
+
+    def _round(self, active: list[Sequence_], plan: Plan, method: VerifyMethod | None) -> dict[str, list[int]]:
         chain = list(plan.levels)
         ks = dict(zip(chain[:-1], plan.k))
         bases = [s.tokens for s in active]
@@ -243,7 +325,7 @@ class CascadeEngine:
             committed = self._commit(s, toks)
             new_by_id[s.seq_id] = committed
             s.stats.setdefault(self.top, LevelStats()).record(len(d), nacc, len(toks))
-        return [new_by_id.get(s.seq_id, []) for s in seqs]
+        return new_by_id
 
     def _commit(self, s: Sequence_, toks: list[int]) -> list[int]:
         out = []
@@ -263,16 +345,26 @@ class CascadeEngine:
         worker = self.levels[level].worker
         assert worker is not None
         mirror = s.mirror.get(level)
-        if mirror is None:
-            worker.add(s.seq_id, s.tokens[: s.prompt_len])
+        if mirror is None or s.epoch.get(level) != self.epoch[level]:
+            if mirror is not None:  # the level failed since: it may or may not still hold the sequence
+                self._call(level, self._free_quietly, worker, s.seq_id)
+            self._call(level, worker.add, s.seq_id, s.tokens[: s.prompt_len])
             mirror = s.mirror[level] = s.tokens[: s.prompt_len]
             s.agreed[level] = s.prompt_len
+            s.epoch[level] = self.epoch[level]
         keep = _lcp(mirror, desired, s.agreed.get(level, 0))
         sync = SeqSync(keep, tuple(desired[keep:]))
         del mirror[keep:]
         mirror.extend(desired[keep:])
         s.agreed[level] = min(len(s.tokens), len(mirror))
         return sync
+
+    @staticmethod
+    def _free_quietly(worker: Worker, seq_id: str) -> None:
+        try:
+            worker.free(seq_id)
+        except Exception:
+            pass
 
     def _produce(
         self, chain: list[int], ci: int, seqs: list[Sequence_], bases: list[list[int]], want: list[int],
@@ -288,8 +380,8 @@ class CascadeEngine:
         if ci == 0:
             syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
             t0 = time.perf_counter()
-            prop = lvl.worker.propose(
-                [s.seq_id for s in seqs], want, [s.sampling for s in seqs],
+            prop = self._call(
+                i, lvl.worker.propose, [s.seq_id for s in seqs], want, [s.sampling for s in seqs],
                 mode=DraftMode.for_method(self._method(chain[ci + 1], i, override)), salt=i, sync=syncs,
             )
             for ob in self.observers:
@@ -347,8 +439,8 @@ class CascadeEngine:
         syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
         method = self._method(i, lower, override)
         t0 = time.perf_counter()
-        res = worker.verify(
-            [s.seq_id for s in seqs], drafts, probs if method == VerifyMethod.REJECTION else None,
+        res = self._call(
+            i, worker.verify, [s.seq_id for s in seqs], drafts, probs if method == VerifyMethod.REJECTION else None,
             [s.sampling for s in seqs], method, salt=i, sync=syncs, return_probs=return_probs,
         )
         dt = time.perf_counter() - t0

@@ -226,3 +226,74 @@ def test_worker_verify_ragged_batch_and_rollback():
     w.free("a")
     w.free("b")
     assert w.stats().live_sequences == 0
+
+
+class Dying(FakeWorker):
+    """A drafter whose calls fail while `dead` is set, and which forgets every sequence when it 'restarts'."""
+
+    dead = False
+
+    def _check(self):
+        if self.dead:
+            raise ConnectionError(f"{self.name} is down")
+
+    def propose(self, *a, **kw):
+        self._check()
+        return super().propose(*a, **kw)
+
+    def verify(self, *a, **kw):
+        self._check()
+        return super().verify(*a, **kw)
+
+    def add(self, *a, **kw):
+        self._check()
+        return super().add(*a, **kw)
+
+    def stats(self):
+        self._check()
+        return super().stats()
+
+    def restart(self):
+        self._seqs.clear()
+        self.dead = False
+
+
+@pytest.mark.parametrize("which", ["bottom", "middle"])
+def test_a_failing_draft_level_is_dropped_and_taken_back_exactly(which):
+    small = Dying("small", vocab=16, order=2, table_seed=0, noise=1.0, noise_seed=5)
+    mid = Dying("mid", vocab=16, order=2, table_seed=0, noise=0.4, noise_seed=6)
+    lv = [Level("small", worker=small, k=2), Level("mid", worker=mid, k=4), Level("target", worker=target())]
+    eng = CascadeEngine(lv)
+    eng.retry_after_s = 0.0
+    victim = small if which == "bottom" else mid
+    seqs = [eng.new_sequence(p, SamplingParams(), 40) for p in PROMPTS]
+    r = 0
+    while any(not s.finished for s in seqs):
+        if r == 2:
+            victim.dead = True
+        if r == 5:
+            assert eng.level_status()[victim.name] == "down"
+            victim.restart()  # back, with no sequences: they are re-added
+            calls_at_restart = len(victim.calls)
+        eng.step(seqs)
+        r += 1
+    assert eng.level_status()[victim.name] == "up"
+    ref = generate([Level("target", worker=target())], PROMPTS, max_tokens=40, ignore_eos=True)
+    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
+    assert len(victim.calls) > calls_at_restart  # it was taken back into the cascade
+    for s in seqs:
+        eng.release(s)
+    assert victim.stats().live_sequences == 0 and lv[2].worker.stats().live_sequences == 0
+
+
+def test_target_failure_is_raised():
+    t = Dying("target", vocab=16, order=2)
+    eng = CascadeEngine([Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("target", worker=t)])
+    s = eng.new_sequence([1, 2, 3], SamplingParams(), 10)
+    eng.step([s])
+    t.dead = True
+    from specray.coordinator.cascade import LevelCallError
+
+    with pytest.raises(LevelCallError) as ei:
+        eng.step([s])
+    assert ei.value.level == 1 and "target" in str(ei.value)
