@@ -36,7 +36,7 @@ def test_counters_are_sums_of_request_stats_and_parse_as_prometheus_text():
     for r in reqs:
         m.observe_request(r, "length", 10, 20, ttft=0.1, e2e=1.0)
     s = samples(m)
-    key = lambda name, **lb: (name, tuple(sorted({"model_name": "x", **lb}.items())))  # noqa: E731
+    key = lambda name, **lb: (name, tuple(sorted({"model_name": "x", **lb}.items())))
     assert s[key("spec_decode_num_draft_tokens_total", level="target")] == 20
     assert s[key("spec_decode_num_accepted_tokens_total", level="target")] == 15
     assert s[key("spec_decode_num_drafts_total", level="mid")] == 5
