@@ -1,0 +1,33 @@
+"""`specray generate` and `specray models list` end to end on tiny models (no downloads)."""
+
+from __future__ import annotations
+
+import json
+
+from specray.cli import main
+
+
+def test_generate_prints_text_and_per_level_stats(tiny, capsys):
+    rc = main(["generate", "--model", str(tiny.target_dir), "--draft", str(tiny.draft_dirs["mid"]), "--ngram",
+               "--dtype", "float32", "--max-tokens", "12", "--k", "3", "--k", "4", "def fibonacci(n):"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert out.strip()
+    assert "tok/s" in err and "accepted" in err and "mean acceptance length" in err
+    assert str(tiny.target_dir) in err  # per-level lines are named after the levels
+
+
+def test_generate_json_plain_equals_speculative(tiny, capsys):
+    base = ["generate", "--model", str(tiny.target_dir), "--dtype", "float32", "--max-tokens", "10", "--json"]
+    main([*base, "--plain", "Hello world"])
+    plain = json.loads(capsys.readouterr().out)
+    main([*base, "--draft", str(tiny.draft_dirs["mid"]), "Hello world"])
+    spec = json.loads(capsys.readouterr().out)
+    assert plain["results"][0]["token_ids"] == spec["results"][0]["token_ids"]
+    assert spec["tokens_per_s"] > 0
+
+
+def test_models_list(capsys):
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2.5-coder-0.5b-instruct" in out and "smollm2-135m-instruct" in out
