@@ -7,58 +7,13 @@ tests/ray/test_app.py runs the same API through Ray Serve with one actor per lev
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from specray.config import AppConfig
 from specray.serve.app import Coordinator
-from specray.serve.http import build_http_app
-
-MODEL = "tiny-cascade"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def app_config(tiny, **server) -> AppConfig:
-    return AppConfig.model_validate({
-        "cascade": {"levels": [
-            {"kind": "ngram", "num_speculative_tokens": 3},
-            {"kind": "hf", "model": str(tiny.draft_dirs["mid"]), "name": "mid", "dtype": "float32",
-             "num_speculative_tokens": 4},
-            {"kind": "hf", "model": str(tiny.target_dir), "name": "target", "dtype": "float32"},
-        ]},
-        "server": {"model_name": MODEL, "in_process": True, **server},
-    })
-
-
-class Server:
-    def __init__(self, coord: Coordinator) -> None:
-        import uvicorn
-
-        self.port = _free_port()
-        self.coord = coord
-        config = uvicorn.Config(build_http_app(coord), host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+from tests.e2e.conftest import MODEL, Server, app_config
 
 
 @pytest.fixture(scope="module")
