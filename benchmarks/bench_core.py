@@ -53,13 +53,13 @@ def alphas(st: LevelStats) -> list[float]:
     return out
 
 
-def run_specray(levels, prompts_ids, max_tokens):
+def run_specray(levels, prompts_ids, max_tokens, plan=None):
     t0 = time.perf_counter()
     batch = None
     toks = 0
     stats: dict[str, LevelStats] = {}
     for ids in prompts_ids:  # batch 1: one prompt at a time
-        batch = generate(levels, [ids], max_tokens=max_tokens)
+        batch = generate(levels, [ids], max_tokens=max_tokens, plan=plan)
         toks += len(batch.results[0].token_ids)
         for k, v in batch.stats.items():
             stats.setdefault(k, LevelStats()).merge(v)
@@ -86,11 +86,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--sets", nargs="+", default=list(SETS))
     ap.add_argument("--configs", nargs="+",
-                    default=["plain", "ngram", "draft", "cascade", "hf_plain", "hf_assisted", "hf_lookup"])
+                    default=["plain", "ngram", "draft", "cascade", "adaptive", "hf_plain", "hf_assisted", "hf_lookup"])
     ap.add_argument("--k-ngram", type=int, default=8, help="n-gram K (standalone n-gram plan)")
     ap.add_argument("--k-draft", type=int, default=4, help="draft-model K (standalone draft plan)")
     ap.add_argument("--k-cascade", type=int, nargs=2, default=[6, 8], help="K of n-gram and 0.5B in the cascade")
     ap.add_argument("--hf-lookup-k", type=int, default=10, help="HF prompt_lookup_num_tokens (its default is 10)")
+    ap.add_argument("--k-max", type=int, default=8, help="largest K the adaptive planner considers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -113,6 +114,12 @@ def main() -> None:
                             Level("draft", worker=draft, k=args.k_cascade[1], method=M),
                             Level("target", worker=target, method=M)],
     }
+    from specray.coordinator.cascade import CascadeEngine
+    from specray.policy.planner import Planner
+
+    adaptive_levels = plans["cascade"]()
+    adaptive_engine = CascadeEngine(adaptive_levels)
+    adaptive_planner = Planner(adaptive_levels, k_max=args.k_max).attach(adaptive_engine)
     # warm up both models and the code paths
     warm = chat_ids(tok, "Say hi.")
     generate(plans["cascade"](), [warm], max_tokens=8)
@@ -123,8 +130,13 @@ def main() -> None:
         prompts_ids = [chat_ids(tok, p) for p in SETS[set_name]]
         rows = {}
         for cfg in args.configs:
-            if cfg in plans:
-                n, dt, stats = run_specray(plans[cfg](), prompts_ids, args.max_tokens)
+            if cfg in plans or cfg == "adaptive":
+                if cfg == "adaptive":  # the live goodput planner picks levels and K every round
+                    n, dt, stats = run_specray(adaptive_engine, prompts_ids, args.max_tokens, adaptive_planner)
+                    print(f"  adaptive planner now holds {adaptive_planner.plan_name(adaptive_planner.current)}",
+                          file=sys.stderr)
+                else:
+                    n, dt, stats = run_specray(plans[cfg](), prompts_ids, args.max_tokens)
                 top = stats.get("target", LevelStats())
                 row = {"tokens": n, "seconds": dt, "tok_s": n / dt,
                        "stats": {k: v.as_dict() for k, v in stats.items()},

@@ -466,13 +466,17 @@ class GenerationResult:
 
 
 def run_to_completion(
-    engine: CascadeEngine, seqs: list[Sequence_], plan: Plan | None = None,
+    engine: CascadeEngine, seqs: list[Sequence_], plan: Plan | Callable[[int], Plan] | None = None,
     on_tokens: Callable[[Sequence_, list[int]], None] | None = None,
 ) -> None:
-    """Step until every sequence finishes, then free them on every level."""
+    """Step until every sequence finishes, then free them on every level.
+
+    `plan` may be a callable (a planner): it is asked for the plan of every round with the batch size.
+    """
     try:
         while any(not s.finished for s in seqs):
-            new = engine.step(seqs, plan)
+            this = plan(sum(not s.finished for s in seqs)) if callable(plan) else plan
+            new = engine.step(seqs, this)
             if on_tokens is not None:
                 for s, toks in zip(seqs, new):
                     if toks:

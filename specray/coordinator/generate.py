@@ -6,7 +6,7 @@ process. Plain decoding is the target alone (or `plain=True`), through the same 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specray.config import CascadeConfig, LevelConfig
@@ -85,7 +85,7 @@ def generate(
     *,
     max_tokens: int = 64,
     sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-    plan: Plan | None = None,
+    plan: Plan | Callable[[int], Plan] | None = None,
     plain: bool = False,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
@@ -94,8 +94,9 @@ def generate(
 ) -> Batch:
     """Generate for a batch of prompts (text or token ids) with the cascade; returns tokens, text, stats.
 
-    `plain=True` runs the target alone (plain decoding, same loop). `chat=True` wraps text prompts in the
-    tokenizer's chat template. Greedy output equals plain greedy output token for token; at temperature
+    `plain=True` runs the target alone (plain decoding, same loop). `plan` is a fixed `Plan` or a planner
+    (a callable batch size -> Plan, e.g. `specray.policy.planner.Planner(levels).attach(engine)`).
+    `chat=True` wraps text prompts in the tokenizer's chat template. Greedy output equals plain greedy output token for token; at temperature
     > 0 the output is an exact sample from the target.
     """
     engine = levels if isinstance(levels, CascadeEngine) else CascadeEngine(levels)
