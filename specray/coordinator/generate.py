@@ -96,8 +96,8 @@ def generate(
 
     `plain=True` runs the target alone (plain decoding, same loop). `plan` is a fixed `Plan` or a planner
     (a callable batch size -> Plan, e.g. `specray.policy.planner.Planner(levels).attach(engine)`).
-    `chat=True` wraps text prompts in the tokenizer's chat template. Greedy output equals plain greedy output token for token; at temperature
-    > 0 the output is an exact sample from the target.
+    `chat=True` wraps text prompts in the tokenizer's chat template. Greedy output equals plain greedy
+    output token for token; at temperature > 0 the output is an exact sample from the target.
     """
     engine = levels if isinstance(levels, CascadeEngine) else CascadeEngine(levels)
     if plain:

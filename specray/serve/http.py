@@ -11,12 +11,15 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specray.coordinator.scheduler import Request as GenRequest
 from specray.coordinator.scheduler import RequestError
@@ -51,9 +54,117 @@ if TYPE_CHECKING:
 log = logging.getLogger("specray")
 
 
+class _ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: error messages may quote request text, which can hold lone surrogates
+    (valid JSON escapes such as "\\ud800") that cannot be encoded as UTF-8."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_response_body(message, type=type_, param=param, code=code), status_code=status)
+           code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return _ErrorResponse(error_response_body(message, type=type_, param=param, code=code), status_code=status,
+                          headers=headers)
+
+
+def _json_problem(data: bytes) -> str | None:
+    """Why the body is not a JSON object (None when it is one). Checked before FastAPI parses it, so the
+    client learns the actual reason (FastAPI reports nesting/number-size errors only as "error parsing")."""
+    if not data.strip():
+        return "The request body is empty; send a JSON object."
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"The request body is not valid UTF-8 (invalid byte at offset {exc.start})."
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})."
+    except RecursionError:
+        return "The request body is not acceptable JSON: it is nested too deeply."
+    except ValueError as exc:  # e.g. an integer literal with more digits than Python allows
+        return f"The request body is not acceptable JSON: {exc}."
+    if not isinstance(obj, dict):
+        return f"The request body must be a JSON object, not a JSON {type(obj).__name__}."
+    return None
+
+
+_JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class _RequestGuard:
+    """ASGI middleware in front of the routes: API key, content type, body size and body encoding.
+
+    The body of a POST is read here, at most `max_request_bytes` of it, whether or not a Content-Length came
+    with it (chunked transfer has none, and a declared length is checked before anything is read), then
+    handed to the app in one piece. Error answers end the connection when the body was not read out."""
+
+    def __init__(self, app: ASGIApp, coord: Coordinator) -> None:
+        self.app, self.coord = app, coord
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        coord, path = self.coord, scope["path"]
+        headers = Headers(scope=scope)
+        if coord.api_key and path.startswith("/v1/"):
+            auth = headers.get("authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), coord.api_key.encode()):
+                await _reject(scope, receive, send, 401, "Missing or invalid API key: send 'Authorization: Bearer "
+                              "<key>'.", "authentication_error", code="invalid_api_key")
+                return
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        limit = coord.config.server.max_request_bytes
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await _reject(scope, receive, send, 413, f"Request body of {length} bytes exceeds the limit of {limit} "
+                          "bytes." if length.isdigit() else "Invalid Content-Length header.")
+            return
+        ctype = headers.get("content-type")
+        media = (ctype or "").split(";", 1)[0].strip().lower()
+        json_route = path in _JSON_ROUTES
+        if json_route and media != "application/json":
+            got = f"got {ctype!r}" if ctype else "none was sent"
+            await _reject(scope, receive, send, 415, f"Content-Type must be application/json ({got}).")
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _reject(scope, receive, send, 413, f"Request body exceeds the limit of {limit} bytes.")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if json_route and (problem := _json_problem(body)) is not None:
+            await _ErrorResponse(error_response_body(problem), status_code=400)(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only the disconnect is left to wait for
+
+        await self.app(scope, replay, send)
+
+
+async def _reject(scope: Scope, receive: Receive, send: Send, status: int, message: str,
+                  type_: str = "invalid_request_error", code: str | None = None) -> None:
+    """An error sent before the body was read: close the connection rather than read the rest of it."""
+    await _error(status, message, type_, code=code, headers={"Connection": "close"})(scope, receive, send)
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -66,49 +177,67 @@ def build_http_app(coord: Coordinator) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         status, body = validation_error_to_openai(exc)
-        return JSONResponse(body, status_code=status)
+        return _ErrorResponse(body, status_code=status)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        path = request.url.path
-        if coord.api_key and path.startswith("/v1/"):
-            auth = request.headers.get("authorization", "")
-            given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), coord.api_key.encode()):
-                return _error(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                              "authentication_error", code="invalid_api_key")
-        if request.method == "POST":
-            limit = coord.config.server.max_request_bytes
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > limit:
-                return _error(413, f"Request body of {length} bytes exceeds the limit of {limit} bytes.")
-            ctype = request.headers.get("content-type", "")
-            if path.startswith("/v1/") and "json" not in ctype.lower():
-                return _error(415 if ctype else 400, "Content-Type must be application/json.")
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette/FastAPI's own errors (unknown path, wrong method, unparsable body) as OpenAI bodies."""
+        status, method, path = exc.status_code, request.method, request.url.path
+        if status == 404:
+            message, code = f"Unknown path: {method} {path}.", "not_found"
+        elif status == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message, code = f"Method {method} is not allowed on {path}; allowed: {allowed}.", "method_not_allowed"
+        else:
+            message, code = f"{exc.detail}.", None
+        return _error(status, message, param=None, code=code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """A bug, not a bad request: log it and answer 500 with an OpenAI body (never a bare text page)."""
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return _error(500, "The server had an error while processing the request.", "server_error",
+                      code="internal_error")
+
+    app.add_middleware(_RequestGuard, coord=coord)
 
     def check_model(model: str) -> JSONResponse | None:
         if model != coord.model_name:
-            return JSONResponse(model_not_found_body(model), status_code=404)
+            return _ErrorResponse(model_not_found_body(model), status_code=404)
         return None
+
+    def _request_error(exc: RequestError, body: CompletionRequest | ChatCompletionRequest) -> JSONResponse:
+        """A RequestError's message starts with the field it is about ("prompt: ...", "speculation.method
+        'x': ..."): that field becomes `param` when the request has it."""
+        head = str(exc).replace(":", " ").split(" ", 1)[0]
+        param = head if head.split(".", 1)[0] in type(body).model_fields else None
+        return _error(400, str(exc), param=param)
 
     async def prepare(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> GenRequest:
         max_tokens = body.resolve_max_tokens(len(prompt_ids), coord.max_context)
         sp = body.to_sampling_params()
-        return coord.make_request(prompt_ids, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                  top_k=sp.top_k, seed=sp.seed, stop=body.stop, speculation=body.speculation,
-                                  ignore_eos=getattr(body, "ignore_eos", False))
+        req = coord.make_request(prompt_ids, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                                 top_k=sp.top_k, seed=sp.seed, stop=body.stop, speculation=body.speculation,
+                                 ignore_eos=getattr(body, "ignore_eos", False))
+        coord.scheduler.plan_for(req.speculation)  # e.g. method "draft" without a draft level: 400 before streaming
+        return req
 
     async def serve_request(body, make_prompt, chat: bool) -> Response:
         if (resp := check_model(body.model)) is not None:
             return resp
+        param = body._prompt_param
         try:
-            prompt_ids = make_prompt()
+            try:
+                prompt_ids = make_prompt()
+            except RequestError as exc:
+                raise InvalidRequest(str(exc), param=param) from exc
+            if not prompt_ids:
+                raise InvalidRequest(f"{param}: the prompt is empty after tokenization", param=param)
             req = await prepare(body, prompt_ids)
         except InvalidRequest as exc:
-            return JSONResponse(exc.body(), status_code=400)
+            return _ErrorResponse(exc.body(), status_code=400)
         except RequestError as exc:
-            return _error(400, str(exc))
+            return _request_error(exc, body)
         if coord.config.server.log_prompts:
             log.info("request: %r", body.model_dump(mode="json"))
         else:

@@ -53,7 +53,19 @@ class InvalidRequest(ValueError):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    """Strict types: "5" is not an integer, 1 is not a boolean and 2.0 is not a token count (OpenAI refuses
+    them too); integers are still accepted where a float is expected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+
+def _text(v: str) -> str:
+    """Text that will be tokenized must be encodable: JSON escapes can smuggle in lone surrogates."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid Unicode text (lone surrogate at character {exc.start})") from None
+    return v
 
 
 class _Response(BaseModel):
@@ -182,19 +194,21 @@ class _SamplingFields(_Request):
 
     def _resolve(self, requested: int | None, param: str, prompt_tokens: int, max_context: int) -> int:
         room = max_context - prompt_tokens
+        what = "prompt has" if self._prompt_param == "prompt" else "messages have"
         if room < 1:
             raise InvalidRequest(
-                f"This model's maximum context length is {max_context} tokens, but the prompt has "
-                f"{prompt_tokens} tokens, which leaves no room to generate.",
+                f"{self._prompt_param}: this model's maximum context length is {max_context} tokens, but the "
+                f"{what} {prompt_tokens} tokens, which leaves no room to generate.",
                 param=self._prompt_param,
             )
         if requested is None:
             return room
         if requested > room:
             raise InvalidRequest(
-                f"This model's maximum context length is {max_context} tokens. However, you requested "
-                f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} in the "
-                f"completion). Please reduce the prompt or {param}.",
+                f"{param}: must be <= {room} for this prompt. This model's maximum context length is "
+                f"{max_context} tokens. However, you requested {prompt_tokens + requested} tokens "
+                f"({prompt_tokens} in the {self._prompt_param}, {requested} in the completion). Please reduce "
+                f"the {self._prompt_param} or {param}.",
                 param=param,
             )
         return requested
@@ -219,7 +233,9 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError(f"only one prompt per request is supported (got {len(v)})")
             v = v[0]
         if isinstance(v, str):
-            return v
+            if not v:
+                raise ValueError("must not be empty")
+            return _text(v)
         if isinstance(v, list):
             if not v:
                 raise ValueError("a token-id prompt must not be empty")
@@ -272,10 +288,10 @@ class ChatMessage(_Request):
                     kind = part.get("type") if is_dict else type(part).__name__
                     raise ValueError(f"only text parts {{'type': 'text', 'text': str}} are supported (got {kind!r})")
                 texts.append(part["text"])
-            return "\n".join(texts)
+            return _text("\n".join(texts))
         if not isinstance(v, str):
             raise ValueError("must be a string or a list of text parts")
-        return v
+        return _text(v)
 
 
 class ChatCompletionRequest(_SamplingFields):
