@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prepack", action="store_true",
+                    help="float32 + oneDNN-prepacked linears (both engines use the same model objects)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--sets", nargs="+", default=list(SETS))
     ap.add_argument("--configs", nargs="+",
@@ -97,8 +99,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    target = HFWorker(args.target, name="target", dtype=args.dtype)
-    draft = HFWorker(args.draft, name="draft", dtype=args.dtype)
+    target = HFWorker(args.target, name="target", dtype=args.dtype, cpu_prepack=args.prepack)
+    draft = HFWorker(args.draft, name="draft", dtype=args.dtype, cpu_prepack=args.prepack)
     check_tokenizers([("draft", draft.tokenizer), ("target", target.tokenizer)])
     print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()} dtype={args.dtype}",
           file=sys.stderr)

@@ -36,6 +36,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (process-wide)")
+    p.add_argument("--prepack", action="store_true",
+                   help="float32 on CPU: prepack linear weights for oneDNN (cheaper multi-token verification)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     p.add_argument("--plain", action="store_true", help="plain decoding with the target only (same code path)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -53,7 +55,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if len(ks) != n_prop:
         print(f"error: give one --k for all or one per proposing level ({n_prop})", file=sys.stderr)
         return 2
-    common = dict(dtype=args.dtype, num_threads=args.threads, method=args.method)
+    common = dict(dtype="float32" if args.prepack else args.dtype, num_threads=args.threads, method=args.method,
+                  cpu_prepack=args.prepack)
     levels = []
     if args.ngram:
         levels.append(LevelConfig(kind="ngram", num_speculative_tokens=ks[0], method=args.method,

