@@ -26,7 +26,7 @@ from specray.coordinator.cascade import CascadeEngine
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler, Speculation
 from specray.metrics import SpecMetrics
 from specray.serve.protocol import SpeculationOptions, usage_from_stats
-from specray.spec.params import SamplingParams
+from specray.spec.params import SamplingParams, VerifyMethod
 
 log = logging.getLogger("specray")
 
@@ -179,7 +179,14 @@ class Coordinator:
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return Request(prompt_ids, sampling, max_tokens or room, stops, ignore_eos, _speculation(speculation))
+        spec = _speculation(speculation)
+        if seed is not None and sampling.temperature > 0 and (spec is None or spec.verify_method is None):
+            # A seed promises reproducible output, but which levels draft changes from round to round (the
+            # planner follows live timings). Coupled verification is exact and its output depends only on
+            # (seed, target), never on the drafter, so seeded requests use it unless they ask otherwise.
+            spec = Speculation(spec.method if spec else "auto", spec.num_speculative_tokens if spec else None,
+                               VerifyMethod.COUPLED)
+        return Request(prompt_ids, sampling, max_tokens or room, stops, ignore_eos, spec)
 
     # ----- Python handle API ----------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0,

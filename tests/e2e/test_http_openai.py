@@ -72,6 +72,11 @@ def test_seed_reproducible_and_stop(client):
     a = client.completions.create(seed=7, **kw).choices[0].text
     b = client.completions.create(seed=7, **kw).choices[0].text
     assert a == b
+    # whatever drafts (the planner's choice or a forced plan), a seeded request gives the same text
+    for method in ("none", "ngram", "draft", "cascade"):
+        c = client.completions.create(seed=7, **{**kw, "extra_body": {"ignore_eos": True,
+                                                                      "speculation": {"method": method}}})
+        assert c.choices[0].text == a, method
     full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     stop = full[3:6]

@@ -1,0 +1,58 @@
+"""Shared helpers for the HTTP end-to-end tests: a real uvicorn server on 127.0.0.1 over an in-process
+`Coordinator` (tiny fp32 models), and the test cascade config."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+from specray.config import AppConfig
+from specray.serve.app import Coordinator
+from specray.serve.http import build_http_app
+
+MODEL = "tiny-cascade"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_config(tiny, max_context: int | None = None, **server: Any) -> AppConfig:
+    """ngram -> mid -> target over the tiny family; `max_context` caps the model levels' context."""
+    ctx = {"max_context": max_context} if max_context else {}
+    return AppConfig.model_validate({
+        "cascade": {"levels": [
+            {"kind": "ngram", "num_speculative_tokens": 3},
+            {"kind": "hf", "model": str(tiny.draft_dirs["mid"]), "name": "mid", "dtype": "float32",
+             "num_speculative_tokens": 4, **ctx},
+            {"kind": "hf", "model": str(tiny.target_dir), "name": "target", "dtype": "float32", **ctx},
+        ]},
+        "server": {"model_name": MODEL, "in_process": True, **server},
+    })
+
+
+class Server:
+    """uvicorn serving `build_http_app(coord)` in a daemon thread; `url` is its base URL."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.coord = coord
+        config = uvicorn.Config(build_http_app(coord), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
