@@ -99,6 +99,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    if args.prepack:
+        args.dtype = "float32"
     target = HFWorker(args.target, name="target", dtype=args.dtype, cpu_prepack=args.prepack)
     draft = HFWorker(args.draft, name="draft", dtype=args.dtype, cpu_prepack=args.prepack)
     check_tokenizers([("draft", draft.tokenizer), ("target", target.tokenizer)])
