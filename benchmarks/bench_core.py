@@ -129,33 +129,47 @@ def main() -> None:
     generate(plans["cascade"](), [warm], max_tokens=8)
     run_hf(target.model, [warm], 4, eos)
 
+    def run_one(cfg: str, ids: list[int]) -> tuple[int, float, dict[str, LevelStats] | None]:
+        if cfg == "adaptive":  # the live goodput planner picks levels and K every round
+            return run_specray(adaptive_engine, [ids], args.max_tokens, adaptive_planner)
+        if cfg in plans:
+            return run_specray(plans[cfg](), [ids], args.max_tokens)
+        kw = {}
+        if cfg == "hf_assisted":
+            kw = {"assistant_model": draft.model}
+        elif cfg == "hf_lookup":
+            kw = {"prompt_lookup_num_tokens": args.hf_lookup_k}
+        n, dt = run_hf(target.model, [ids], args.max_tokens, eos, **kw)
+        return n, dt, None
+
     results: dict = {"args": vars(args), "sets": {}}
     for set_name in args.sets:
         prompts_ids = [chat_ids(tok, p) for p in SETS[set_name]]
-        rows = {}
-        for cfg in args.configs:
-            if cfg in plans or cfg == "adaptive":
-                if cfg == "adaptive":  # the live goodput planner picks levels and K every round
-                    n, dt, stats = run_specray(adaptive_engine, prompts_ids, args.max_tokens, adaptive_planner)
-                    print(f"  adaptive planner now holds {adaptive_planner.plan_name(adaptive_planner.current)}",
-                          file=sys.stderr)
-                else:
-                    n, dt, stats = run_specray(plans[cfg](), prompts_ids, args.max_tokens)
-                top = stats.get("target", LevelStats())
-                row = {"tokens": n, "seconds": dt, "tok_s": n / dt,
-                       "stats": {k: v.as_dict() for k, v in stats.items()},
-                       "E_L": expected_accepted_length(alphas(top)) if top.num_drafts else 1.0}
-            else:
-                kw = {}
-                if cfg == "hf_assisted":
-                    kw = {"assistant_model": draft.model}
-                elif cfg == "hf_lookup":
-                    kw = {"prompt_lookup_num_tokens": args.hf_lookup_k}
-                n, dt = run_hf(target.model, prompts_ids, args.max_tokens, eos, **kw)
-                row = {"tokens": n, "seconds": dt, "tok_s": n / dt}
-            rows[cfg] = row
-            print(f"[{set_name}] {cfg:12s} {row['tokens']:5d} tok {row['seconds']:7.1f}s {row['tok_s']:6.2f} tok/s",
+        acc: dict[str, dict] = {cfg: {"tokens": 0, "seconds": 0.0, "stats": None} for cfg in args.configs}
+        # Interleaved: every configuration runs each prompt before the next prompt starts, so load that comes
+        # and goes on a shared machine hits all configurations alike and the ratios stay comparable.
+        for i, ids in enumerate(prompts_ids):
+            for cfg in args.configs:
+                n, dt, stats = run_one(cfg, ids)
+                a = acc[cfg]
+                a["tokens"] += n
+                a["seconds"] += dt
+                if stats is not None:
+                    a["stats"] = a["stats"] or {}
+                    for k, v in stats.items():
+                        a["stats"].setdefault(k, LevelStats()).merge(v)
+                print(f"[{set_name} #{i}] {cfg:12s} {n:4d} tok {dt:7.1f}s {n / dt:6.2f} tok/s", file=sys.stderr)
+        if "adaptive" in args.configs:
+            print(f"  adaptive planner now holds {adaptive_planner.plan_name(adaptive_planner.current)}",
                   file=sys.stderr)
+        rows = {}
+        for cfg, a in acc.items():
+            row = {"tokens": a["tokens"], "seconds": a["seconds"], "tok_s": a["tokens"] / a["seconds"]}
+            if a["stats"] is not None:
+                top = a["stats"].get("target", LevelStats())
+                row["stats"] = {k: v.as_dict() for k, v in a["stats"].items()}
+                row["E_L"] = expected_accepted_length(alphas(top)) if top.num_drafts else 1.0
+            rows[cfg] = row
         base = rows.get("plain", {}).get("tok_s")
         hf_base = rows.get("hf_plain", {}).get("tok_s")
         for cfg, row in rows.items():

@@ -200,6 +200,8 @@ class CascadeEngine:
         # failure handling: a level that fails is skipped until `retry_after_s` passed and it answers again;
         # its epoch is bumped so every sequence re-adds itself there (a restarted actor lost them all)
         self.retry_after_s = 2.0
+        self.probe_wait_s = 0.05  # longest a round waits for a down level's health answer
+        self._probing: set[int] = set()
         self.epoch = [0] * len(levels)
         self.down: dict[int, float] = {}  # level -> monotonic time of the next health probe
         self._lock = threading.Lock()
@@ -276,20 +278,36 @@ class CascadeEngine:
         return Plan((*[i for i, _ in keep], self.top), tuple(k for _, k in keep))
 
     def _probe(self, i: int) -> bool:
+        """Is down level `i` back? Its health call runs in a thread and is waited for only `probe_wait_s`:
+        a level whose node is gone can leave the call pending for a long time, and the round loop (every
+        other request) must not stall on it. A slow answer takes the level back at a later round."""
         with self._lock:
             if i not in self.down:
                 return True
-            if time.monotonic() < self.down[i]:
+            if i in self._probing or time.monotonic() < self.down[i]:
                 return False
-            self.down[i] = time.monotonic() + self.retry_after_s  # one prober at a time
-        try:
-            self.levels[i].worker.stats()
-        except Exception:
-            return False
+            self._probing.add(i)
+            self.down[i] = time.monotonic() + self.retry_after_s
+        done = threading.Event()
+
+        def check() -> None:
+            try:
+                self.levels[i].worker.stats()
+                ok = True
+            except Exception:
+                ok = False
+            with self._lock:
+                self._probing.discard(i)
+                if ok and self.down.pop(i, None) is not None:
+                    log.warning("level %r is back in the cascade", self.levels[i].name)
+                elif not ok and i in self.down:
+                    self.down[i] = time.monotonic() + self.retry_after_s
+            done.set()
+
+        threading.Thread(target=check, name=f"specray-probe-{self.levels[i].name}", daemon=True).start()
+        done.wait(self.probe_wait_s)
         with self._lock:
-            self.down.pop(i, None)
-        log.warning("level %r is back in the cascade", self.levels[i].name)
-        return True
+            return i not in self.down
 
     def _mark_down(self, i: int, exc: BaseException) -> None:
         with self._lock:

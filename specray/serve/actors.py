@@ -345,7 +345,12 @@ class LaunchedCascade:
     tokenizer_fingerprint: str | None = None
 
     def shutdown(self) -> None:
-        """Kill every actor (no restart) and remove the placement group; idempotent."""
+        """Kill every actor (no restart) and remove the placement group; idempotent. A no-op once Ray is
+        shut down (the cluster took the actors with it; calling Ray then would start a new local one)."""
+        if not ray.is_initialized():
+            self.actors.clear()
+            self.placement_group = None
+            return
         for handle in self.actors.values():
             try:
                 ray.kill(handle, no_restart=True)

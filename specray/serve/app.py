@@ -237,6 +237,8 @@ class Coordinator:
                 if lv is self.levels[-1]:
                     out["status"] = "unavailable"
         out["active"] = self.scheduler.num_active
+        out["cascade"] = self.engine.level_status()  # "down": dropped until it answers again
+        out["pid"] = os.getpid()
         return out
 
 

@@ -168,6 +168,22 @@ class LocalCluster:
             grew = bool(kids)
         return sorted(p for p in found if _alive(p))
 
+    def kill_node(self, node_id: str) -> list[int]:
+        """Simulate losing a node: SIGKILL its raylet (found by its `--node_id=` argument, the hex id of
+        `ray.nodes()`) and everything under it (agents, workers); returns the killed PIDs."""
+        table = _proc_table()
+        raylets = {pid for pid in self.pids() if f"--node_id={node_id}" in table.get(pid, (0, ""))[1]}
+        if not raylets:
+            raise ValueError(f"no raylet of this cluster has node id {node_id}")
+        found, grew = set(raylets), True
+        while grew:
+            kids = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
+            found |= kids
+            grew = bool(kids)
+        _signal(sorted(found), signal.SIGKILL)
+        _wait_gone(sorted(found), 10)
+        return sorted(found)
+
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop every process of this cluster by PID (never `ray stop`), then remove its files."""
         table = _proc_table()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -124,3 +126,29 @@ def test_eight_concurrent_requests_batch_and_match_alone(serve_app):
         assert got["token_ids"] == alone["token_ids"]
     text = httpx.get(serve_app[1] + "/metrics").text
     assert "specray_batch_size" in text
+
+
+def test_coordinator_replica_crash_is_restarted_by_serve(serve_app):
+    """Runs last in this module: SIGKILL the coordinator replica; Serve starts a new one (with new level
+    actors: the old ones die with their owner) and the app answers again, with the same greedy output."""
+    handle, url = serve_app
+    before = handle.generate.remote("def fibonacci(n):", max_tokens=10, ignore_eos=True).result()
+    health = handle.health.remote().result()
+    assert health["status"] == "ok" and set(health["cascade"].values()) == {"up"}
+    old = health["pid"]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            health = handle.health.remote().result(timeout_s=30)
+            if health["pid"] != old and health["status"] == "ok":
+                break
+        except Exception:  # the replica is dead or starting
+            pass
+        assert time.monotonic() < deadline, "Serve did not restart the coordinator replica"
+        time.sleep(1)
+    after = handle.generate.remote("def fibonacci(n):", max_tokens=10, ignore_eos=True).result()
+    assert after["token_ids"] == before["token_ids"]
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 10,
+                                                  "temperature": 0, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == before["text"]

@@ -286,6 +286,46 @@ def test_a_failing_draft_level_is_dropped_and_taken_back_exactly(which):
     assert victim.stats().live_sequences == 0 and lv[2].worker.stats().live_sequences == 0
 
 
+def test_a_hanging_health_probe_never_stalls_the_rounds():
+    """A level whose node is gone can leave calls pending for minutes: its probe must not block the rounds,
+    and when it finally answers the level comes back."""
+    import threading
+    import time
+
+    gate = threading.Event()
+
+    class Hanging(Dying):
+        def stats(self):
+            if self.dead:
+                gate.wait(30)  # the "node" answers only when the test opens the gate
+                self.dead = False
+            return super().stats()
+
+    mid = Hanging("mid", vocab=16, order=2, table_seed=0, noise=0.4, noise_seed=6)
+    eng = CascadeEngine([Level("mid", worker=mid, k=3), Level("target", worker=target())])
+    eng.retry_after_s = 0.0
+    seqs = [eng.new_sequence(p, SamplingParams(), 30) for p in PROMPTS]
+    eng.step(seqs)
+    mid.dead = True
+    t0 = time.monotonic()
+    for _ in range(4):  # each round probes (retry_after 0) and must not wait for the hanging answer
+        eng.step(seqs)
+    assert time.monotonic() - t0 < 2.0
+    assert eng.level_status()["mid"] == "down"
+    mid._seqs.clear()  # the answer comes from a restarted worker that lost its sequences
+    gate.set()
+    deadline = time.monotonic() + 5
+    while eng.level_status()["mid"] == "down" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.level_status()["mid"] == "up"
+    calls = len(mid.calls)
+    while any(not s.finished for s in seqs):
+        eng.step(seqs)
+    assert len(mid.calls) > calls
+    ref = generate([Level("target", worker=target())], PROMPTS, max_tokens=30, ignore_eos=True)
+    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
+
+
 def test_target_failure_is_raised():
     t = Dying("target", vocab=16, order=2)
     eng = CascadeEngine([Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("target", worker=t)])
