@@ -202,6 +202,19 @@ def test_group_mismatch_is_reported(serve_cfg, rayservice, launcher):
     assert "group 'gpu-l4x2' is in launcher but not in rayservice" in problems
 
 
+def test_gpu_pods_mount_the_models_claim(rayservice):
+    pvc = yaml.safe_load((CLUSTER / "models-pvc.yaml").read_text())
+    assert pvc["kind"] == "PersistentVolumeClaim" and "ReadWriteMany" in pvc["spec"]["accessModes"]
+    for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        if not g["groupName"].startswith("gpu-"):
+            continue
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+                  for v in g["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
+        mounts = {m["mountPath"]: m for m in g["template"]["spec"]["containers"][0]["volumeMounts"]}
+        assert claims[mounts["/models"]["name"]] == pvc["metadata"]["name"], g["groupName"]
+        assert mounts["/models"]["readOnly"] is True
+
+
 def test_rayservice_groups_are_consistent_with_their_pods(rayservice):
     rc = rayservice["spec"]["rayClusterConfig"]
     assert rc["rayVersion"] == "2.60.0"
