@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -13,6 +13,12 @@ from specray.spec.params import VerifyMethod
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+#: `vllm.LLM` arguments that VLLMWorker derives from the level's fields or needs fixed for exact verification.
+_ENGINE_ARGS_OWNED = frozenset({
+    "model", "tokenizer", "dtype", "max_model_len", "logprobs_mode", "max_logprobs", "enable_prefix_caching",
+})
 
 
 class LevelConfig(_Strict):
@@ -53,6 +59,12 @@ class LevelConfig(_Strict):
         default_factory=dict, description="Custom Ray resources, e.g. {'draft': 1} to pin a level to a node."
     )
     accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. 'A100' or 'L4'.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vllm only: extra keyword arguments for the engine (`vllm.LLM`), e.g. {tensor_parallel_size: 4, "
+        "gpu_memory_utilization: 0.9, enforce_eager: false}. A level whose engine spans N = tensor x pipeline "
+        "parallel GPUs runs all N inside its one actor, so it must reserve them: num_gpus: N.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LevelConfig:
@@ -61,7 +73,34 @@ class LevelConfig(_Strict):
                 raise ValueError("prompt_lookup_max must be >= prompt_lookup_min")
         elif not self.model:
             raise ValueError(f"a {self.kind} level needs `model`")
+        if self.engine_args:
+            self._check_engine_args()
         return self
+
+    def _check_engine_args(self) -> None:
+        if self.kind != "vllm":
+            raise ValueError(f"engine_args is for vllm levels; a {self.kind} level takes none")
+        owned = sorted(set(self.engine_args) & _ENGINE_ARGS_OWNED)
+        if owned:
+            raise ValueError(f"engine_args {owned}: set by specray (use the level's model/dtype/max_context; "
+                             "logprob and prefix-caching settings are what exact verification relies on)")
+        sizes = {k: self.engine_args.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size")}
+        for key, n in sizes.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"engine_args.{key} must be a positive integer, got {n!r}")
+        world = self.engine_world_size
+        if world > 1 and self.num_gpus != world:
+            raise ValueError(
+                f"engine_args asks for {world} GPUs (tensor_parallel_size x pipeline_parallel_size) but num_gpus is "
+                f"{self.num_gpus:g}: the engine's GPU workers run inside this level's actor, which must reserve "
+                f"them all (num_gpus: {world})"
+            )
+
+    @property
+    def engine_world_size(self) -> int:
+        """GPUs one engine of this level spans (tensor x pipeline parallel; 1 without engine_args)."""
+        args = self.engine_args
+        return int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
 
     @property
     def display_name(self) -> str:
@@ -75,6 +114,10 @@ class PlacementConfig(_Strict):
         "PACK", description="Ray placement strategy; SPREAD/STRICT_SPREAD put levels on different nodes."
     )
     enabled: bool = Field(True, description="Reserve a placement group; off: plain actors with their resources.")
+    timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for the levels' resources (on an autoscaling cluster: long enough "
+        "for new GPU nodes to join) before failing with a message naming the level that does not fit.",
+    )
 
 
 class CascadeConfig(_Strict):
@@ -82,6 +125,9 @@ class CascadeConfig(_Strict):
 
     levels: list[LevelConfig] = Field(..., min_length=1, description="Levels, smallest first; last = target.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Placement of the levels.")
+    start_timeout_s: float = Field(
+        600.0, gt=0, description="How long the level actors have to load their models (Ray deployments)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> CascadeConfig:

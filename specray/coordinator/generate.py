@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from specray.config import CascadeConfig, LevelConfig
 from specray.coordinator.cascade import (
@@ -37,11 +38,28 @@ def create_worker(cfg: LevelConfig) -> Worker:
     if cfg.kind == "vllm":
         from specray.engine.vllm import VLLMWorker
 
-        return VLLMWorker(
-            cfg.model or "", name=cfg.display_name, dtype=cfg.dtype, num_threads=cfg.num_threads,
-            max_context=cfg.max_context, cpu_prepack=cfg.cpu_prepack,
-        )
+        return VLLMWorker(cfg.model or "", **vllm_worker_kwargs(cfg))
     raise ValueError(f"level kind {cfg.kind!r} has no worker")
+
+
+def vllm_worker_kwargs(cfg: LevelConfig) -> dict[str, Any]:
+    """Keyword arguments of `VLLMWorker` for a vllm level (besides the model); imports nothing of vLLM.
+
+    `engine_args` go to the engine as they are, over the worker's CPU-oriented defaults. On a GPU level
+    (num_gpus > 0) the KV cache is sized by vLLM's `gpu_memory_utilization` instead of the worker's fixed
+    1 GiB. An engine spanning several GPUs (tensor/pipeline parallel) cannot use the worker's in-process
+    "uni" executor: it gets vLLM's multiprocessing executor, whose GPU processes are children of the
+    level's actor and use the GPUs Ray assigned to it (so the level reserves them all: num_gpus = TP x PP).
+    vLLM's "ray" executor would instead ask Ray for GPUs the actor already holds.
+    """
+    engine = dict(cfg.engine_args)
+    if cfg.engine_world_size > 1:
+        engine.setdefault("distributed_executor_backend", "mp")
+    kwargs: dict[str, Any] = dict(name=cfg.display_name, dtype=cfg.dtype, num_threads=cfg.num_threads,
+                                  max_context=cfg.max_context, engine_kwargs=engine)
+    if cfg.num_gpus > 0:
+        kwargs["kv_cache_bytes"] = None
+    return kwargs
 
 
 def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:

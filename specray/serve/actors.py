@@ -383,8 +383,8 @@ def launch_levels(
     factories: Sequence[WorkerFactory | None] | None = None,
     name_prefix: str | None = "specray",
     namespace: str | None = None,
-    placement_timeout_s: float = 60.0,
-    start_timeout_s: float = 600.0,
+    placement_timeout_s: float | None = None,
+    start_timeout_s: float | None = None,
     call_timeout_s: float | None = None,
 ) -> LaunchedCascade:
     """Start one actor per model level (in one placement group) and return the cascade's `Level`s.
@@ -392,9 +392,10 @@ def launch_levels(
     factories: aligned with `cfg.levels`; None (or a None entry) uses `create_worker(level config)`.
     Entries of n-gram levels are ignored: those levels run in the caller's process.
     name_prefix: actors are named "<prefix>.<level>" (None: anonymous). Raises `PlacementError` if the
-    bundles cannot be reserved within `placement_timeout_s`, `LevelStartError` if an actor fails to
-    start, and `TokenizerMismatchError` if two model levels disagree on the tokenizer; nothing stays
-    running after an error.
+    bundles cannot be reserved within `placement_timeout_s` (default: `cfg.placement.timeout_s`),
+    `LevelStartError` if an actor fails to start within `start_timeout_s` (default: `cfg.start_timeout_s`),
+    and `TokenizerMismatchError` if two model levels disagree on the tokenizer; nothing stays running
+    after an error.
     """
     from specray.coordinator.generate import level_from_config
 
@@ -402,6 +403,8 @@ def launch_levels(
         raise ValueError(f"factories must be aligned with the {len(cfg.levels)} levels, got {len(factories)}")
     model_idx = [i for i, lc in enumerate(cfg.levels) if lc.kind != "ngram"]
     names = [cfg.levels[i].display_name for i in model_idx]
+    placement_timeout_s = cfg.placement.timeout_s if placement_timeout_s is None else placement_timeout_s
+    start_timeout_s = cfg.start_timeout_s if start_timeout_s is None else start_timeout_s
     pg = None
     if cfg.placement.enabled:
         pg_name = f"{name_prefix}.pg" if name_prefix else None
