@@ -137,6 +137,7 @@ class LevelActor:
             "num_threads": torch.get_num_threads(),
             "incarnation": self.incarnation,
             "reconstructed": _reconstructed(ctx),
+            "rss_bytes": _rss_bytes(),
         }
 
     def get_tokenizer(self) -> Any:
@@ -145,6 +146,15 @@ class LevelActor:
 
     def ping(self) -> str:
         return self.incarnation
+
+
+def _rss_bytes() -> int | None:
+    """Resident memory of this process (Linux /proc; None elsewhere): leak checks under load."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _reconstructed(ctx: Any) -> bool:
