@@ -1,0 +1,136 @@
+"""A real local run (HTTP on 127.0.0.1, live planner, real model): raising concurrency from 1 to 32 changes
+the plan, and /metrics shows it (rounds per plan in `specray_round_latency_seconds_count{plan}`).
+
+The target is a 4-layer, 512-wide model built here: on CPU its verification cost grows with batch x tokens
+(measured: q=5 costs ~1.4x q=1 at batch 1, ~2.9x at batch 32), so the goodput-optimal amount of
+speculation must fall as the batch grows -- the regime change the planner exists for."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import Server
+
+MODEL = "regime"
+PROMPTS = ["def fibonacci(n):", "class Stack:", "import os", "The quick brown fox", "for i in range(10):",
+           "x = 1", "Hello", "a b a b a b"]
+
+
+@pytest.fixture(scope="module")
+def bigger_target(tiny, tiny_root):
+    from pathlib import Path
+
+    from specray.testing.tiny import build_tiny_model
+
+    out = Path(tiny_root) / "regime-target-512x4"
+    if not (out / "config.json").is_file():
+        build_tiny_model(out, tiny.tokenizer_dir, hidden=512, num_layers=4, heads=8, kv_heads=4, intermediate=1024,
+                         seed=3)
+    return out
+
+
+def rounds_per_plan(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {s.labels["plan"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "specray_round_latency_seconds_count"}
+
+
+def total_k(plan: str) -> int:
+    """Tokens drafted per round by a plan name such as 'ngram:4>target' (0 for plain decoding)."""
+    return sum(int(k) for k in re.findall(r":(\d+)", plan))
+
+
+def dominant(before: dict[str, float], after: dict[str, float]) -> tuple[str, dict[str, float]]:
+    delta = {p: after.get(p, 0) - before.get(p, 0) for p in after}
+    delta = {p: d for p, d in delta.items() if d > 0}
+    return max(delta, key=delta.get), delta
+
+
+def test_concurrency_1_to_32_changes_the_plan(bigger_target):
+    from specray.config import AppConfig
+    from specray.serve.app import Coordinator
+
+    cfg = AppConfig.model_validate({
+        "cascade": {"levels": [
+            {"kind": "ngram", "num_speculative_tokens": 4},
+            {"kind": "hf", "model": str(bigger_target), "name": "target", "dtype": "float32", "num_threads": 1},
+        ]},
+        "server": {"model_name": MODEL, "in_process": True, "max_batch_size": 32},
+        "policy": {"adaptive": True, "k_max": 8, "explore_every": 20},
+    })
+    coord = Coordinator(cfg)
+    srv = Server(coord)
+
+    def request(prompt: str, n: int) -> None:
+        r = httpx.post(srv.url + "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}, timeout=300)
+        assert r.status_code == 200, r.text
+
+    try:
+        for p in PROMPTS[:4]:  # warm-up: the planner measures step costs and acceptance at batch 1
+            request(p, 48)
+        m0 = rounds_per_plan(srv.url)
+        for p in PROMPTS[4:]:  # concurrency 1
+            request(p, 48)
+        m1 = rounds_per_plan(srv.url)
+        threads = [threading.Thread(target=request, args=(PROMPTS[i % len(PROMPTS)], 48)) for i in range(32)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert time.monotonic() - t0 < 300
+        m2 = rounds_per_plan(srv.url)
+        solo, solo_rounds = dominant(m0, m1)
+        busy, busy_rounds = dominant(m1, m2)
+        print(f"\nconcurrency 1: {solo_rounds}\nconcurrency 32: {busy_rounds}")
+        assert total_k(solo) > 0, f"at batch 1 the planner should speculate: {solo_rounds}"
+        assert busy != solo, f"the plan did not change from 1 to 32 concurrent requests: {busy_rounds}"
+        assert total_k(busy) < total_k(solo), (solo, busy)
+    finally:
+        srv.stop()
+
+
+def test_prometheus_counters_equal_the_sums_of_per_request_usage(tiny):
+    """After N HTTP requests (mixed methods, lengths, temperatures, stream or not), every spec_decode counter
+    on /metrics equals the sum of that level's numbers in the responses' `usage.speculation`."""
+    import json
+
+    from specray.serve.app import Coordinator
+    from tests.e2e.conftest import MODEL as TINY
+    from tests.e2e.conftest import app_config
+
+    coord = Coordinator(app_config(tiny))
+    srv = Server(coord)
+    sums: dict[tuple[str, str], float] = {}
+    fields = {"num_drafts": "spec_decode_num_drafts_total", "draft_tokens": "spec_decode_num_draft_tokens_total",
+              "accepted_tokens": "spec_decode_num_accepted_tokens_total"}
+    try:
+        methods = ["cascade", "ngram", "draft", "none", "auto"]
+        for i in range(10):
+            body = {"model": TINY, "prompt": PROMPTS[i % len(PROMPTS)] * (1 + i % 3), "max_tokens": 5 + 7 * i,
+                    "temperature": [0, 0.7, 1.0][i % 3], "seed": i, "ignore_eos": True,
+                    "speculation": {"method": methods[i % len(methods)]}}
+            if i % 2:  # streamed, with the usage chunk at the end
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+                usage = chunks[-1]["usage"]
+            else:
+                usage = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+            for level, st in (usage.get("speculation") or {}).items():
+                for f, metric in fields.items():
+                    sums[(metric, level)] = sums.get((metric, level), 0) + st[f]
+        text = httpx.get(srv.url + "/metrics").text
+        got = {(s.name, s.labels["level"]): s.value for fam in text_string_to_metric_families(text)
+               for s in fam.samples if s.name in fields.values()}
+        assert sums and any(v > 0 for v in sums.values())
+        assert got == sums
+    finally:
+        srv.stop()
