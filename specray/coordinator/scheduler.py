@@ -269,11 +269,28 @@ class Scheduler:
             await asyncio.sleep(0)  # let consumers run and new requests arrive
 
     def _groups(self) -> list[tuple[Plan, VerifyMethod | None, list[_Live]]]:
-        auto = self.planner(len(self._active)) if self.planner else self.engine.default_plan
+        auto = self._auto_plans()
         groups: dict[tuple[Plan, VerifyMethod | None], list[_Live]] = {}
         for live in self._active:
-            groups.setdefault((live.plan or auto, live.method), []).append(live)
+            if live.plan is not None:
+                plan = live.plan
+            else:  # the planner's share: the first (oldest) sequences take a probe plan when there is one
+                plan = auto[0][0]
+                auto[0][1] -= 1
+                if auto[0][1] <= 0 and len(auto) > 1:
+                    auto.pop(0)
+            groups.setdefault((plan, live.method), []).append(live)
         return [(plan, method, members) for (plan, method), members in groups.items()]
+
+    def _auto_plans(self) -> list[list]:
+        """[[plan, count], ...] for the sequences without an override (a planner may split them)."""
+        if self.planner is None:
+            return [[self.engine.default_plan, len(self._active)]]
+        n = sum(1 for live in self._active if live.plan is None)
+        split = getattr(self.planner, "plan_groups", None)
+        if split is not None and n > 0:
+            return [[p, c] for p, c in split(n)]
+        return [[self.planner(len(self._active)), len(self._active)]]
 
     def _run_group(self, plan: Plan, method: VerifyMethod | None, members: list[_Live]) -> list[list[int]]:
         return self.engine.step([m.seq for m in members], plan, method)

@@ -89,6 +89,7 @@ class Planner:
         prior_cost_ratio: float = 0.1,
         prior_target: tuple[float, float, float] = (1.0, 0.02, 0.0),
         warmup: int = 2,
+        probe_batch: int = 2,
     ) -> None:
         if not levels:
             raise ValueError("a planner needs at least the target level")
@@ -102,6 +103,8 @@ class Planner:
             raise ValueError("k_choices must be >= 1 (plain decoding is always a candidate)")
         self.hysteresis, self.patience, self.explore_every = hysteresis, patience, explore_every
         self.overhead, self.ngram_cost, self.warmup = overhead, ngram_cost, warmup
+        self.probe_batch = max(1, probe_batch)
+        self._probe_round = False
         self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
         self.plain = Plan((self.top,), ())
 
@@ -321,6 +324,7 @@ class Planner:
         """The plan for the next round over `batch_size` sequences (table, warm-up, hysteresis, exploration)."""
         batch = max(1, int(batch_size))
         with self._lock:
+            self._probe_round = False
             forced = self._override(batch)
             if forced is not None:
                 self._last = (batch, forced)
@@ -339,6 +343,7 @@ class Planner:
                 probe = self._exploration(ranked)
                 if probe is not None:
                     self._last = (batch, self._current)  # regime() reports the held plan, not the probe
+                    self._probe_round = True
                     return probe
             if best != self._current:
                 cur_gp = self.goodput(self._current, batch)
@@ -354,6 +359,16 @@ class Planner:
             return self._current
 
     __call__ = plan
+
+    def plan_groups(self, batch_size: int) -> list[tuple[Plan, int]]:
+        """Like `plan`, as [(plan, number of sequences)]: an exploration probe runs on at most `probe_batch`
+        sequences while the rest keep the held plan. Measuring a level then costs a small-batch round instead of
+        bringing every sequence's cache up to date on that level (a whole batch of prefills at batch 32)."""
+        batch = max(1, int(batch_size))
+        chosen = self.plan(batch)
+        if not self._probe_round or batch <= self.probe_batch:
+            return [(chosen, batch)]
+        return [(chosen, self.probe_batch), (self._current, batch - self.probe_batch)]
 
     @property
     def current(self) -> Plan:

@@ -225,6 +225,28 @@ def test_exploration_brings_a_level_back():
     assert p.current.levels == (0, 1)
 
 
+def test_exploration_probes_a_small_subset_of_a_large_batch():
+    """At batch 16 a probe runs on `probe_batch` sequences; the others keep the held plan (no batch-wide
+    catch-up prefill on a level the held plan does not use). At batch <= probe_batch nothing is split."""
+    p = Planner(two_levels(), explore_every=10, probe_batch=2)
+    sim = Sim(p, {1: linear_cost(0.02, 0.0), 0: linear_cost(0.003, 0.0)}, {(1, 0): 0.05})
+    sim.run(16, 60)
+    assert p.current == p.plain
+    splits = []
+    for _ in range(40):
+        groups = p.plan_groups(16)
+        assert sum(n for _, n in groups) == 16
+        for plan, n in groups:
+            sim.round(plan, n)
+        if len(groups) > 1:
+            splits.append(groups)
+    assert splits, "no exploration round in 40 rounds with explore_every=10"
+    for (probe, n_probe), (held, n_held) in splits:
+        assert probe.levels == (0, 1) and n_probe == 2 and held == p.plain and n_held == 14
+    for _ in range(40):
+        assert len(p.plan_groups(2)) == 1
+
+
 def test_table_override_wins():
     table = [(2, 4, Plan((0, 1), (2,))), (5, 8, "none"), (9, 16, 3), (17, 32, "draft:6>target")]
     p = Planner(two_levels(), table=table)

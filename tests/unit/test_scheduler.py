@@ -184,3 +184,41 @@ def test_text_streaming_and_stop_strings_with_a_real_tokenizer(tiny):
     assert text == tok.decode(toks, skip_special_tokens=True)
     assert clast.finish_reason == "stop"
     assert ctext == text[: text.index(stop_at)]
+
+
+def test_a_planner_split_runs_a_probe_group_beside_the_held_plan_and_stays_exact():
+    """A planner's plan_groups split (probe on 2 sequences, held plan on the rest) becomes two groups in the
+    same round; outputs stay equal to running each request alone."""
+    from specray.coordinator.cascade import Plan
+
+    lv = levels()
+    engine = CascadeEngine(lv)
+    probe, held = Plan((1, 2), (3,)), Plan((2,), ())
+
+    class Splitter:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, batch: int) -> Plan:
+            raise AssertionError("plan_groups must be used when the planner has it")
+
+        def plan_groups(self, batch: int):
+            self.calls += 1
+            return [(probe, 2), (held, batch - 2)] if batch > 2 and self.calls % 2 else [(held, batch)]
+
+    rounds: list[dict] = []
+    sched = Scheduler(engine, max_batch_size=8, planner=Splitter(),
+                      on_round=lambda b, sizes, dt: rounds.append(dict(sizes)))
+
+    async def main():
+        reqs = [Request(p, SamplingParams(), n) for p, n in zip(PROMPTS, LENGTHS)]
+        out = await asyncio.gather(*[collect(sched, r) for r in reqs])
+        await sched.close()
+        return out
+
+    out = asyncio.run(main())
+    for (toks, _last), p, n in zip(out, PROMPTS, LENGTHS):
+        assert toks == alone(p, n)
+    split = [r for r in rounds if probe in r and held in r]
+    assert split and all(r[probe] == 2 for r in split)
+    assert lv[1].worker.stats().live_sequences == 0
