@@ -262,7 +262,10 @@ def build_app(args: Mapping[str, Any] | None = None):
         from specray.serve.pools import build_pools_app
 
         return build_pools_app(cfg)
-    deployment = serve.deployment(name="Coordinator", ray_actor_options={"num_cpus": 0.5})(
+    # Serve's default max_ongoing_requests (5) would cap the running batch far below max_batch_size; leave
+    # room for a full batch waiting behind a full batch, plus health/metrics calls.
+    deployment = serve.deployment(name="Coordinator", ray_actor_options={"num_cpus": 0.5},
+                                  max_ongoing_requests=2 * cfg.server.max_batch_size + 8)(
         serve.ingress()(Coordinator)
     )
     return deployment.bind(cfg.model_dump(mode="json"))

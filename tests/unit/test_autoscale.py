@@ -270,3 +270,38 @@ def test_pools_config_and_deployment_options():
         _request_check(no_draft).plan_for(Speculation("draft"))
     with pytest.raises(ValueError):
         AppConfig.model_validate({"cascade": {"levels": [{"kind": "hf", "model": "t"}]}, "pools": {"x": 1}})
+
+
+def test_root_serve_config_policies_and_the_commented_pools_example_are_valid():
+    """The documented examples must not rot: the Coordinator's policy imports and takes its policy_kwargs, and
+    the commented `pools:` block in serve_config.yaml, uncommented, is a valid AppConfig whose policies build."""
+    import importlib
+    from pathlib import Path
+
+    import yaml
+
+    from specray.config import AppConfig
+
+    root = Path(__file__).resolve().parents[2] / "serve_config.yaml"
+    text = root.read_text()
+    app = yaml.safe_load(text)["applications"][0]
+
+    def build(policy: dict):
+        module, name = policy["policy_function"].split(":")
+        return getattr(importlib.import_module(module), name)(**policy.get("policy_kwargs", {}))
+
+    (coord,) = [d for d in app["deployments"] if d["name"] == "Coordinator"]
+    assert coord["max_ongoing_requests"] >= app["args"]["config"]["server"]["max_batch_size"]
+    build(coord["autoscaling_config"]["policy"])
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# pools:")
+    indent = lines[start].index("#")
+    block = []
+    for line in lines[start:]:
+        if not line.strip().startswith("#"):
+            break
+        block.append(line[indent + 2:])
+    pools = yaml.safe_load("\n".join(block))["pools"]
+    cfg = AppConfig.model_validate({**app["args"]["config"], "pools": pools})
+    for pool in (cfg.pools.speculative, cfg.pools.target):
+        build(pool["autoscaling_config"]["policy"])
