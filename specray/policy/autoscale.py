@@ -5,7 +5,7 @@ planner's best plan is plain decoding (from its live cost and acceptance model, 
 decision here sizes a pool so that its load per replica sits at a chosen *capacity* per replica:
 
 - coordinator (one whole cascade per replica): capacity = max_batch_size x utilization, optionally capped
-  at break_even x headroom so each replica stays in the speculative regime (`coordinator_capacity`).
+  at break_even x headroom (< 1) so each replica stays in the speculative regime (`coordinator_capacity`).
 - target pool (plain decoding, serves the traffic past break-even): capacity = break_even x headroom,
   never above max_batch_size: the pool grows when the batch per replica passes the break-even point.
 - draft (speculative) pool: while its rounds speculate, capacity = break_even x headroom (< 1 keeps each
@@ -148,11 +148,11 @@ class _Knobs:
 @dataclass(frozen=True)
 class CoordinatorKnobs(_Knobs):
     """utilization: target fraction of max_batch_size per replica; regime_aware: also keep the batch per
-    replica under break_even x headroom while the replicas speculate."""
+    replica at most break_even x headroom (< 1: below break-even, where each replica still speculates)."""
 
     utilization: float = 0.75
     regime_aware: bool = True
-    headroom: float = 1.0
+    headroom: float = 0.75
 
 
 @dataclass(frozen=True)
@@ -231,11 +231,15 @@ def _decide(
 
 
 def coordinator_capacity(m: PoolMetrics, knobs: CoordinatorKnobs) -> float:
-    """Sequences per coordinator replica to size for (see the module docstring)."""
+    """Sequences per coordinator replica to size for (see the module docstring).
+
+    Regime-aware sizing looks at the break-even the replicas report, not at whether they speculate right
+    now: past break-even their rounds stop speculating, so "only while speculating" would never scale out
+    to bring them back. It applies where speculation can win at all (break-even > 1, reported)."""
     cap = max(1.0, m.max_batch_size * knobs.utilization)
-    frac = m.speculating_fraction
-    if knobs.regime_aware and frac is not None and frac >= 0.5:
-        cap = min(cap, max(1.0, m.break_even_batch(knobs.default_break_even) * knobs.headroom))
+    be = m.break_even_batch(0.0)
+    if knobs.regime_aware and be > 1:
+        cap = min(cap, max(1.0, be * knobs.headroom))
     return cap
 
 

@@ -31,19 +31,20 @@ def pools_config(tiny) -> dict:
     return yaml.safe_load(text)
 
 
-def replica_counts() -> dict[str, int]:
-    """Replicas per pool deployment that are running or on their way (what the policy asked for)."""
+def replica_counts(app: str = APP, names: tuple[str, ...] = ("SpeculativePool", "TargetPool")) -> dict[str, int]:
+    """Replicas per deployment that are running or on their way (what the policy asked for)."""
     from ray import serve
 
-    deps = serve.status().applications[APP].deployments
+    deps = serve.status().applications[app].deployments
     return {name: sum(n for state, n in deps[name].replica_states.items() if state in ("RUNNING", "STARTING"))
-            for name in ("SpeculativePool", "TargetPool")}
+            for name in names}
 
 
 class Watcher:
     """Polls `serve.status()` in the background and keeps every observation."""
 
-    def __init__(self) -> None:
+    def __init__(self, app: str = APP, names: tuple[str, ...] = ("SpeculativePool", "TargetPool")) -> None:
+        self.app, self.names = app, names
         self.seen: list[tuple[float, dict[str, int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -52,7 +53,7 @@ class Watcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.seen.append((time.monotonic(), replica_counts()))
+                self.seen.append((time.monotonic(), replica_counts(self.app, self.names)))
             except Exception:
                 pass
             time.sleep(0.25)
@@ -198,3 +199,46 @@ def test_streaming_and_cancellation_through_the_router(pools_app):
              if s.name == "specray_requests_total"}
     assert ended.get("cancelled", 0) >= 1, ended
     assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_coordinator_policy_scales_cascade_replicas_by_break_even(pools_app, tiny):
+    """The default layout (one cascade per Coordinator replica) with CoordinatorPolicy: break-even 3 x headroom
+    0.75 sizes each replica for 2.25 sequences, so 8 concurrent clients need more than one replica."""
+    from ray import serve
+
+    from specray.config import AppConfig
+    from specray.serve.app import Coordinator
+
+    args = pools_config(tiny)["applications"][0]["args"]["config"]
+    cfg = AppConfig.model_validate({k: v for k, v in args.items() if k != "pools"})
+    auto = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "metrics_interval_s": 0.25,
+            "look_back_period_s": 1.0, "upscale_delay_s": 0, "downscale_delay_s": 0,
+            "policy": {"policy_function": "specray.serve.autoscaling:CoordinatorPolicy",
+                       "policy_kwargs": {"utilization": 1.0, "headroom": 0.75, "downscale_after_s": 2}}}
+    dep = serve.deployment(name="Coordinator", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=24,
+                           autoscaling_config=auto)(serve.ingress()(Coordinator))
+    h = serve.run(dep.bind(cfg.model_dump(mode="json")), name="coord", route_prefix="/coord")
+    try:
+        watcher = Watcher("coord", ("Coordinator",))
+
+        async def load():
+            async def worker(w: int) -> list[tuple[str, dict]]:
+                return [(p, await h.generate.remote(p, max_tokens=48, ignore_eos=True))
+                        for p in (PROMPTS[(w + j) % len(PROMPTS)] for j in range(3))]
+            return [o for outs in await asyncio.gather(*[worker(w) for w in range(8)]) for o in outs]
+
+        t0 = time.monotonic()
+        outs = asyncio.run(load())
+        print(f"\ncoordinator app: {len(outs)} requests in {time.monotonic() - t0:.1f}s, replicas seen "
+              f"{sorted({c['Coordinator'] for _, c in watcher.seen})}")
+        plain = {p: h.generate.remote(p, max_tokens=48, ignore_eos=True, speculation={"method": "none"}).result()
+                 for p in PROMPTS}
+        assert all(out["token_ids"] == plain[p]["token_ids"] for p, out in outs)
+        assert watcher.max("Coordinator") == 2, "CoordinatorPolicy did not scale out past break-even"
+        deadline = time.monotonic() + 30
+        while replica_counts("coord", ("Coordinator",))["Coordinator"] != 1:
+            assert time.monotonic() < deadline, "the coordinator did not scale back in"
+            time.sleep(0.5)
+        watcher.stop()
+    finally:
+        serve.delete("coord")

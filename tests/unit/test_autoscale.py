@@ -148,11 +148,13 @@ def test_draft_pool_grows_back_when_speculating_and_busy_and_holds_in_the_band()
 def test_coordinator_decision_by_batch_and_regime():
     plain = CoordinatorKnobs(utilization=0.5, regime_aware=False, max_replicas=8)
     assert coordinator_decision(metrics(1, [16], max_batch=16), plain, {}).replicas == 2
-    aware = CoordinatorKnobs(utilization=0.5, regime_aware=True, max_replicas=8)
-    # speculating replicas are kept below break-even (4 < 8 = 16 x 0.5): 16 sequences -> 4 replicas
-    assert coordinator_decision(metrics(1, [16], spec=[1.0], max_batch=16), aware, {}).replicas == 4
-    # not speculating: the break-even does not matter
-    assert coordinator_decision(metrics(1, [16], spec=[0.0], max_batch=16), aware, {}).replicas == 2
+    aware = CoordinatorKnobs(utilization=0.5, regime_aware=True, headroom=0.75, max_replicas=8)
+    # replicas are kept below break-even (4 x 0.75 = 3 < 8 = 16 x 0.5): 16 sequences -> 6 replicas, even though
+    # at 16 per replica the rounds no longer speculate (that is what scaling out is meant to bring back)
+    assert coordinator_decision(metrics(1, [16], spec=[0.0], max_batch=16), aware, {}).replicas == 6
+    # break-even unknown (0) or 1 (plain wins at every batch): only max_batch_size x utilization counts
+    assert coordinator_decision(metrics(1, [16], be=0, max_batch=16), aware, {}).replicas == 2
+    assert coordinator_decision(metrics(1, [16], be=1, max_batch=16), aware, {}).replicas == 2
 
 
 def test_knobs_reject_unknown_and_inconsistent_values():
