@@ -254,7 +254,9 @@ def _cause_message(exc: BaseException) -> str:
     if cause is not None:
         return str(cause)
     lines = [x for x in str(exc).strip().splitlines() if x.strip()]
-    return lines[-1].split(": ", 1)[-1] if lines else type(exc).__name__
+    if len(lines) == 1:
+        return lines[0]
+    return lines[-1].split(": ", 1)[-1] if lines else type(exc).__name__  # "SomeError: message" of a traceback
 
 
 def build_pools_app(cfg: AppConfig):

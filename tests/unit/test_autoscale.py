@@ -3,6 +3,7 @@ callables driven by constructed `AutoscalingContext`s (a plain namespace and Ser
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 
@@ -307,3 +308,111 @@ def test_root_serve_config_policies_and_the_commented_pools_example_are_valid():
     cfg = AppConfig.model_validate({**app["args"]["config"], "pools": pools})
     for pool in (cfg.pools.speculative, cfg.pools.target):
         build(pool["autoscaling_config"]["policy"])
+
+
+# ----- the router's forwarding, with fake pool handles (no Ray) -----------------------------------------
+class _FakeStream:
+    """What `handle.options(stream=True).run_routed.remote(...)` returns: an async iterator with cancel()."""
+
+    def __init__(self, events, error=None) -> None:
+        self.events, self.error, self.cancelled = list(events), error, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.events:
+            return self.events.pop(0)
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FakePool:
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.next: _FakeStream | None = None
+        self.run_routed = SimpleNamespace(remote=self._remote)
+
+    def options(self, **_):
+        return self
+
+    def _remote(self, req, break_even):
+        self.calls.append((req, break_even))
+        return self.next
+
+
+def _router(break_even: float = 3.0):
+    from specray.config import AppConfig
+    from specray.metrics import SpecMetrics
+    from specray.serve.pools import Router
+
+    r = Router.__new__(Router)  # the async Serve constructor needs live pools; set what run() uses
+    r.config = AppConfig.model_validate({"cascade": {"levels": [{"kind": "ngram"}, {"kind": "hf", "model": "t"}]},
+                                         "server": {"max_batch_size": 8}, "pools": {}})
+    r.model_name, r.metrics = "m", SpecMetrics(model_name="m")
+    from prometheus_client import Counter, Gauge
+
+    r.routed = Counter("specray_routed_requests", "", ["model_name", "pool"], registry=r.metrics.registry)
+    r.inflight_gauge = Gauge("specray_pool_inflight", "", ["model_name", "pool"], registry=r.metrics.registry)
+    r.handles = {"speculative": _FakePool(), "target": _FakePool()}
+    r.inflight = {"speculative": 0, "target": 0}
+    r.break_even, r.spec_replicas = break_even, 1
+    return r
+
+
+def test_router_routes_by_regime_and_override_and_forwards_break_even():
+    from specray.coordinator.scheduler import Event, Request, Speculation
+
+    r = _router(break_even=3.0)
+    r.inflight["speculative"] = 2  # a third sequence would reach break-even on the one replica
+    assert r.choose(Request([1])) == "target"
+    assert r.choose(Request([1], speculation=Speculation("ngram"))) == "speculative"
+    assert r.choose(Request([1], speculation=Speculation("auto", 2))) == "speculative"
+    r.inflight["speculative"] = 1
+    assert r.choose(Request([1])) == "speculative"
+    assert r.choose(Request([1], speculation=Speculation("none"))) == "target"
+    r.inflight["speculative"] = 0
+
+    done = Event([5], "x", finished=True, finish_reason="length", prompt_tokens=1, completion_tokens=1)
+    r.handles["target"].next = _FakeStream([done])
+
+    async def collect(req):
+        return [ev async for ev in r.run(req)]
+
+    assert asyncio.run(collect(Request([1], speculation=Speculation("none")))) == [done]
+    assert r.handles["target"].calls[0][1] == 3.0  # the target pool learns the break-even with the request
+    assert r.inflight == {"speculative": 0, "target": 0}
+    assert r.routed.labels("m", "target")._value.get() == 1
+
+
+def test_router_maps_pool_errors_and_cancels_the_pool_stream():
+    from specray.coordinator.scheduler import Event, Request, RequestError
+    from specray.serve.app import TargetUnavailable
+
+    r = _router()
+    tok = Event([5], "x")
+
+    async def drain():
+        return [ev async for ev in r.run(Request([1]))]
+
+    r.handles["speculative"].next = _FakeStream([tok], RequestError("max_tokens: at most 3"))
+    with pytest.raises(RequestError, match="max_tokens: at most 3"):
+        asyncio.run(drain())
+    r.handles["speculative"].next = stream = _FakeStream([tok], RuntimeError("actor died"))
+    with pytest.raises(TargetUnavailable, match="actor died"):
+        asyncio.run(drain())
+    assert stream.cancelled and r.inflight["speculative"] == 0
+
+    async def leave_after_one():  # a client that goes away: closing the generator cancels the pool's stream
+        agen = r.run(Request([1]))
+        await agen.__anext__()
+        await agen.aclose()
+
+    r.handles["speculative"].next = stream = _FakeStream([tok, tok, tok])
+    asyncio.run(leave_after_one())
+    assert stream.cancelled and r.inflight["speculative"] == 0
+    assert r.metrics.requests.labels("m", "cancelled")._value.get() == 3
