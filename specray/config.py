@@ -184,12 +184,34 @@ class PolicyConfig(_Strict):
     )
 
 
+class PoolsConfig(_Strict):
+    """Autoscaling by regime (README): a Router deployment in front of two pools that Serve scales apart.
+    SpeculativePool replicas run the whole cascade, TargetPool replicas the target alone; each request goes
+    to the speculative pool while its batch per replica stays below the break-even batch, else to the target."""
+
+    break_even_batch: int | None = Field(
+        None, ge=1, description="Static break-even batch for routing; None: live, from the speculative pool's "
+        "planner (its cost model, or its `policy.table`).",
+    )
+    initial_break_even: int = Field(4, ge=1, description="Break-even used until the speculative pool reports one.")
+    refresh_s: float = Field(1.0, gt=0, description="How often the router re-reads break-even and replica counts.")
+    speculative: dict[str, Any] = Field(
+        default_factory=dict, description="Serve deployment options of SpeculativePool (merged over the defaults: "
+        "autoscaling with DraftPoolPolicy, 1..4 replicas); `autoscaling_config` keys merge one by one.",
+    )
+    target: dict[str, Any] = Field(
+        default_factory=dict, description="Serve deployment options of TargetPool (defaults: autoscaling with "
+        "TargetPoolPolicy, 1..4 replicas).",
+    )
+
+
 class AppConfig(_Strict):
-    """Everything `build_app` needs: the cascade, the server and the policy."""
+    """Everything `build_app` needs: the cascade, the server and the policy (and, optionally, regime pools)."""
 
     cascade: CascadeConfig
     server: ServerConfig = Field(default_factory=ServerConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    pools: PoolsConfig | None = Field(None, description="Regime pools instead of one coordinator deployment.")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> AppConfig:

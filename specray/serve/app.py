@@ -95,8 +95,10 @@ class Coordinator:
         return build_http_app(self)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom autoscaling metrics for Serve (see the batch-size regime issue)."""
-        return {"batch_size": float(self.scheduler.num_active), "waiting": float(len(self.scheduler._waiting))}
+        """Custom autoscaling metrics for Serve's policies (batch, queue, regime, break-even batch)."""
+        from specray.serve.autoscaling import coordinator_stats
+
+        return coordinator_stats(self)
 
     def __del__(self) -> None:  # best effort: owned actors die with the replica anyway
         launched = getattr(self, "_launched", None)
@@ -109,6 +111,7 @@ class Coordinator:
     # ----- metrics --------------------------------------------------------------------------------
     def _on_round(self, batch: int, plan_sizes: Mapping[Any, int], seconds: float) -> None:
         regime = self.planner.regime(batch) if self.planner is not None else None
+        self.last_round = (time.monotonic(), batch, dict(plan_sizes))  # autoscaling: regime of the last round
         self.metrics.observe_round(batch, {self.engine.plan_name(p): n for p, n in plan_sizes.items()}, seconds,
                                    regime=regime)
 
@@ -255,7 +258,14 @@ def build_app(args: Mapping[str, Any] | None = None):
         cfg = AppConfig.from_yaml(args.pop("config_path"))
     else:
         cfg = AppConfig.model_validate(args.pop("config", args))
-    deployment = serve.deployment(name="Coordinator", ray_actor_options={"num_cpus": 0.5})(
+    if cfg.pools is not None:  # autoscaling by regime: a router in front of a speculative and a target pool
+        from specray.serve.pools import build_pools_app
+
+        return build_pools_app(cfg)
+    # Serve's default max_ongoing_requests (5) would cap the running batch far below max_batch_size; leave
+    # room for a full batch waiting behind a full batch, plus health/metrics calls.
+    deployment = serve.deployment(name="Coordinator", ray_actor_options={"num_cpus": 0.5},
+                                  max_ongoing_requests=2 * cfg.server.max_batch_size + 8)(
         serve.ingress()(Coordinator)
     )
     return deployment.bind(cfg.model_dump(mode="json"))
