@@ -264,10 +264,16 @@ def build_tiny_model(
     max_positions: int = 1024,
     logit_scale: float = 4.0,
     tie_embeddings: bool = False,
+    residual_scale: float = 1.0,
 ) -> Path:
     """Build a seeded random fp32 causal LM of `family` over the tokenizer's vocab and save it (with the
     tokenizer) as safetensors. Same arguments -> bit-identical weights. `tie_embeddings=True` gives the
-    tied layout of the official Qwen2.5/SmolLM2 checkpoints (no lm_head.weight key)."""
+    tied layout of the official Qwen2.5/SmolLM2 checkpoints (no lm_head.weight key).
+
+    `residual_scale` multiplies the output projection of every attention and MLP block. With tied embeddings
+    the N(0, 1) embedding dominates the residual stream, so such a model mostly repeats recent tokens (text
+    that prompt lookup drafts well); scales of ~4-16 move it from pure repetition towards noise, which
+    sets how often an n-gram draft is accepted (llama family; measured in tests/e2e/test_regime.py)."""
     tok = _as_tokenizer(tokenizer_dir_or_tok)
     config = tiny_config(
         family, len(tok), num_layers, hidden, heads, kv_heads, intermediate, max_positions,
@@ -277,6 +283,11 @@ def build_tiny_model(
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed, hidden, logit_scale)
+    if residual_scale != 1.0:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight", "attn.c_proj.weight", "mlp.c_proj.weight")):
+                    p.mul_(residual_scale)
     out = Path(out_dir)
     model.save_pretrained(out)
     tok.save_pretrained(out)
