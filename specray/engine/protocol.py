@@ -63,6 +63,9 @@ class VerifyResult:
     token_ids: list[list[int]]
     num_accepted: list[int]
     probs: torch.Tensor | None = None  # [B, n_max, V] distributions of the emitted tokens, if asked for
+    #: per sequence, draft tokens the verifier's own engine proposed and verified in this call (a native vLLM
+    #: level: vLLM's speculative decoding); None (or 0 for a row) when only the given drafts were verified
+    native_drafts: list[int] | None = None
 
 
 @dataclass
