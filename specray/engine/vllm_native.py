@@ -101,6 +101,7 @@ def check_native_speculation(spec: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"native_speculation.{key} must be a positive integer, got {v!r}")
         if hi < lo:
             raise ValueError("native_speculation.prompt_lookup_max must be >= prompt_lookup_min")
+        spec["prompt_lookup_min"], spec["prompt_lookup_max"] = lo, hi
         if "model" in spec:
             raise ValueError("native_speculation: an ngram speculator takes no `model`")
     elif not spec.get("model"):
