@@ -58,7 +58,7 @@ def main() -> None:
     from specray.policy.planner import Planner
 
     model = args.model or tiny_target()
-    common = dict(name="target", dtype=args.dtype, kv_cache_bytes=256 << 20, max_context=2048, max_num_seqs=64)
+    common = dict(name="target", dtype=args.dtype, kv_cache_bytes=256 << 20, max_context=1024, max_num_seqs=64)
     plain = VLLMWorker(model, **common)
     native = NativeVLLMWorker(model, native_speculation={"method": "ngram", "num_speculative_tokens": args.k,
                                                          "prompt_lookup_max": 4, "prompt_lookup_min": 1}, **common)

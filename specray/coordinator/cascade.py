@@ -200,7 +200,9 @@ class CascadeEngine:
         self._ids = itertools.count()
         #: objects with on_call(level, kind, batch, tokens, seconds) and on_verify(level, lower, draft_lens,
         #: accepted) — live measurements for the planner (kind "propose": tokens = autoregressive steps;
-        #: "verify": tokens = the longest draft + 1, fed in one forward)
+        #: "verify": tokens = the longest draft + 1, fed in one forward; "native": a call of a native target
+        #: in which every row was one step of its engine's own speculation, tokens = longest native draft + 1)
+        #: — and optionally on_native(level, draft_lens, accepted) for those rows (cold rows left out)
         self.observers: list = []
         # failure handling: a level that fails is skipped until `retry_after_s` passed and it answers again;
         # its epoch is bumped so every sequence re-adds itself there (a restarted actor lost them all)
@@ -476,13 +478,17 @@ class CascadeEngine:
             fed = _native_lens(res, drafts)  # tokens fed per row: a native row's own draft counts
             tokens = max(fed, default=0) + 1
             nat = [b for b, d in enumerate(drafts) if not d] if res.native_drafts is not None else []
+            cold = res.native_cold or [False] * len(drafts)
+            warm = [b for b in nat if not cold[b]]
+            # a call made only of native steps runs the engine's own (cheaper) path: timed apart
+            kind = "native" if nat and len(nat) == len(drafts) else "verify"
             for ob in self.observers:
-                ob.on_call(i, "verify", len(seqs), tokens, dt)
+                ob.on_call(i, kind, len(seqs), tokens, dt)
                 if lower is not None and len(nat) < len(drafts):
                     rows = [b for b in range(len(drafts)) if b not in set(nat)]
                     ob.on_verify(i, lower, [lens[b] for b in rows], [res.num_accepted[b] for b in rows])
-                if nat and hasattr(ob, "on_native"):
-                    ob.on_native(i, [fed[b] for b in nat], [res.num_accepted[b] for b in nat])
+                if warm and hasattr(ob, "on_native"):
+                    ob.on_native(i, [fed[b] for b in warm], [res.num_accepted[b] for b in warm])
         return res
 
 

@@ -292,15 +292,16 @@ class NativeVLLMWorker(VLLMWorker):
         lv = self._live[seq_id] = _Live(ext, int_id, list(toks))
         return lv
 
-    def _serve(self, lv: _Live, n: int) -> tuple[list[int], int]:
-        """The tokens after position n up to the end of the engine step's chunk holding n, and the native
-        drafts credited to them (the chunk's drafts past the offset; accepted = len - 1)."""
-        for c in lv.chunks:
+    def _serve(self, lv: _Live, n: int) -> tuple[list[int], int, bool]:
+        """The tokens after position n up to the end of the engine step's chunk holding n, the native drafts
+        credited to them (the chunk's drafts past the offset; accepted = len - 1), and whether the chunk is the
+        request's first step (a prefill: no draft was possible)."""
+        for j, c in enumerate(lv.chunks):
             if c.start <= n < c.end:
                 off = n - c.start
                 toks = lv.tokens[n : c.end]
                 drafts = max(c.drafts - off, 0) if c.drafts else 0
-                return toks, drafts
+                return toks, drafts, j == 0
         raise AssertionError("no chunk holds the position")  # pragma: no cover - guarded by the caller
 
     def verify(
@@ -326,6 +327,7 @@ class NativeVLLMWorker(VLLMWorker):
         out_ids: list[list[int]] = [[] for _ in seq_ids]
         n_acc = [0] * len(seq_ids)
         native_drafts = [0] * len(seq_ids)
+        cold = [False] * len(seq_ids)
         try:
             if other:
                 probs = None
@@ -346,10 +348,11 @@ class NativeVLLMWorker(VLLMWorker):
                     self._step()
                     self.native_steps += 1
                 for b in native:
-                    toks, d = self._serve(lives[b], len(seqs[b]))
+                    toks, d, cold[b] = self._serve(lives[b], len(seqs[b]))
                     seqs[b].extend(toks)
                     out_ids[b], n_acc[b], native_drafts[b] = toks, len(toks) - 1, d
                     self.native_served_tokens += len(toks)
         finally:
             self._keep = set()
-        return VerifyResult(out_ids, n_acc, None, native_drafts=native_drafts if native else None)
+        return VerifyResult(out_ids, n_acc, None, native_drafts=native_drafts if native else None,
+                            native_cold=cold if native else None)

@@ -13,9 +13,11 @@ Goodput of a plan at batch B is E[L] * B / T_round (ARCHITECTURE.md section 4), 
 
 Native target (a vLLM engine with its own speculative_config, `specray.engine.vllm_native`): its plain plan
 is vLLM speculating by itself, so E[L] = E[L](alpha(t | t), K_native) with alpha measured from the engine's
-own per-step acceptance (`on_native`), and T_round = T_t(B, q_native), q_native the decayed mean of the
-tokens fed per row (1 + the longest native draft of the step). It competes with specray's drafters like
-any other plan; its regime is still 'none' (the target alone).
+own per-step acceptance (`on_native`; a request's first step, a prefill that cannot draft, is left out), and
+T_round = N_t(B, q_native): N_t is a separate `StepCost` fitted on calls made only of native steps (the
+engine's own decode path costs far less than specray's verification through prompt scoring on the same
+engine), q_native the decayed mean of the tokens fed per row (1 + the longest native draft of the step).
+It competes with specray's drafters like any other plan; its regime is still 'none' (the target alone).
 
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
@@ -129,9 +131,11 @@ class Planner:
                                  k_max=max(32, max(self.k_choices) + 1))
             for lo, up in itertools.combinations(range(self.top + 1), 2)
         }
+        self.native_cost: StepCost | None = None
         if self.native_k:
             self.acceptance[(self.top, self.top)] = Acceptance(prior_alpha_ngram, decay=decay,
                                                                k_max=max(32, self.native_k + 1))
+            self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
         self.candidates = self._enumerate()
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
 
@@ -180,6 +184,10 @@ class Planner:
             self._memo.clear()
             if kind == "propose":
                 cost.observe(batch, 1, seconds / tokens, weight=float(tokens))
+            elif kind == "native":
+                if self.native_cost is not None and level == self.top:
+                    self.native_cost.observe(batch, tokens, seconds)
+                    self._clock += 1
             else:
                 cost.observe(batch, tokens, seconds)
                 if level == self.top:
@@ -256,8 +264,13 @@ class Planner:
     def round_time(self, plan: Plan, batch: int) -> float:
         """Expected seconds of one round of `plan` over `batch` sequences (module docstring)."""
         if len(plan.levels) == 1 or plan.k[-1] == 0:
-            if self.native_k:
-                return self.step_time(self.top, batch, max(1, round(self.native_q))) + self.overhead
+            if self.native_cost is not None:
+                q = max(1, round(self.native_q))
+                key = ("n", batch, q)
+                t = self._memo.get(key)
+                if t is None:
+                    t = self._memo[key] = self.native_cost.predict(batch, q)
+                return t + self.overhead
             return self.step_time(self.top, batch, 1) + self.overhead
         k = plan.k[-1]
         return self._produce(plan, len(plan.levels) - 2, batch, k) + self.step_time(self.top, batch, k + 1) + (

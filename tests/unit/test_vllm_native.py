@@ -118,7 +118,7 @@ def test_native_drafts_are_recorded_as_the_targets_speculation_and_reach_metrics
     # observers: one on_native per round with the rows' native draft lengths; fed tokens = K + 1
     assert rec.native and not rec.verify
     assert sum(sum(a) for _, _, a in rec.native) == st.accepted_tokens
-    assert all(kind == "verify" and tokens == 4 for _, kind, _, tokens in rec.calls)
+    assert all(kind == "native" and tokens == 4 for _, kind, _, tokens in rec.calls)  # timed apart from verify
     # Prometheus counters (level label = the native level's name) equal the sums of per-request usage
     m = SpecMetrics()
     for r in out.results:
@@ -133,6 +133,30 @@ def test_native_drafts_are_recorded_as_the_targets_speculation_and_reach_metrics
         assert m.accepted_per_pos.labels("specray", "t", str(pos))._value.get() == c
 
 
+class ColdFake(NativeFake):
+    """Reports a sequence's first native step as cold (a fresh engine request: a prefill, no draft possible)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen: set[str] = set()
+
+    def verify(self, seq_ids, draft_ids, *a, **kw):
+        res = super().verify(seq_ids, draft_ids, *a, **kw)
+        res.native_cold = [s not in self.seen and not d for s, d in zip(seq_ids, draft_ids)]
+        self.seen.update(s for s, d in zip(seq_ids, draft_ids) if not d)
+        return res
+
+
+def test_cold_native_rows_are_counted_but_not_estimated():
+    engine = CascadeEngine([Level("t", worker=ColdFake("t", vocab=16, order=2))])
+    rec = Recorder()
+    engine.observers.append(rec)
+    out = generate(engine, PROMPTS_IDS, max_tokens=9)
+    rows = sum(len(lens) for _, lens, _ in rec.native)
+    assert rows == out.stats["t"].verify_calls - len(PROMPTS_IDS)  # each sequence's first step left out
+    assert all(kind == "native" for _, kind, _, _ in rec.calls)
+
+
 def test_specray_drafts_on_a_native_target_feed_the_pair_and_empty_drafts_the_native_estimate():
     engine = CascadeEngine([Level("ng", ngram=NgramConfig(3, 1, 3)), Level("t", worker=NativeFake("t", vocab=16))])
     rec = Recorder()
@@ -142,6 +166,7 @@ def test_specray_drafts_on_a_native_target_feed_the_pair_and_empty_drafts_the_na
     assert [r.token_ids for r in out.results] == [r.token_ids for r in ref.results]
     assert rec.verify and rec.native  # both kinds of rows happened
     assert all(lo == 0 and all(n > 0 for n in lens) for _, lo, lens, _ in rec.verify)
+    assert {kind for _, kind, _, _ in rec.calls} == {"verify", "native"}  # mixed calls are timed as verify
 
 
 # ----- the planner ----------------------------------------------------------------------------------------
@@ -156,17 +181,19 @@ def test_planner_weighs_native_plain_plan_by_measured_native_acceptance():
     assert p.expected_length(plain) > 1.0  # the prior already credits the native speculation
     assert p.round_time(plain, 1) == pytest.approx(p.step_time(1, 1, 5))  # a native step feeds K+1 tokens
     for _ in range(30):  # vLLM's own drafts almost always accepted; specray's n-gram drafts rarely
-        p.on_call(1, "verify", 1, 5, 0.15)
+        p.on_call(1, "native", 1, 5, 0.05)
         p.on_native(1, [4], [4])
         p.on_call(1, "verify", 1, 5, 0.15)
         p.on_verify(1, 0, [4], [0])
     assert p.expected_length(plain) > 4.0 > 1.5 > p.expected_length(ngram)
+    # native steps are timed on their own curve: the engine's decode path, not prompt scoring
+    assert p.round_time(plain, 1) == pytest.approx(0.05, rel=0.2) and p.step_time(1, 1, 5) == pytest.approx(0.15)
     assert p.plan(1) == plain
     assert p.regime_of(plain) == "none"
     # the other way round: native drafts rejected, specray's accepted -> the n-gram plan wins
     q = Planner(_native_levels(), k_choices=[4], warmup=0, patience=1, hysteresis=0.0, explore_every=0)
     for _ in range(30):
-        q.on_call(1, "verify", 1, 1, 0.15)
+        q.on_call(1, "native", 1, 1, 0.15)
         q.on_native(1, [0], [0])  # short drafts (no match) count as failures at position 1
         q.on_call(1, "verify", 1, 5, 0.15)
         q.on_verify(1, 0, [4], [4])
@@ -285,7 +312,7 @@ def test_native_target_under_an_ngram_level_and_after_a_rollback(engines):
         changed = native.verify(["rb"], [[]], None, g, VerifyMethod.GREEDY,
                                 sync=[SeqSync(len(prompt) + 2, (other,))])
         assert native.native_restarts == restarts + 1
-        assert changed.native_drafts == [0]  # a fresh request has no draft in its first step
+        assert changed.native_drafts == [0] and changed.native_cold == [True]  # a fresh request: a prefill
         want = hf.propose(["rb"], [1], g, sync=[SeqSync(len(prompt), (*got[:2], other))]).token_ids[0]
         assert changed.token_ids[0] == want
     finally:
