@@ -18,11 +18,12 @@ live request produced, step by step, and checks them against the coordinator's t
 differ (a row that was rolled back, or served by another plan) the request is aborted and re-added with the
 coordinator's tokens (a prefill mostly served from the prefix cache; its first step drafts nothing).
 
-Only rows in the current call are stepped: before every engine step, live requests of other sequences
-(finished, or in another plan group) are aborted, so vLLM never generates tokens nobody asked for. Tokens a
-live request produced during an earlier call that were not served yet (the engine stepped while the row's
-specray-drafted neighbours were being scored) are served first, one engine step's chunk per round, without a
-new step.
+Every engine step advances every live request, also those of sequences outside the current call (another
+plan group this round, an exploration probe, or a sequence that just finished). Such a request may run ONE
+step ahead; before the next step, a request outside the call that still holds unserved tokens is aborted. So
+a sequence that comes back next round keeps its warm request (and gets its chunk without a new step), and a
+finished one costs at most one wasted step. Tokens produced but never served are tallied
+(``native_unserved_*`` in `stats`), so specray's counters plus those equal vLLM's own.
 
 Rows *with* a specray draft (an n-gram or model level below the native target) are verified exactly as by
 `VLLMWorker`, through prompt scoring on the same engine (vLLM 0.32 accepts prompt logprobs on a speculative
@@ -136,6 +137,7 @@ class _Live:
     int_id: str
     tokens: list[int]  # prompt + everything vLLM produced for it so far
     chunks: list[_Chunk] = field(default_factory=list)
+    served: int = 0  # tokens[:served] are known to the coordinator
     finished: bool = False
 
 
@@ -179,6 +181,8 @@ class NativeVLLMWorker(VLLMWorker):
         self.native_steps = 0
         self.native_restarts = 0
         self.native_served_tokens = 0
+        #: produced by vLLM but never served (aborted first): steps with drafts, draft tokens, accepted, tokens
+        self.unserved = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "tokens": 0}
 
     # ----- sequence state -----------------------------------------------------------------------
     def free(self, seq_id: str) -> None:
@@ -193,20 +197,30 @@ class NativeVLLMWorker(VLLMWorker):
     def stats(self) -> WorkerStats:
         st = super().stats()
         st.extra.update(native_live=len(self._live), native_steps=self.native_steps,
-                        native_restarts=self.native_restarts, native_served_tokens=self.native_served_tokens)
+                        native_restarts=self.native_restarts, native_served_tokens=self.native_served_tokens,
+                        **{f"native_unserved_{k}": float(v) for k, v in self.unserved.items()})
         return st
 
     def _abort(self, seq_ids: Sequence[str]) -> None:
         gone = [self._live.pop(s) for s in seq_ids if s in self._live]
+        for lv in gone:
+            for c in lv.chunks:
+                if c.start >= lv.served:
+                    self.unserved["tokens"] += c.end - c.start
+                    if c.drafts:
+                        self.unserved["drafts"] += 1
+                        self.unserved["draft_tokens"] += c.drafts
+                        self.unserved["accepted_tokens"] += c.accepted
         ids = [lv.ext_id for lv in gone if not lv.finished]
         if ids:
             self.engine.abort_request(ids)
 
     # ----- the engine's step loop ---------------------------------------------------------------
     def _step(self) -> dict[str, Any]:
-        """One scheduler step. Live native requests of sequences outside the current call are aborted first;
-        the tokens and per-step acceptance of the others are recorded. Returns the other finished outputs."""
-        self._abort([s for s in self._live if s not in self._keep])
+        """One scheduler step. Live requests outside the current call that already ran ahead (unserved tokens)
+        are aborted first; the tokens and per-step acceptance of the others are recorded. Returns the finished
+        outputs of other (scoring) requests."""
+        self._abort([s for s, lv in self._live.items() if s not in self._keep and len(lv.tokens) > lv.served])
         by_ext = {lv.ext_id: (s, lv) for s, lv in self._live.items()}
         reqs = self._scheduler.requests
         before = {}
@@ -295,7 +309,7 @@ class NativeVLLMWorker(VLLMWorker):
                              skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
         ext = f"specray-native-{seq_id}-{next(self._ids)}"
         int_id = self.engine.add_request(ext, {"prompt_token_ids": list(toks)}, sp)
-        lv = self._live[seq_id] = _Live(ext, int_id, list(toks))
+        lv = self._live[seq_id] = _Live(ext, int_id, list(toks), served=n)
         return lv
 
     def _serve(self, lv: _Live, n: int) -> tuple[list[int], int, bool]:
@@ -355,6 +369,7 @@ class NativeVLLMWorker(VLLMWorker):
                     self.native_steps += 1
                 for b in native:
                     toks, d, cold[b] = self._serve(lives[b], len(seqs[b]))
+                    lives[b].served = len(seqs[b]) + len(toks)
                     seqs[b].extend(toks)
                     out_ids[b], n_acc[b], native_drafts[b] = toks, len(toks) - 1, d
                     self.native_served_tokens += len(toks)
