@@ -65,6 +65,13 @@ class LevelConfig(_Strict):
         "gpu_memory_utilization: 0.9, enforce_eager: false}. A level whose engine spans N = tensor x pipeline "
         "parallel GPUs runs all N inside its one actor, so it must reserve them: num_gpus: N.",
     )
+    native_speculation: dict[str, Any] | None = Field(
+        None,
+        description="vllm target only: the engine's own speculative decoding (vLLM's `speculative_config`), e.g. "
+        "{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2} or {method: "
+        "draft_model, model: <draft>, num_speculative_tokens: 3}. Plain rounds of this level are then vLLM "
+        "speculating by itself (greedy rows; rows at temperature > 0 decode plain through specray's exact path).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LevelConfig:
@@ -75,11 +82,26 @@ class LevelConfig(_Strict):
             raise ValueError(f"a {self.kind} level needs `model`")
         if self.engine_args:
             self._check_engine_args()
+        if self.native_speculation is not None:
+            self._check_native()
         return self
+
+    def _check_native(self) -> None:
+        from specray.engine.vllm_native import check_native_speculation
+
+        if self.kind != "vllm":
+            raise ValueError(f"native_speculation is for vllm levels; a {self.kind} level has no speculative engine")
+        self.native_speculation = check_native_speculation(self.native_speculation)
+        if self.engine_world_size > 1:
+            raise ValueError("native_speculation: a native level runs its engine in-process, which a multi-GPU "
+                             "engine (tensor/pipeline parallel) cannot")
 
     def _check_engine_args(self) -> None:
         if self.kind != "vllm":
             raise ValueError(f"engine_args is for vllm levels; a {self.kind} level takes none")
+        if "speculative_config" in self.engine_args:
+            raise ValueError("engine_args.speculative_config: give vLLM's own speculation as `native_speculation` "
+                             "(a native level; specray maps its acceptance into the metrics and the planner)")
         owned = sorted(set(self.engine_args) & _ENGINE_ARGS_OWNED)
         if owned:
             raise ValueError(f"engine_args {owned}: set by specray (use the level's model/dtype/max_context; "
@@ -136,6 +158,10 @@ class CascadeConfig(_Strict):
                 raise ValueError("an ngram level can only be the first level")
         if self.levels[-1].kind == "ngram":
             raise ValueError("the last level (the target) must be a model")
+        for lvl in self.levels[:-1]:
+            if lvl.native_speculation is not None:
+                raise ValueError(f"level {lvl.display_name!r}: native_speculation only on the target (last level); "
+                                 "a native engine cannot draft for a level above it")
         names = [lvl.display_name for lvl in self.levels]
         if len(set(names)) != len(names):
             raise ValueError(f"level names must be unique, got {names}; set `name`")

@@ -43,6 +43,8 @@ class Level:
 
     k: tokens this level proposes to the level above per round (unused for the target).
     method: how this level verifies the level below (unused for level 0).
+    native_k: tokens the level's own engine speculates per step when it decodes without a specray draft (a
+    native vLLM target, `specray.engine.vllm_native`); 0: none. Defaults to the worker's `native_k`.
     """
 
     name: str
@@ -50,10 +52,13 @@ class Level:
     ngram: NgramConfig | None = None
     k: int = 4
     method: VerifyMethod = VerifyMethod.DETERMINISTIC
+    native_k: int = 0
 
     def __post_init__(self) -> None:
         if (self.worker is None) == (self.ngram is None):
             raise ValueError(f"level {self.name!r}: give exactly one of worker or ngram")
+        if not self.native_k and self.worker is not None:
+            self.native_k = int(getattr(self.worker, "native_k", 0) or 0)
         if self.ngram is not None and self.k == 4:
             self.k = self.ngram.num_speculative_tokens
         self.method = VerifyMethod(self.method)
@@ -195,7 +200,9 @@ class CascadeEngine:
         self._ids = itertools.count()
         #: objects with on_call(level, kind, batch, tokens, seconds) and on_verify(level, lower, draft_lens,
         #: accepted) — live measurements for the planner (kind "propose": tokens = autoregressive steps;
-        #: "verify": tokens = the longest draft + 1, fed in one forward)
+        #: "verify": tokens = the longest draft + 1, fed in one forward; "native": a call of a native target
+        #: in which every row was one step of its engine's own speculation, tokens = longest native draft + 1)
+        #: — and optionally on_native(level, draft_lens, accepted) for those rows (cold rows left out)
         self.observers: list = []
         # failure handling: a level that fails is skipped until `retry_after_s` passed and it answers again;
         # its epoch is bumped so every sequence re-adds itself there (a restarted actor lost them all)
@@ -337,12 +344,13 @@ class CascadeEngine:
             drafts, probs = [[] for _ in active], None
         lower = chain[-2] if len(chain) > 1 else None
         res = self._verify(self.top, lower, active, bases, drafts, probs, False, method)
+        native = _native_lens(res, drafts)
         new_by_id: dict[str, list[int]] = {}
-        for s, toks, nacc, d in zip(active, res.token_ids, res.num_accepted, drafts):
+        for s, toks, nacc, n in zip(active, res.token_ids, res.num_accepted, native):
             s.rounds += 1
             committed = self._commit(s, toks)
             new_by_id[s.seq_id] = committed
-            s.stats.setdefault(self.top, LevelStats()).record(len(d), nacc, len(toks))
+            s.stats.setdefault(self.top, LevelStats()).record(n, nacc, len(toks))
         return new_by_id
 
     def _commit(self, s: Sequence_, toks: list[int]) -> list[int]:
@@ -423,10 +431,11 @@ class CascadeEngine:
             else:
                 d, dp = [[] for _ in rows], None
             res = self._verify(i, chain[ci - 1], sub, sub_bases, d, dp, need_probs, override)
+            native = _native_lens(res, d)
             for j, b in enumerate(rows):
                 toks = res.token_ids[j]
                 outs[b].extend(toks)
-                seqs[b].stats.setdefault(i, LevelStats()).record(len(d[j]), res.num_accepted[j], len(toks))
+                seqs[b].stats.setdefault(i, LevelStats()).record(native[j], res.num_accepted[j], len(toks))
                 if res.probs is not None:
                     prob_rows[b].append(res.probs[j, : len(toks)])
         outs = [o[:w] for o, w in zip(outs, want)]
@@ -465,13 +474,31 @@ class CascadeEngine:
         for s, toks in zip(seqs, res.token_ids):
             s.mirror[i].extend(toks)
         if self.observers:
-            tokens = max((len(d) for d in drafts), default=0) + 1
             lens = [len(d) for d in drafts]
+            fed = _native_lens(res, drafts)  # tokens fed per row: a native row's own draft counts
+            tokens = max(fed, default=0) + 1
+            nat = [b for b, d in enumerate(drafts) if not d] if res.native_drafts is not None else []
+            cold = res.native_cold or [False] * len(drafts)
+            warm = [b for b in nat if not cold[b]]
+            # a call made only of native steps runs the engine's own (cheaper) path: timed apart
+            kind = "native" if nat and len(nat) == len(drafts) else "verify"
             for ob in self.observers:
-                ob.on_call(i, "verify", len(seqs), tokens, dt)
-                if lower is not None:
-                    ob.on_verify(i, lower, lens, list(res.num_accepted))
+                ob.on_call(i, kind, len(seqs), tokens, dt)
+                if lower is not None and len(nat) < len(drafts):
+                    rows = [b for b in range(len(drafts)) if b not in set(nat)]
+                    ob.on_verify(i, lower, [lens[b] for b in rows], [res.num_accepted[b] for b in rows])
+                if warm and hasattr(ob, "on_native"):
+                    ob.on_native(i, [fed[b] for b in warm], [res.num_accepted[b] for b in warm])
         return res
+
+
+def _native_lens(res, drafts: list[list[int]]) -> list[int]:
+    """Draft tokens verified per row: the given draft, or for a row without one the verifier's own native
+    speculation (`VerifyResult.native_drafts`)."""
+    native = res.native_drafts
+    if native is None:
+        return [len(d) for d in drafts]
+    return [len(d) if d else int(n) for d, n in zip(drafts, native)]
 
 
 @dataclass

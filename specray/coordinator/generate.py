@@ -36,6 +36,11 @@ def create_worker(cfg: LevelConfig) -> Worker:
             max_context=cfg.max_context, cpu_prepack=cfg.cpu_prepack,
         )
     if cfg.kind == "vllm":
+        if cfg.native_speculation is not None:
+            from specray.engine.vllm_native import NativeVLLMWorker
+
+            return NativeVLLMWorker(cfg.model or "", native_speculation=cfg.native_speculation,
+                                    **vllm_worker_kwargs(cfg))
         from specray.engine.vllm import VLLMWorker
 
         return VLLMWorker(cfg.model or "", **vllm_worker_kwargs(cfg))
@@ -66,8 +71,9 @@ def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
     if cfg.kind == "ngram":
         ng = NgramConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         return Level(cfg.display_name, ngram=ng, k=cfg.num_speculative_tokens, method=cfg.method)
+    native_k = int(cfg.native_speculation["num_speculative_tokens"]) if cfg.native_speculation else 0
     return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
-                 method=cfg.method)
+                 method=cfg.method, native_k=native_k)
 
 
 def build_levels(cfg: CascadeConfig) -> list[Level]:

@@ -63,6 +63,12 @@ class VerifyResult:
     token_ids: list[list[int]]
     num_accepted: list[int]
     probs: torch.Tensor | None = None  # [B, n_max, V] distributions of the emitted tokens, if asked for
+    #: per sequence, draft tokens the verifier's own engine proposed and verified in this call (a native vLLM
+    #: level: vLLM's speculative decoding); None (or 0 for a row) when only the given drafts were verified
+    native_drafts: list[int] | None = None
+    #: per sequence, True where the native engine's request started in this call: its first step is a prefill
+    #: that cannot draft, so it says nothing about the native acceptance (the planner skips such rows)
+    native_cold: list[bool] | None = None
 
 
 @dataclass

@@ -143,6 +143,7 @@ class VLLMWorker:
             kwargs["distributed_executor_backend"] = "uni"
         kwargs.update(engine_kwargs or {})
         set_threads = torch.set_num_threads
+        _shield_llvmlite()
         try:
             self.llm = LLM(**kwargs)
         finally:
@@ -426,6 +427,21 @@ class VLLMWorker:
             emitted.append(toks)
         out_probs = p[:, : max(len(e) for e in emitted)].clone() if return_probs else None
         return VerifyResult(emitted, n_acc, out_probs)
+
+
+def _shield_llvmlite() -> None:
+    """Let a second vLLM engine start in a process where llvmlite is loaded (vLLM's n-gram proposer imports
+    numba). vLLM 0.32's CPU start-up (`triton_utils.dispatcher._rebind_kernels`) scans every module attribute
+    with ``vars(value).get("kernel")``; llvmlite's module-level ``ffi.lib`` answers any attribute through
+    ``__getattr__``, so ``vars(lib)`` is a wrapped C function and the scan fails with "'_lib_fn_wrapper' object
+    has no attribute 'get'". Giving ``lib`` an empty ``__dict__`` entry in its function table fixes ``vars``
+    and changes nothing else (no C function is called ``__dict__``)."""
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
 
 
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:

@@ -11,6 +11,14 @@ Goodput of a plan at batch B is E[L] * B / T_round (ARCHITECTURE.md section 4), 
   P_{l_i}(K_i) = ceil(K_i / E_i) * (P_{l_{i-1}}(K_{i-1}) + T_{l_i}(B, K_{i-1}+1)), and
   T_round = P_{l_{m-1}}(K_{m-1}) + T_t(B, K_{m-1}+1) + overhead, E[L] = E[L](alpha(t | l_{m-1}), K_{m-1}).
 
+Native target (a vLLM engine with its own speculative_config, `specray.engine.vllm_native`): its plain plan
+is vLLM speculating by itself, so E[L] = E[L](alpha(t | t), K_native) with alpha measured from the engine's
+own per-step acceptance (`on_native`; a request's first step, a prefill that cannot draft, is left out), and
+T_round = N_t(B, q_native): N_t is a separate `StepCost` fitted on calls made only of native steps (the
+engine's own decode path costs far less than specray's verification through prompt scoring on the same
+engine), q_native the decayed mean of the tokens fed per row (1 + the longest native draft of the step).
+It competes with specray's drafters like any other plan; its regime is still 'none' (the target alone).
+
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
 (cascade at small B, one drafter at medium, none at large) fall out of the measurements.
@@ -107,6 +115,10 @@ class Planner:
         self._probe_round = False
         self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
         self.plain = Plan((self.top,), ())
+        #: K of the target's own (native vLLM) speculation on plain rounds; 0: plain decoding is one token
+        self.native_k = int(getattr(levels[-1], "native_k", 0) or 0)
+        self.native_q = float(self.native_k + 1)  # decayed mean tokens fed per row in a native step
+        self._native_decay = decay
 
         fit_decay = decay**0.25  # the cost fit keeps a longer memory than the acceptance estimates
         self.costs: dict[int, StepCost] = {self.top: StepCost(prior_target, decay=fit_decay, table_decay=decay)}
@@ -119,6 +131,11 @@ class Planner:
                                  k_max=max(32, max(self.k_choices) + 1))
             for lo, up in itertools.combinations(range(self.top + 1), 2)
         }
+        self.native_cost: StepCost | None = None
+        if self.native_k:
+            self.acceptance[(self.top, self.top)] = Acceptance(prior_alpha_ngram, decay=decay,
+                                                               k_max=max(32, self.native_k + 1))
+            self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
         self.candidates = self._enumerate()
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
 
@@ -167,12 +184,33 @@ class Planner:
             self._memo.clear()
             if kind == "propose":
                 cost.observe(batch, 1, seconds / tokens, weight=float(tokens))
+            elif kind == "native":
+                if self.native_cost is not None and level == self.top:
+                    self.native_cost.observe(batch, tokens, seconds)
+                    self._clock += 1
             else:
                 cost.observe(batch, tokens, seconds)
                 if level == self.top:
                     self._clock += 1
                     if tokens == 1:
                         self._measured["plain"] = self._clock
+
+    def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
+        """Acceptance of the native target's own speculation on rows it decoded without a specray draft (one
+        entry per such row: vLLM's draft length and accepted count). A row drafted short (no n-gram match, or a
+        fresh request) counts a failure at the next position, since its step ended there too."""
+        with self._lock:
+            acc = self.acceptance.get((level, level))
+            if acc is None or level != self.top:
+                return
+            last = self._measured.get("plain")
+            # the clock already advanced for this call (on_call comes first): the gap is to the call before it
+            gap = 1.0 if last is None or last >= self._clock else float(self._clock - last)
+            acc.observe(draft_lens, accepted, gap=gap, proposed=self.native_k)
+            q = max(draft_lens, default=0) + 1
+            self.native_q = self._native_decay * self.native_q + (1.0 - self._native_decay) * q
+            self._measured["plain"] = self._clock
+            self._memo.clear()
 
     def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
         """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call."""
@@ -226,6 +264,13 @@ class Planner:
     def round_time(self, plan: Plan, batch: int) -> float:
         """Expected seconds of one round of `plan` over `batch` sequences (module docstring)."""
         if len(plan.levels) == 1 or plan.k[-1] == 0:
+            if self.native_cost is not None:
+                q = max(1, round(self.native_q))
+                key = ("n", batch, q)
+                t = self._memo.get(key)
+                if t is None:
+                    t = self._memo[key] = self.native_cost.predict(batch, q)
+                return t + self.overhead
             return self.step_time(self.top, batch, 1) + self.overhead
         k = plan.k[-1]
         return self._produce(plan, len(plan.levels) - 2, batch, k) + self.step_time(self.top, batch, k + 1) + (
@@ -234,7 +279,7 @@ class Planner:
     def expected_length(self, plan: Plan) -> float:
         """Expected tokens committed per sequence per round."""
         if len(plan.levels) == 1 or plan.k[-1] == 0:
-            return 1.0
+            return self._elen(self.top, self.top, self.native_k) if self.native_k else 1.0
         return self._elen(self.top, plan.levels[-2], plan.k[-1])
 
     def goodput(self, plan: Plan, batch: int) -> float:
@@ -302,7 +347,7 @@ class Planner:
     def _exploration(self, ranked: list[tuple[Plan, float]]) -> Plan | None:
         """The best plan measuring the stalest pair not in the current plan, if it is stale enough."""
         current = set(self._pairs(self._current)) | ({"plain"} if not self._pairs(self._current) else set())
-        items: list[tuple[int, int] | str] = ["plain", *self.acceptance]
+        items: list[tuple[int, int] | str] = ["plain", *(pair for pair in self.acceptance if pair[0] != pair[1])]
         stale = []
         for item in items:
             if item in current:

@@ -85,6 +85,7 @@ class LevelActor:
             "name": self.worker.name,
             "vocab_size": int(self.worker.vocab_size),
             "max_context": getattr(self.worker, "max_context", None),
+            "native_k": int(getattr(self.worker, "native_k", 0) or 0),
             "eos_token_ids": [int(t) for t in getattr(self.worker, "eos_token_ids", ()) or ()],
             "tokenizer_fingerprint": fingerprint,
             "tokenizer_eos_id": eos_id,
@@ -203,6 +204,7 @@ class ActorWorker:
         self.level = level or self.name  # the cascade's name for this level (in errors)
         self.vocab_size: int = i["vocab_size"]
         self.max_context: int | None = i["max_context"]
+        self.native_k: int = int(i.get("native_k", 0) or 0)
         self.eos_token_ids: tuple[int, ...] = tuple(i["eos_token_ids"])
         self.tokenizer_fingerprint: str | None = i["tokenizer_fingerprint"]
         self.incarnation: str = i["incarnation"]
