@@ -408,10 +408,16 @@ class Planner:
     def plan_groups(self, batch_size: int) -> list[tuple[Plan, int]]:
         """Like `plan`, as [(plan, number of sequences)]: an exploration probe runs on at most `probe_batch`
         sequences while the rest keep the held plan. Measuring a level then costs a small-batch round instead of
-        bringing every sequence's cache up to date on that level (a whole batch of prefills at batch 32)."""
+        bringing every sequence's cache up to date on that level (a whole batch of prefills at batch 32).
+
+        A probe of plain decoding runs on the whole batch instead: it needs no catch-up (the target is always
+        in step), costs at most one round at one token per sequence, and is the measurement the choice
+        "stop speculating" rests on, so it must be taken at the batch size it is for -- a plain step at
+        batch 2 says little about batch 16 on a CPU, where a 1-token row and a 9-token row cost very
+        differently per token."""
         batch = max(1, int(batch_size))
         chosen = self.plan(batch)
-        if not self._probe_round or batch <= self.probe_batch:
+        if not self._probe_round or batch <= self.probe_batch or not self._pairs(chosen):
             return [(chosen, batch)]
         return [(chosen, self.probe_batch), (self._current, batch - self.probe_batch)]
 

@@ -247,6 +247,25 @@ def test_exploration_probes_a_small_subset_of_a_large_batch():
         assert len(p.plan_groups(2)) == 1
 
 
+def test_plain_probe_runs_on_the_whole_batch():
+    """Probing plain decoding needs no cache catch-up, and its cost must be measured at the batch it is for:
+    while a speculative plan is held at batch 16, plain probes cover all 16 sequences."""
+    p = Planner(two_levels(), explore_every=10, probe_batch=2)
+    sim = Sim(p, {1: linear_cost(0.02, 0.0), 0: linear_cost(0.001, 0.0)}, {(1, 0): 0.95})
+    sim.run(16, 60)
+    assert p.current != p.plain
+    plain_probes = 0
+    for _ in range(60):
+        groups = p.plan_groups(16)
+        assert sum(n for _, n in groups) == 16
+        for plan, n in groups:
+            if plan == p.plain:
+                assert groups == [(p.plain, 16)]
+                plain_probes += 1
+            sim.round(plan, n)
+    assert plain_probes >= 1, "no plain probe in 60 rounds with explore_every=10"
+
+
 def test_table_override_wins():
     table = [(2, 4, Plan((0, 1), (2,))), (5, 8, "none"), (9, 16, 3), (17, 32, "draft:6>target")]
     p = Planner(two_levels(), table=table)
