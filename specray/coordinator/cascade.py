@@ -482,10 +482,11 @@ class CascadeEngine:
             warm = [b for b in nat if not cold[b]]
             # a call made only of native steps runs the engine's own (cheaper) path: timed apart
             kind = "native" if nat and len(nat) == len(drafts) else "verify"
+            nat_set = set(nat)
+            rows = [b for b in range(len(drafts)) if b not in nat_set]  # rows that verified a given draft
             for ob in self.observers:
                 ob.on_call(i, kind, len(seqs), tokens, dt)
-                if lower is not None and len(nat) < len(drafts):
-                    rows = [b for b in range(len(drafts)) if b not in set(nat)]
+                if lower is not None and rows:
                     ob.on_verify(i, lower, [lens[b] for b in rows], [res.num_accepted[b] for b in rows])
                 if warm and hasattr(ob, "on_native"):
                     ob.on_native(i, [fed[b] for b in warm], [res.num_accepted[b] for b in warm])

@@ -71,9 +71,9 @@ def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
     if cfg.kind == "ngram":
         ng = NgramConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         return Level(cfg.display_name, ngram=ng, k=cfg.num_speculative_tokens, method=cfg.method)
-    native_k = int(cfg.native_speculation["num_speculative_tokens"]) if cfg.native_speculation else 0
+    # native_k (a native vLLM target's own K) comes from the worker (`Level.__post_init__`)
     return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
-                 method=cfg.method, native_k=native_k)
+                 method=cfg.method)
 
 
 def build_levels(cfg: CascadeConfig) -> list[Level]:

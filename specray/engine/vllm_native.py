@@ -341,7 +341,8 @@ class NativeVLLMWorker(VLLMWorker):
             self._width(sp)
         seqs = self._prepare(seq_ids, sync)
         native = [b for b in range(len(seq_ids)) if self._native_row(draft_ids[b], sampling[b], return_probs)]
-        other = [b for b in range(len(seq_ids)) if b not in set(native)]
+        native_set = set(native)
+        other = [b for b in range(len(seq_ids)) if b not in native_set]
         self._abort([seq_ids[b] for b in other])  # their text moves on without the live request
         self._keep = {seq_ids[b] for b in native}
         out_ids: list[list[int]] = [[] for _ in seq_ids]
