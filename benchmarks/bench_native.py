@@ -32,15 +32,9 @@ PROMPTS = [
 
 
 def tiny_target() -> str:
-    from specray.testing.tiny import build_tiny_model, tiny_family
+    from specray.testing.tiny import repetitive_target
 
-    root = Path("/tmp/specray-bench-native")
-    fam = tiny_family(root, heads=2, kv_heads=1)
-    out = root / "native-target-64x2-tied-r8"
-    if not (out / "config.json").is_file():
-        build_tiny_model(out, fam.tokenizer_dir, hidden=64, num_layers=2, heads=2, kv_heads=1, seed=3,
-                         tie_embeddings=True, residual_scale=8.0)
-    return str(out)
+    return str(repetitive_target("/tmp/specray-bench-native"))
 
 
 def main() -> None:

@@ -507,3 +507,17 @@ def tiny_family(
         draft_dirs={name: final / name for name in info["drafts"]},
         agreement=info["agreement"],
     )
+
+
+def repetitive_target(root: str | os.PathLike[str]) -> Path:
+    """A tiny fp32 target whose greedy text repeats itself, for n-gram speculation that really accepts (~0.9).
+
+    Tied embeddings with block outputs scaled by 8 make the model copy its context; 2 heads of 32 because
+    vLLM's CPU attention needs head_dim >= 32. Built once under `root` (reused when present).
+    """
+    fam = tiny_family(root, heads=2, kv_heads=1)
+    out = Path(root) / "native-target-64x2-tied-r8"
+    if not (out / "config.json").is_file():
+        build_tiny_model(out, fam.tokenizer_dir, hidden=64, num_layers=2, heads=2, kv_heads=1, seed=3,
+                         tie_embeddings=True, residual_scale=8.0)
+    return out

@@ -225,16 +225,9 @@ KV = 16 << 20
 @pytest.fixture(scope="module")
 def rep_target(tiny_root):
     pytest.importorskip("vllm")
-    from pathlib import Path
+    from specray.testing.tiny import repetitive_target
 
-    from specray.testing.tiny import build_tiny_model, tiny_family
-
-    fam = tiny_family(tiny_root, heads=2, kv_heads=1)
-    out = Path(tiny_root) / "native-target-64x2-tied-r8"
-    if not (out / "config.json").is_file():
-        build_tiny_model(out, fam.tokenizer_dir, hidden=64, num_layers=2, heads=2, kv_heads=1, seed=3,
-                         tie_embeddings=True, residual_scale=8.0)
-    return out
+    return repetitive_target(tiny_root)
 
 
 @pytest.fixture(scope="module")
