@@ -1,33 +1,44 @@
-"""The native vLLM level as a baseline: vLLM's own speculation vs plain vLLM vs specray plans, one process.
+"""specray over a vLLM target vs vLLM's own speculation (ngram, draft_model) vs plain vLLM, and hf vs vllm steps.
 
-    .venv/bin/python benchmarks/bench_native.py --model <folder or known name> --batch 1 4 --max-tokens 64
+    .venv/bin/python benchmarks/bench_native.py --model qwen2.5-coder-1.5b-instruct \
+        --draft qwen2.5-coder-0.5b-instruct --batch 1 4 16 --max-tokens 32 --out benchmarks/results/native-qwen.json
 
-Every configuration runs greedy on the same two engines (a plain `VLLMWorker` and a `NativeVLLMWorker` with
-n-gram speculation over the same weights), the same prompts and max tokens; outputs are checked equal. Without
---model, a tiny fp32 target whose greedy text repeats itself is built under /tmp (tied embeddings, residual
-scale 8), which shows the mechanics, not real-model speed. Prints a markdown table; --out writes JSON.
+Phases run one after another, each in its own child process (its engines are freed when it exits, so peak
+memory is one plain vLLM target, one native engine and the hf draft); inside a phase every setup runs each
+workload side by side (interleaved), so the ratios to the phase's own plain vLLM are comparable on a noisy
+machine. Greedy throughout; `same` says whether a setup's tokens equal plain vLLM's.
+
+- phase ngram: vllm plain | vllm native ngram (vLLM's prompt lookup, K) | specray ngram K > vllm |
+  specray auto: the planner over {specray n-gram, the native level (vLLM speculating by itself)}.
+- phase draft (with --draft): vllm plain | vllm native draft_model (K_d) | specray hf draft > vllm |
+  specray cascade ngram > hf draft > vllm | specray auto over {ngram, draft, vllm plain}.
+- phase step: one plain decoding round of the hf backend (fp32, prepacked linears) vs the vllm backend at each
+  batch size (median of timed rounds after warm-up).
+
+Workloads: at batch 1 each prompt set (code editing, extraction; benchmarks/prompts.py, chat template) runs
+one prompt at a time; at batch B > 1 the batch is B prompts cycled from those sets. Without --model a tiny fp32
+target whose greedy text repeats itself is built under /tmp: mechanics only, not real-model speed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from specray.coordinator.cascade import CascadeEngine, Level, Plan
-from specray.coordinator.generate import generate
-from specray.spec.ngram import NgramConfig
-
-PROMPTS = [
+TINY_PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
     "def fibonacci_iter(n):",
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
     "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):",
-    "Hello, world! Hello, world! Hello,",
 ]
 
 
@@ -37,69 +48,222 @@ def tiny_target() -> str:
     return str(repetitive_target("/tmp/specray-bench-native"))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--k", type=int, default=4, help="K of vLLM's n-gram speculation and of specray's n-gram")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per setup, interleaved; the fastest is reported")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+def workloads(tok, sets: list[str], batches: list[int], real: bool) -> list[tuple[str, int, list[list[int]]]]:
+    """(name, batch, prompt ids): batch 1 per set (one prompt at a time), batch B>1 cycled over all sets."""
+    from prompts import SETS
 
+    def enc(text: str) -> list[int]:
+        if real and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(tok.encode(text))
+
+    texts = {s: (SETS[s] if real else TINY_PROMPTS) for s in sets}
+    out = []
+    for b in batches:
+        if b == 1:
+            out += [(s, 1, [enc(t) for t in texts[s]]) for s in sets]
+        else:
+            pool = [t for s in sets for t in texts[s]]
+            out.append(("mixed", b, [enc(pool[i % len(pool)]) for i in range(b)]))
+    return out
+
+
+def run_phase(args) -> list[dict]:
+    import torch
+
+    from specray.coordinator.cascade import CascadeEngine, Level
+    from specray.coordinator.generate import generate
     from specray.engine.vllm import VLLMWorker
     from specray.engine.vllm_native import NativeVLLMWorker
     from specray.policy.planner import Planner
+    from specray.spec.ngram import NgramConfig
 
+    torch.set_num_threads(args.threads)
+    real = args.model is not None
     model = args.model or tiny_target()
-    common = dict(name="target", dtype=args.dtype, kv_cache_bytes=256 << 20, max_context=1024, max_num_seqs=64)
+    common = dict(name="target", dtype=args.dtype, num_threads=args.threads, kv_cache_bytes=args.kv_mib << 20,
+                  max_context=args.max_context, max_num_seqs=max(args.batch))
+    t0 = time.perf_counter()
     plain = VLLMWorker(model, **common)
-    native = NativeVLLMWorker(model, native_speculation={"method": "ngram", "num_speculative_tokens": args.k,
-                                                         "prompt_lookup_max": 4, "prompt_lookup_min": 1}, **common)
-    ng = lambda: Level("ngram", ngram=NgramConfig(args.k, 1, 4))
-    setups = {
-        "vllm plain": ([Level("target", worker=plain)], None),
-        "vllm native ngram (baseline)": ([Level("target", worker=native)], None),
-        "specray ngram > vllm": ([ng(), Level("target", worker=plain)], None),
-        "planner over {ngram, native}": ([ng(), Level("target", worker=native)], "auto"),
-    }
+    tok = plain.tokenizer
+    ng = lambda k=args.k: Level("ngram", ngram=NgramConfig(k, 1, 4), k=k)  # noqa: E731
+    setups: dict[str, tuple[list, bool]] = {"vllm plain": ([Level("target", worker=plain)], False)}
+    closers = [plain]
+    if args.phase == "ngram":
+        native = NativeVLLMWorker(model, native_speculation={"method": "ngram", "num_speculative_tokens": args.k,
+                                                             "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+                                  **common)
+        closers.append(native)
+        setups[f"vllm native ngram K={args.k}"] = ([Level("target", worker=native)], False)
+        setups[f"specray ngram K={args.k} > vllm"] = ([ng(), Level("target", worker=plain)], False)
+        setups["specray auto {ngram, native}"] = ([ng(), Level("target", worker=native)], True)
+    elif args.phase == "draft":
+        from specray.engine.hf import HFWorker
+
+        native = NativeVLLMWorker(model, native_speculation={"method": "draft_model", "model": args.draft,
+                                                             "num_speculative_tokens": args.k_draft}, **common)
+        draft = HFWorker(args.draft, name="draft", dtype="float32", cpu_prepack=True)
+        closers.append(native)
+        setups[f"vllm native draft_model K={args.k_draft}"] = ([Level("target", worker=native)], False)
+        setups[f"specray hf draft K={args.k_draft} > vllm"] = (
+            [Level("draft", worker=draft, k=args.k_draft), Level("target", worker=plain)], False)
+        setups["specray cascade ngram > hf draft > vllm"] = (
+            [ng(6), Level("draft", worker=draft, k=args.k_draft + 3), Level("target", worker=plain)], False)
+        setups["specray auto {ngram, draft}"] = (
+            [ng(), Level("draft", worker=draft, k=args.k_draft), Level("target", worker=plain)], True)
+    print(f"[{args.phase}] engines loaded in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    engines = {}
+    for name, (levels, auto) in setups.items():
+        engine = CascadeEngine(levels)
+        planner = Planner(engine.levels, k_max=args.k_max).attach(engine) if auto else None
+        engines[name] = (engine, planner)
+        generate(engine, [list(tok.encode("Hello, hello"))], max_tokens=4, ignore_eos=True, plan=planner)  # warm
+
     rows = []
-    for batch in args.batch:
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-        ref = None
-        runs: dict[str, list] = {name: [] for name in setups}
-        for _ in range(args.repeat):
-            for name, (levels, plan) in setups.items():
-                engine = CascadeEngine(levels)
-                planner = Planner(engine.levels, k_choices=[args.k]).attach(engine) if plan == "auto" else None
-                generate(engine, prompts[:1], max_tokens=4, ignore_eos=True, plan=planner)  # warm-up
-                t0 = time.perf_counter()
-                out = generate(engine, prompts, max_tokens=args.max_tokens, ignore_eos=True, plan=planner)
-                runs[name].append((time.perf_counter() - t0, out, planner))
-        for name, results in runs.items():
-            dt, out, planner = min(results, key=lambda r: r[0])
-            toks = [r.token_ids for r in out.results]
-            ref = ref or toks
-            st = out.stats["target"]
-            row = {"batch": batch, "setup": name, "seconds": round(dt, 3),
-                   "tokens_per_s": round(sum(map(len, toks)) / dt, 1), "rounds": out.rounds,
-                   "tokens_per_round": round(sum(map(len, toks)) / max(1, out.rounds), 2),
-                   "acceptance_rate": round(st.acceptance_rate, 3),
-                   "same_as_plain": all([r.token_ids for r in o.results] == ref for _, o, _ in results)}
+    for wname, batch, prompts in workloads(tok, args.sets, args.batch, real):
+        acc = {name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "out": [], "drafts": 0, "accepted": 0}
+               for name in setups}
+        chunks = [[p] for p in prompts] if batch == 1 else [prompts]
+        for chunk in chunks:  # interleaved: every setup runs this chunk before the next chunk starts
+            for name, (engine, planner) in engines.items():
+                t1 = time.perf_counter()
+                out = generate(engine, chunk, max_tokens=args.max_tokens, ignore_eos=True, plan=planner)
+                dt = time.perf_counter() - t1
+                a = acc[name]
+                a["seconds"] += dt
+                a["tokens"] += sum(len(r.token_ids) for r in out.results)
+                a["rounds"] += out.rounds
+                a["out"] += [r.token_ids for r in out.results]
+                st = out.stats.get("target")
+                if st is not None:
+                    a["drafts"] += st.draft_tokens
+                    a["accepted"] += st.accepted_tokens
+                print(f"[{args.phase} {wname} b={batch}] {name:40s} {dt:7.1f}s "
+                      f"{sum(len(r.token_ids) for r in out.results) / dt:6.2f} tok/s", file=sys.stderr, flush=True)
+        base = acc["vllm plain"]
+        for name, a in acc.items():
+            engine, planner = engines[name]
+            row = {"phase": args.phase, "workload": wname, "batch": batch, "setup": name,
+                   "tokens_per_s": round(a["tokens"] / a["seconds"], 3),
+                   "vs_vllm_plain": round((a["tokens"] / a["seconds"]) / (base["tokens"] / base["seconds"]), 3),
+                   "tokens_per_round": round(a["tokens"] / max(1, a["rounds"]), 2),
+                   "target_acceptance": round(a["accepted"] / a["drafts"], 3) if a["drafts"] else None,
+                   "same": a["out"] == base["out"]}
             if planner is not None:
                 row["plan_at_end"] = planner.plan_name(planner.current)
-                row["native_E[L]"] = round(planner.expected_length(Plan((1,), ())), 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| batch | setup | tok/s | tokens/round | acceptance | same as plain |\n|---|---|---|---|---|---|")
+    for w in closers:
+        w.close()
+    return rows
+
+
+def run_steps(args) -> list[dict]:
+    """hf (fp32, prepacked) vs vllm: seconds of one plain decoding round at each batch size."""
+    import torch
+
+    from specray.coordinator.cascade import Level
+    from specray.coordinator.generate import generate
+    from specray.engine.hf import HFWorker
+    from specray.engine.vllm import VLLMWorker
+
+    torch.set_num_threads(args.threads)
+    model = args.model or tiny_target()
+    workers = {
+        "hf fp32 prepack": HFWorker(model, name="target", dtype="float32", cpu_prepack=True),
+        "vllm fp32": VLLMWorker(model, name="target", dtype="float32", num_threads=args.threads,
+                                kv_cache_bytes=args.kv_mib << 20, max_context=args.max_context,
+                                max_num_seqs=max(args.batch)),
+    }
+    tok = workers["vllm fp32"].tokenizer
+    prompt = list(tok.encode("def moving_average(items, window):\n    result = []\n"))
+    rows = []
+    for batch in args.batch:
+        times: dict[str, list[float]] = {n: [] for n in workers}
+        for _ in range(3):  # interleaved repeats
+            for name, w in workers.items():
+                calls: list[float] = []
+
+                class Timer:
+                    def on_call(self, level, kind, b, tokens, seconds):  # noqa: ARG002
+                        calls.append(seconds)
+
+                from specray.coordinator.cascade import CascadeEngine
+
+                engine = CascadeEngine([Level("target", worker=w)])
+                engine.observers.append(Timer())
+                generate(engine, [prompt] * batch, max_tokens=9, ignore_eos=True)
+                times[name] += calls[1:]  # the first call is the prefill
+        for name, ts in times.items():
+            row = {"phase": "step", "batch": batch, "setup": name, "step_ms": round(1000 * statistics.median(ts), 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for w in workers.values():
+        if hasattr(w, "close"):
+            w.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="target: known name or folder (default: tiny, mechanics only)")
+    ap.add_argument("--draft", default=None, help="draft model for the draft phase (vLLM draft_model and hf)")
+    ap.add_argument("--dtype", default="float32", help="vLLM dtype (bf16 is slow on CPUs without bf16 units)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4, help="K of vLLM's n-gram speculation and of specray's n-gram")
+    ap.add_argument("--k-draft", type=int, default=3, help="K of vLLM's draft_model and of specray's hf draft")
+    ap.add_argument("--k-max", type=int, default=8, help="largest K the specray planner considers")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--sets", nargs="+", default=["code", "extraction"])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--kv-mib", type=int, default=1024, help="vLLM KV cache per engine (MiB)")
+    ap.add_argument("--phases", nargs="+", default=["ngram", "draft", "step"])
+    ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # internal: run one phase in this process
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    if args.phase:
+        rows = run_steps(args) if args.phase == "step" else run_phase(args)
+        Path(args.out).write_text(json.dumps(rows))
+        return
+    rows: list[dict] = []
+    for phase in args.phases:
+        if phase == "draft" and not args.draft:
+            if args.model:
+                print("[draft] skipped: no --draft", file=sys.stderr)
+                continue
+            args.draft = tiny_target()  # mechanics only: the tiny target drafts for itself
+        part = Path(f"/tmp/bench-native-{os.getpid()}-{phase}.json")
+        cmd = [sys.executable, __file__, "--phase", phase, "--out", str(part)]
+        for key in ("model", "draft", "dtype", "threads", "k", "k_draft", "k_max", "max_tokens", "max_context",
+                    "kv_mib"):
+            val = getattr(args, key)
+            if val is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(val)]
+        cmd += ["--batch", *map(str, args.batch), "--sets", *args.sets]
+        subprocess.run(cmd, check=True)
+        rows += json.loads(part.read_text())
+        part.unlink()
+    print("\n| phase | workload | batch | setup | tok/s | vs vllm plain | tokens/round | acceptance | same |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['setup']} | {r['tokens_per_s']} | {r['tokens_per_round']} | "
-              f"{r['acceptance_rate']} | {r['same_as_plain']} |")
+        if r["phase"] != "step":
+            acc = "-" if r["target_acceptance"] is None else r["target_acceptance"]
+            print(f"| {r['phase']} | {r['workload']} | {r['batch']} | {r['setup']} | {r['tokens_per_s']} | "
+                  f"{r['vs_vllm_plain']}x | {r['tokens_per_round']} | {acc} | {r['same']} |")
+    steps = [r for r in rows if r["phase"] == "step"]
+    if steps:
+        print("\n| batch | backend | plain round (ms) |\n|---|---|---|")
+        for r in steps:
+            print(f"| {r['batch']} | {r['setup']} | {r['step_ms']} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
-    native.close()
-    plain.close()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
