@@ -8,8 +8,11 @@ memory is one plain vLLM target, one native engine and the hf draft); inside a p
 workload side by side (interleaved), so the ratios to the phase's own plain vLLM are comparable on a noisy
 machine. Greedy throughout; `same` says whether a setup's tokens equal plain vLLM's.
 
-- phase ngram: vllm plain | vllm native ngram (vLLM's prompt lookup, K) | specray ngram K > vllm |
-  specray auto: the planner over {specray n-gram, the native level (vLLM speculating by itself)}.
+- phase ngram: vLLM's own loop (`LLM.generate`: requests live in vLLM's scheduler), plain and with its n-gram
+  speculation -- the true vLLM baselines -- then specray rounds: vllm plain (specray's plain decoding over the
+  vllm backend, which resubmits each sequence per round: prefix cache plus up to a 31-token block tail of
+  recompute) | vllm native ngram (the native level: one vLLM speculative step per round, requests kept
+  alive) | specray ngram K > vllm | specray auto: the planner over {specray n-gram, the native level}.
 - phase draft (with --draft): vllm plain | vllm native draft_model (K_d) | specray hf draft > vllm |
   specray cascade ngram > hf draft > vllm | specray auto over {ngram, draft, vllm plain}.
 - phase step: one plain decoding round of the hf backend (fp32, prepacked linears) vs the vllm backend at each
@@ -70,6 +73,16 @@ def workloads(tok, sets: list[str], batches: list[int], real: bool) -> list[tupl
     return out
 
 
+def own_loop(worker, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy generation by vLLM's own engine loop on a worker's engine: requests stay alive in the
+    scheduler (no per-round resubmission), which is the fair "plain vLLM" baseline."""
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = worker.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def run_phase(args) -> list[dict]:
     import torch
 
@@ -88,7 +101,7 @@ def run_phase(args) -> list[dict]:
     t0 = time.perf_counter()
     plain = VLLMWorker(model, **common)
     tok = plain.tokenizer
-    ng = lambda k=args.k: Level("ngram", ngram=NgramConfig(k, 1, 4), k=k)  # noqa: E731
+    ng = lambda k=args.k: Level("ngram", ngram=NgramConfig(k, 1, 4), k=k)
     setups: dict[str, tuple[list, bool]] = {"vllm plain": ([Level("target", worker=plain)], False)}
     closers = [plain]
     if args.phase == "ngram":
@@ -115,6 +128,10 @@ def run_phase(args) -> list[dict]:
             [ng(), Level("draft", worker=draft, k=args.k_draft), Level("target", worker=plain)], True)
     print(f"[{args.phase}] engines loaded in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
 
+    own: dict[str, object] = {}
+    if args.phase == "ngram":  # vLLM's own scheduling loop (LLM.generate), not specray's rounds over a worker
+        own["vLLM own loop, plain"] = plain
+        own[f"vLLM own loop, native ngram K={args.k}"] = native
     engines = {}
     for name, (levels, auto) in setups.items():
         engine = CascadeEngine(levels)
@@ -127,7 +144,19 @@ def run_phase(args) -> list[dict]:
         acc = {name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "out": [], "drafts": 0, "accepted": 0}
                for name in setups}
         chunks = [[p] for p in prompts] if batch == 1 else [prompts]
+        for name in own:
+            acc[name] = {"tokens": 0, "seconds": 0.0, "rounds": 0, "out": [], "drafts": 0, "accepted": 0}
         for chunk in chunks:  # interleaved: every setup runs this chunk before the next chunk starts
+            for name, w in own.items():
+                t1 = time.perf_counter()
+                toks = own_loop(w, chunk, args.max_tokens)
+                dt = time.perf_counter() - t1
+                a = acc[name]
+                a["seconds"] += dt
+                a["tokens"] += sum(map(len, toks))
+                a["out"] += toks
+                print(f"[{args.phase} {wname} b={batch}] {name:40s} {dt:7.1f}s "
+                      f"{sum(map(len, toks)) / dt:6.2f} tok/s", file=sys.stderr, flush=True)
             for name, (engine, planner) in engines.items():
                 t1 = time.perf_counter()
                 out = generate(engine, chunk, max_tokens=args.max_tokens, ignore_eos=True, plan=planner)
@@ -145,7 +174,7 @@ def run_phase(args) -> list[dict]:
                       f"{sum(len(r.token_ids) for r in out.results) / dt:6.2f} tok/s", file=sys.stderr, flush=True)
         base = acc["vllm plain"]
         for name, a in acc.items():
-            engine, planner = engines[name]
+            engine, planner = engines.get(name, (None, None))
             row = {"phase": args.phase, "workload": wname, "batch": batch, "setup": name,
                    "tokens_per_s": round(a["tokens"] / a["seconds"], 3),
                    "vs_vllm_plain": round((a["tokens"] / a["seconds"]) / (base["tokens"] / base["seconds"]), 3),
@@ -161,11 +190,21 @@ def run_phase(args) -> list[dict]:
     return rows
 
 
+class _Timer:
+    """Cascade observer collecting the seconds of each worker call."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def on_call(self, level, kind, batch, tokens, seconds) -> None:
+        self.calls.append(seconds)
+
+
 def run_steps(args) -> list[dict]:
     """hf (fp32, prepacked) vs vllm: seconds of one plain decoding round at each batch size."""
     import torch
 
-    from specray.coordinator.cascade import Level
+    from specray.coordinator.cascade import CascadeEngine, Level
     from specray.coordinator.generate import generate
     from specray.engine.hf import HFWorker
     from specray.engine.vllm import VLLMWorker
@@ -185,18 +224,11 @@ def run_steps(args) -> list[dict]:
         times: dict[str, list[float]] = {n: [] for n in workers}
         for _ in range(3):  # interleaved repeats
             for name, w in workers.items():
-                calls: list[float] = []
-
-                class Timer:
-                    def on_call(self, level, kind, b, tokens, seconds):  # noqa: ARG002
-                        calls.append(seconds)
-
-                from specray.coordinator.cascade import CascadeEngine
-
+                timer = _Timer()
                 engine = CascadeEngine([Level("target", worker=w)])
-                engine.observers.append(Timer())
+                engine.observers.append(timer)
                 generate(engine, [prompt] * batch, max_tokens=9, ignore_eos=True)
-                times[name] += calls[1:]  # the first call is the prefill
+                times[name] += timer.calls[1:]  # the first call is the prefill
         for name, ts in times.items():
             row = {"phase": "step", "batch": batch, "setup": name, "step_ms": round(1000 * statistics.median(ts), 1)}
             rows.append(row)
