@@ -36,3 +36,13 @@ def tiny(tiny_root):
     from specray.testing.tiny import tiny_family
 
     return tiny_family(tiny_root)
+
+
+@pytest.fixture(scope="session")
+def rep_target(tiny_root):
+    """A tiny fp32 target vLLM can run whose greedy text repeats itself (n-gram drafts really accept);
+    skips the test without vllm."""
+    pytest.importorskip("vllm")
+    from specray.testing.tiny import repetitive_target
+
+    return repetitive_target(tiny_root)

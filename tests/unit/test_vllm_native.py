@@ -223,14 +223,6 @@ KV = 16 << 20
 
 
 @pytest.fixture(scope="module")
-def rep_target(tiny_root):
-    pytest.importorskip("vllm")
-    from specray.testing.tiny import repetitive_target
-
-    return repetitive_target(tiny_root)
-
-
-@pytest.fixture(scope="module")
 def engines(rep_target):
     """A plain vLLM worker, then the native one (same target), and the hf reference."""
     from specray.engine.hf import HFWorker
