@@ -45,6 +45,8 @@ class Level:
     method: how this level verifies the level below (unused for level 0).
     native_k: tokens the level's own engine speculates per step when it decodes without a specray draft (a
     native vLLM target, `specray.engine.vllm_native`); 0: none. Defaults to the worker's `native_k`.
+    live_decode: the level decodes rows without a draft on a path of its own, cheaper than verification (a
+    vllm worker's live requests); such calls are timed apart. Defaults to the worker's `live_decode`.
     """
 
     name: str
@@ -53,12 +55,15 @@ class Level:
     k: int = 4
     method: VerifyMethod = VerifyMethod.DETERMINISTIC
     native_k: int = 0
+    live_decode: bool = False
 
     def __post_init__(self) -> None:
         if (self.worker is None) == (self.ngram is None):
             raise ValueError(f"level {self.name!r}: give exactly one of worker or ngram")
         if not self.native_k and self.worker is not None:
             self.native_k = int(getattr(self.worker, "native_k", 0) or 0)
+        if not self.live_decode and self.worker is not None:
+            self.live_decode = bool(getattr(self.worker, "live_decode", False))
         if self.ngram is not None and self.k == 4:
             self.k = self.ngram.num_speculative_tokens
         self.method = VerifyMethod(self.method)

@@ -6,6 +6,31 @@ automatic prefix caching turns that into a prefill of the new tokens plus the ta
 block (block_size 32 by default, the smallest vLLM's CPU attention accepts: the tail costs up to 31 tokens
 of recompute per call, which is what makes this backend slower per step than `hf` on CPU).
 
+Live decoding (plain rows)
+--------------------------
+Re-submitting a sequence every round would make plain decoding over this backend pay a prefill of the
+block tail per token. So a row verified with an *empty* draft at temperature 0 (a plain-decoding round, or
+an n-gram level that found no match) is a *live row*: it is served by ONE scheduler step of a vLLM request
+that stays alive across rounds (``LLMEngine.add_request`` / ``step``, output kind DELTA), exactly as vLLM's
+own generation loop runs it, and the tokens that step produced are returned. The worker records the tokens
+each live request produced and checks them against the coordinator's text at every call: while the
+coordinator's tokens are a prefix of the request's, the request goes on; where they differ (a row that was
+rolled back, or served by another plan) it is aborted and re-added with the coordinator's tokens (a prefill
+mostly served from the prefix cache).
+
+Every engine step advances every live request, also those of sequences outside the current call (another
+plan group this round, an exploration probe, a sequence that just finished). Such a request may run ONE
+step ahead; before the next step, a request outside the call that still holds unserved tokens is aborted,
+so a sequence that comes back next round keeps its warm request and a finished one costs at most one wasted
+step. Every other engine request (scoring, proposals) runs through the same step loop, because
+``LLM.generate`` would run each live request to its end. A call made only of live rows is reported with
+``native_drafts`` (all 0 here), so the coordinator times it apart from prompt scoring (kind "native"): the
+planner then prices plain decoding at the engine's decode speed. `specray.engine.vllm_native` builds on
+this: the same live requests, on an engine that speculates by itself. ``live_decode=False`` turns it off.
+
+At temperature > 0 rows are never live: vLLM's sampler draws with its own generator, not specray's keyed
+noise, so the output for a seed would depend on the plan. They decode through scoring and keyed sampling.
+
 How the distributions are obtained
 ----------------------------------
 The engine runs with ``logprobs_mode="raw_logprobs"``: every logprob it returns is ``log_softmax`` of the
@@ -57,10 +82,12 @@ torchvision/torchaudio/torchcodec/triton it pulls; vLLM on CPU does not need the
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -83,6 +110,30 @@ class UnsupportedSamplingError(NotImplementedError):
     """The requested (method, sampling parameters) cannot be served exactly by this vLLM worker."""
 
 
+@dataclass
+class _Chunk:
+    """Tokens one engine step produced for a live request: positions [start, end) of its text; the draft
+    tokens the engine's own speculation verified in that step and how many it accepted (0, 0 without)."""
+
+    start: int
+    end: int
+    drafts: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class _Live:
+    """A vLLM request that keeps running across rounds for one sequence."""
+
+    ext_id: str
+    int_id: str
+    tokens: list[int]  # prompt + everything vLLM produced for it so far
+    base: int  # length of the prompt it was added with: it can serve positions from there on
+    chunks: list[_Chunk] = field(default_factory=list)
+    served: int = 0  # tokens[:served] are known to the coordinator
+    finished: bool = False
+
+
 class VLLMWorker:
     """Worker over a vLLM engine for one model; see the module docstring for how exactness is kept.
 
@@ -90,7 +141,8 @@ class VLLMWorker:
     last full cached block, so smaller is faster here (32 is the smallest vLLM's CPU attention takes).
 
     kv_cache_bytes sizes vLLM's KV cache (it must hold max_context tokens); engine_kwargs go to
-    `vllm.LLM` unchanged (they override ours).
+    `vllm.LLM` unchanged (they override ours). live_decode: serve plain temperature-0 rows from requests
+    that stay alive in vLLM's scheduler (module docstring); off, every call re-submits its sequences.
     """
 
     def __init__(
@@ -108,6 +160,7 @@ class VLLMWorker:
         seed: int = 0,
         full_vocab_logprobs: bool = True,
         in_process: bool = True,
+        live_decode: bool = True,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         from specray.engine.models import load_tokenizer, resolve_model
@@ -158,6 +211,18 @@ class VLLMWorker:
         self.engine_calls = 0
         self.engine_seconds = 0.0
         self.rescored_rows = 0
+        self.engine = self.llm.llm_engine
+        #: plain temperature-0 rows are served by live engine requests (module docstring)
+        self.live_decode = bool(live_decode)
+        self._live: dict[str, _Live] = {}
+        self._keep: set[str] = set()  # live requests allowed to advance in the current call
+        self._ids = itertools.count()
+        self.live_steps = 0  # engine steps taken to serve live rows
+        self.live_restarts = 0  # live requests re-added because the coordinator's text diverged
+        self.live_served_tokens = 0
+        #: produced by a live request but never served (aborted first): tokens, and the engine's own
+        #: speculation in them (steps with drafts, draft tokens, accepted; a native level only)
+        self.unserved = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "tokens": 0}
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s with vLLM (%s) in %.1fs", self.name, vdtype, self.load_seconds)
 
@@ -172,6 +237,7 @@ class VLLMWorker:
         self._seqs[seq_id] = [int(t) for t in prompt_ids]
 
     def free(self, seq_id: str) -> None:
+        self._abort([seq_id])
         self._seqs.pop(seq_id, None)  # vLLM's blocks stay in the prefix cache until evicted
 
     def rollback(self, seq_id: str, length: int) -> None:
@@ -186,11 +252,15 @@ class VLLMWorker:
             cached_tokens=sum(len(t) for t in self._seqs.values()),
             cache_bytes=self.kv_cache_bytes,
             extra=dict(engine_calls=self.engine_calls, engine_seconds=self.engine_seconds,
-                       rescored_rows=self.rescored_rows),
+                       rescored_rows=self.rescored_rows, live=len(self._live), live_steps=self.live_steps,
+                       live_restarts=self.live_restarts, live_served_tokens=self.live_served_tokens,
+                       **{f"unserved_{k}": float(v) for k, v in self.unserved.items()}),
         )
 
     def close(self) -> None:
         """Shut the engine down (best effort) and forget every sequence."""
+        if getattr(self, "_live", None):
+            self._abort(list(self._live))
         self._seqs.clear()
         llm = self.__dict__.pop("llm", None)
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
@@ -232,6 +302,10 @@ class VLLMWorker:
         )
 
     def _generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
+        """Run engine requests to completion through this worker's step loop (``LLM.generate`` would also run
+        every live request to its end). Live rows of the current call advance meanwhile; their tokens are kept."""
+        from vllm.sampling_params import RequestOutputKind
+
         if not prompts:
             return []
         for p, sp in zip(prompts, params):
@@ -239,11 +313,114 @@ class VLLMWorker:
                 raise ValueError(
                     f"{self.name}: {len(p)} tokens + {sp.max_tokens} new exceed the context {self.max_context}"
                 )
+        ids = []
+        for p, sp in zip(prompts, params):
+            sp.output_kind = RequestOutputKind.FINAL_ONLY
+            rid = f"specray-req-{next(self._ids)}"
+            self.engine.add_request(rid, {"prompt_token_ids": list(p)}, sp)
+            ids.append(rid)
+        pending, results = set(ids), {}
+        try:
+            while pending:
+                done = self._step()
+                for rid in list(pending & set(done)):
+                    results[rid] = done[rid]
+                    pending.discard(rid)
+        except BaseException:
+            self.engine.abort_request(list(pending))
+            raise
+        return [results[r] for r in ids]
+
+    # ----- live requests ------------------------------------------------------------------------
+    def _abort(self, seq_ids: Sequence[str]) -> None:
+        gone = [self._live.pop(s) for s in seq_ids if s in self._live]
+        for lv in gone:
+            for c in lv.chunks:
+                if c.start >= lv.served:
+                    self.unserved["tokens"] += c.end - c.start
+                    if c.drafts:
+                        self.unserved["drafts"] += 1
+                        self.unserved["draft_tokens"] += c.drafts
+                        self.unserved["accepted_tokens"] += c.accepted
+        ids = [lv.ext_id for lv in gone if not lv.finished]
+        if ids:
+            self.engine.abort_request(ids)
+
+    def _spec_before(self) -> dict[str, Any]:
+        """Hook (native level): per live sequence, the state of the engine's own speculation counters."""
+        return {}
+
+    def _spec_step(self, seq_id: str, before: dict[str, Any]) -> tuple[int, int]:
+        """Hook (native level): (draft tokens, accepted) of the engine's own speculation in the last step."""
+        return 0, 0
+
+    def _step(self) -> dict[str, Any]:
+        """One scheduler step. Live requests outside the current call that already ran ahead (unserved tokens)
+        are aborted first; the tokens of the others are recorded. Returns the finished outputs of the other
+        requests (scoring, proposals)."""
+        self._abort([s for s, lv in self._live.items() if s not in self._keep and len(lv.tokens) > lv.served])
+        by_ext = {lv.ext_id: (s, lv) for s, lv in self._live.items()}
+        before = self._spec_before()
         t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], list(params), use_tqdm=False)
-        self.engine_calls += 1
+        outs = self.engine.step()
         self.engine_seconds += time.perf_counter() - t0
-        return outs
+        self.engine_calls += 1
+        done: dict[str, Any] = {}
+        for out in outs:
+            hit = by_ext.get(out.request_id)
+            if hit is None:
+                if out.finished:
+                    done[out.request_id] = out
+                continue
+            s, lv = hit
+            new = [int(t) for t in out.outputs[0].token_ids]
+            d, a = self._spec_step(s, before)
+            if new:
+                if d and a != len(new) - 1:
+                    raise RuntimeError(f"{self.name}: vLLM accepted {a} drafts but emitted {len(new)} tokens")
+                lv.chunks.append(_Chunk(len(lv.tokens), len(lv.tokens) + len(new), d, a))
+                lv.tokens.extend(new)
+            if out.finished:
+                lv.finished = True
+        return done
+
+    def _live_row(self, draft: Sequence[int], sp: SamplingParams, return_probs: bool) -> bool:
+        return self.live_decode and not draft and sp.temperature == 0 and not return_probs
+
+    def _ensure_live(self, seq_id: str, toks: list[int]) -> _Live:
+        """The live request of a row, consistent with the coordinator's tokens (re-added if not)."""
+        lv = self._live.get(seq_id)
+        n = len(toks)
+        if lv is not None and lv.base <= n <= len(lv.tokens) and lv.tokens[:n] == toks and (
+                len(lv.tokens) > n or not lv.finished):
+            return lv
+        if lv is not None:
+            self._abort([seq_id])
+            self.live_restarts += 1
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if n >= self.max_context:
+            raise ValueError(f"{self.name}: sequence {seq_id!r} of {n} tokens has no room left in the context")
+        sp = VSamplingParams(temperature=0.0, max_tokens=self.max_context - n, ignore_eos=True, detokenize=False,
+                             skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+        ext = f"specray-live-{seq_id}-{next(self._ids)}"
+        int_id = self.engine.add_request(ext, {"prompt_token_ids": list(toks)}, sp)
+        lv = self._live[seq_id] = _Live(ext, int_id if isinstance(int_id, str) else ext, list(toks), n, served=n)
+        return lv
+
+    @staticmethod
+    def _serve(lv: _Live, n: int) -> tuple[list[int], int, bool]:
+        """The tokens after position n up to the end of the engine step's chunk holding n, the engine's own
+        drafts credited to them (the chunk's drafts past the offset; accepted = len - 1), and whether the chunk
+        is the request's first step (a prefill: no draft was possible)."""
+        for j, c in enumerate(lv.chunks):
+            if c.start <= n < c.end:
+                off = n - c.start
+                toks = lv.tokens[n : c.end]
+                drafts = max(c.drafts - off, 0) if c.drafts else 0
+                return toks, drafts, j == 0
+        raise AssertionError("no chunk holds the position")  # pragma: no cover - guarded by the caller
 
     def _width(self, sp: SamplingParams) -> int:
         """Top-w raw logprobs needed to rebuild the processed distribution of a row exactly."""
@@ -395,12 +572,61 @@ class VLLMWorker:
         sync: Sequence[SeqSync | None] | None = None,
         return_probs: bool = False,
     ) -> VerifyResult:
-        """Score every draft in one engine call (prompt logprobs), accept a prefix, append it and one
-        correction/bonus token. Exact for every method and temperature (see the module docstring)."""
+        """Live rows (empty draft, temperature 0): one step of their live engine request. Other rows: every draft
+        scored in one engine call (prompt logprobs), a prefix accepted, one correction/bonus token appended.
+        Exact for every method and temperature (see the module docstring)."""
         method = VerifyMethod(method)
         for sp in sampling:
             self._width(sp)  # refuse unsupported rows before any work
         seqs = self._prepare(seq_ids, sync)
+        live = [b for b in range(len(seq_ids)) if self._live_row(draft_ids[b], sampling[b], return_probs)]
+        live_set = set(live)
+        other = [b for b in range(len(seq_ids)) if b not in live_set]
+        self._abort([seq_ids[b] for b in other])  # their text moves on without the live request
+        if not live:
+            return self._verify_scored(seqs, draft_ids, draft_probs, sampling, method, salt, return_probs)
+        self._keep = {seq_ids[b] for b in live}
+        out_ids: list[list[int]] = [[] for _ in seq_ids]
+        n_acc = [0] * len(seq_ids)
+        native_drafts = [0] * len(seq_ids)
+        cold = [False] * len(seq_ids)
+        try:
+            if other:
+                probs = None
+                if draft_probs is not None:
+                    probs = draft_probs[torch.tensor(other, dtype=torch.long)]
+                res = self._verify_scored([seqs[b] for b in other], [draft_ids[b] for b in other], probs,
+                                          [sampling[b] for b in other], method, salt, False)
+                for j, b in enumerate(other):
+                    out_ids[b], n_acc[b] = res.token_ids[j], res.num_accepted[j]
+            lives = {b: self._ensure_live(seq_ids[b], seqs[b]) for b in live}
+            while any(len(lives[b].tokens) <= len(seqs[b]) for b in live):
+                stalled = [b for b in live if len(lives[b].tokens) <= len(seqs[b]) and lives[b].finished]
+                if stalled:
+                    raise RuntimeError(f"{self.name}: vLLM finished {seq_ids[stalled[0]]!r} before the round")
+                self._step()
+                self.live_steps += 1
+            for b in live:
+                toks, d, cold[b] = self._serve(lives[b], len(seqs[b]))
+                lives[b].served = len(seqs[b]) + len(toks)
+                seqs[b].extend(toks)
+                out_ids[b], n_acc[b], native_drafts[b] = toks, len(toks) - 1, d
+                self.live_served_tokens += len(toks)
+        finally:
+            self._keep = set()
+        return VerifyResult(out_ids, n_acc, None, native_drafts=native_drafts, native_cold=cold)
+
+    def _verify_scored(
+        self,
+        seqs: list[list[int]],
+        draft_ids: Sequence[Sequence[int]],
+        draft_probs: torch.Tensor | None,
+        sampling: Sequence[SamplingParams],
+        method: VerifyMethod,
+        salt: int,
+        return_probs: bool,
+    ) -> VerifyResult:
+        """Verification by prompt scoring of rows whose text is `seqs` (extended in place)."""
         kmax = max((len(d) for d in draft_ids), default=0)
         slots = self._score([s + [int(t) for t in d] for s, d in zip(seqs, draft_ids)],
                             [len(d) for d in draft_ids], sampling)

@@ -7,28 +7,18 @@ against specray's own drafters, and benchmarks can use it as the baseline, throu
 How one round maps onto vLLM
 ----------------------------
 The worker protocol does not change, so the coordinator needs no special case. A row verified with an
-*empty* draft (a plain-decoding round, or an n-gram level that found no match) is a *native row*: it is
-served by ONE scheduler step of the speculative engine, and the 1..K+1 tokens vLLM committed for it in that
-step are returned (``token_ids``; ``num_accepted`` = n - 1; ``native_drafts`` = the draft tokens vLLM's own
-proposer put into that step for the row). vLLM proposes the draft of step s at the end of step s - 1, so a
-request that is torn down after each round would never speculate: native rows keep a *live* vLLM request
-(``LLMEngine.add_request`` / ``step``, output kind DELTA) across rounds. The worker records the tokens each
-live request produced, step by step, and checks them against the coordinator's text at every call
-(``SeqSync``): while the coordinator's tokens are a prefix of the request's, the request goes on; where they
-differ (a row that was rolled back, or served by another plan) the request is aborted and re-added with the
-coordinator's tokens (a prefill mostly served from the prefix cache; its first step drafts nothing).
-
-Every engine step advances every live request, also those of sequences outside the current call (another
-plan group this round, an exploration probe, or a sequence that just finished). Such a request may run ONE
-step ahead; before the next step, a request outside the call that still holds unserved tokens is aborted. So
-a sequence that comes back next round keeps its warm request (and gets its chunk without a new step), and a
-finished one costs at most one wasted step. Tokens produced but never served are tallied
-(``native_unserved_*`` in `stats`), so specray's counters plus those equal vLLM's own.
+*empty* draft (a plain-decoding round, or an n-gram level that found no match) is a live row of
+`VLLMWorker` (its module docstring, "Live decoding"): ONE scheduler step of a vLLM request kept alive across
+rounds. On this engine that step is one step of vLLM's own speculation, so it commits 1..K+1 tokens
+(``token_ids``; ``num_accepted`` = n - 1; ``native_drafts`` = the draft tokens vLLM's own proposer put into
+that step for the row). Keeping the request alive matters twice here: vLLM proposes the draft of step s at
+the end of step s - 1, so a request torn down after each round would never speculate. A re-added request's
+first step drafts nothing. Tokens produced but never served are tallied (``unserved_*`` in `stats`), so
+specray's counters plus those equal vLLM's own.
 
 Rows *with* a specray draft (an n-gram or model level below the native target) are verified exactly as by
 `VLLMWorker`, through prompt scoring on the same engine (vLLM 0.32 accepts prompt logprobs on a speculative
-engine). Those scoring requests are run by this worker's own step loop instead of ``LLM.generate``, which
-would otherwise run every live native request to completion.
+engine). Those scoring requests run through the worker's step loop, like every engine request.
 
 Exactness
 ---------
@@ -67,18 +57,13 @@ executor) are not supported as native levels.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from specray.engine.protocol import SeqSync, VerifyResult, WorkerStats
+from specray.engine.protocol import WorkerStats
 from specray.engine.vllm import VLLMWorker
-from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -119,28 +104,6 @@ def check_native_speculation(spec: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-@dataclass
-class _Chunk:
-    """Tokens one engine step produced for a live request: positions [start, end) of its text."""
-
-    start: int
-    end: int
-    drafts: int
-    accepted: int
-
-
-@dataclass
-class _Live:
-    """A vLLM request that keeps running across rounds for one sequence."""
-
-    ext_id: str
-    int_id: str
-    tokens: list[int]  # prompt + everything vLLM produced for it so far
-    chunks: list[_Chunk] = field(default_factory=list)
-    served: int = 0  # tokens[:served] are known to the coordinator
-    finished: bool = False
-
-
 class NativeVLLMWorker(VLLMWorker):
     """A vLLM target whose engine runs its own speculative decoding (see the module docstring).
 
@@ -165,7 +128,6 @@ class NativeVLLMWorker(VLLMWorker):
         super().__init__(model, in_process=True, engine_kwargs=engine, **kwargs)
         self.native_speculation = spec
         self.native_k = int(spec["num_speculative_tokens"])
-        self.engine = self.llm.llm_engine
         core = getattr(self.engine.engine_core, "engine_core", None)
         self._scheduler = getattr(core, "scheduler", None)
         if self._scheduler is None or not hasattr(self._scheduler, "requests"):
@@ -175,206 +137,45 @@ class NativeVLLMWorker(VLLMWorker):
         if self.engine.vllm_config.scheduler_config.async_scheduling:
             self.close()
             raise RuntimeError("native vLLM level: async scheduling is on; one round must be one engine step")
-        self._live: dict[str, _Live] = {}
-        self._keep: set[str] = set()  # live requests allowed to advance in the current call
-        self._ids = itertools.count()
-        self.native_steps = 0
-        self.native_restarts = 0
-        self.native_served_tokens = 0
-        #: produced by vLLM but never served (aborted first): steps with drafts, draft tokens, accepted, tokens
-        self.unserved = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "tokens": 0}
 
-    # ----- sequence state -----------------------------------------------------------------------
-    def free(self, seq_id: str) -> None:
-        self._abort([seq_id])
-        super().free(seq_id)
+    # the base class's live-request counters, under the names a native level reports them by
+    @property
+    def native_steps(self) -> int:
+        return self.live_steps
 
-    def close(self) -> None:
-        if getattr(self, "_live", None):
-            self._abort(list(self._live))
-        super().close()
+    @property
+    def native_served_tokens(self) -> int:
+        return self.live_served_tokens
+
+    @property
+    def native_restarts(self) -> int:
+        return self.live_restarts
 
     def stats(self) -> WorkerStats:
         st = super().stats()
-        st.extra.update(native_live=len(self._live), native_steps=self.native_steps,
-                        native_restarts=self.native_restarts, native_served_tokens=self.native_served_tokens,
+        st.extra.update(native_live=len(self._live), native_steps=self.live_steps, native_restarts=self.live_restarts,
+                        native_served_tokens=self.live_served_tokens,
                         **{f"native_unserved_{k}": float(v) for k, v in self.unserved.items()})
         return st
 
-    def _abort(self, seq_ids: Sequence[str]) -> None:
-        gone = [self._live.pop(s) for s in seq_ids if s in self._live]
-        for lv in gone:
-            for c in lv.chunks:
-                if c.start >= lv.served:
-                    self.unserved["tokens"] += c.end - c.start
-                    if c.drafts:
-                        self.unserved["drafts"] += 1
-                        self.unserved["draft_tokens"] += c.drafts
-                        self.unserved["accepted_tokens"] += c.accepted
-        ids = [lv.ext_id for lv in gone if not lv.finished]
-        if ids:
-            self.engine.abort_request(ids)
-
-    # ----- the engine's step loop ---------------------------------------------------------------
-    def _step(self) -> dict[str, Any]:
-        """One scheduler step. Live requests outside the current call that already ran ahead (unserved tokens)
-        are aborted first; the tokens and per-step acceptance of the others are recorded. Returns the finished
-        outputs of other (scoring) requests."""
-        self._abort([s for s, lv in self._live.items() if s not in self._keep and len(lv.tokens) > lv.served])
-        by_ext = {lv.ext_id: (s, lv) for s, lv in self._live.items()}
+    # ----- the engine's own speculation, read per step ------------------------------------------
+    def _spec_before(self) -> dict[str, Any]:
         reqs = self._scheduler.requests
         before = {}
         for s, lv in self._live.items():
             r = reqs.get(lv.int_id)
             m = getattr(r, "spec_decode_metrics", None)
             before[s] = (m, len(m.per_step_drafted) if m is not None else 0)
-        t0 = time.perf_counter()
-        outs = self.engine.step()
-        self.engine_seconds += time.perf_counter() - t0
-        self.engine_calls += 1
-        done: dict[str, Any] = {}
-        for out in outs:
-            hit = by_ext.get(out.request_id)
-            if hit is None:
-                if out.finished:
-                    done[out.request_id] = out
-                continue
-            s, lv = hit
-            new = [int(t) for t in out.outputs[0].token_ids]
-            m, n0 = before[s]
-            drafted = m.per_step_drafted[n0:] if m is not None else []
-            accepted = m.per_step_accepted[n0:] if m is not None else []
-            if len(drafted) > 1:
-                raise RuntimeError(f"{self.name}: vLLM recorded {len(drafted)} verify steps in one engine step")
-            d, a = (int(drafted[0]), int(accepted[0])) if drafted else (0, 0)
-            if new:
-                if a != len(new) - 1 and d:
-                    raise RuntimeError(f"{self.name}: vLLM accepted {a} drafts but emitted {len(new)} tokens")
-                lv.chunks.append(_Chunk(len(lv.tokens), len(lv.tokens) + len(new), d, a))
-                lv.tokens.extend(new)
-            if out.finished:
-                lv.finished = True
-        return done
+        return before
 
-    def _generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
-        """`VLLMWorker._generate` through this worker's step loop (``LLM.generate`` would run every live native
-        request to completion). Live native rows of the current call advance meanwhile; their tokens are kept."""
-        from vllm.sampling_params import RequestOutputKind
+    def _spec_step(self, seq_id: str, before: dict[str, Any]) -> tuple[int, int]:
+        m, n0 = before.get(seq_id, (None, 0))
+        if m is None:
+            return 0, 0
+        drafted, accepted = m.per_step_drafted[n0:], m.per_step_accepted[n0:]
+        if len(drafted) > 1:
+            raise RuntimeError(f"{self.name}: vLLM recorded {len(drafted)} verify steps in one engine step")
+        return (int(drafted[0]), int(accepted[0])) if drafted else (0, 0)
 
-        if not prompts:
-            return []
-        for p, sp in zip(prompts, params):
-            if len(p) + sp.max_tokens > self.max_context:
-                raise ValueError(
-                    f"{self.name}: {len(p)} tokens + {sp.max_tokens} new exceed the context {self.max_context}"
-                )
-        ids = []
-        for p, sp in zip(prompts, params):
-            sp.output_kind = RequestOutputKind.FINAL_ONLY
-            rid = f"specray-score-{next(self._ids)}"
-            self.engine.add_request(rid, {"prompt_token_ids": list(p)}, sp)
-            ids.append(rid)
-        pending, results = set(ids), {}
-        try:
-            while pending:
-                done = self._step()
-                for rid in list(pending & set(done)):
-                    results[rid] = done[rid]
-                    pending.discard(rid)
-        except BaseException:
-            self.engine.abort_request(list(pending))
-            raise
-        return [results[r] for r in ids]
-
-    # ----- protocol: verify ---------------------------------------------------------------------
-    def _native_row(self, draft: Sequence[int], sp: SamplingParams, return_probs: bool) -> bool:
-        return not draft and sp.temperature == 0 and not return_probs
-
-    def _ensure_live(self, seq_id: str, toks: list[int]) -> _Live:
-        """The live request of a native row, consistent with the coordinator's tokens (re-added if not)."""
-        lv = self._live.get(seq_id)
-        n = len(toks)
-        if lv is not None and len(lv.tokens) >= n and lv.tokens[:n] == toks and (
-                len(lv.tokens) > n or not lv.finished):
-            return lv
-        if lv is not None:
-            self._abort([seq_id])
-            self.native_restarts += 1
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        if n >= self.max_context:
-            raise ValueError(f"{self.name}: sequence {seq_id!r} of {n} tokens has no room left in the context")
-        sp = VSamplingParams(temperature=0.0, max_tokens=self.max_context - n, ignore_eos=True, detokenize=False,
-                             skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
-        ext = f"specray-native-{seq_id}-{next(self._ids)}"
-        int_id = self.engine.add_request(ext, {"prompt_token_ids": list(toks)}, sp)
-        lv = self._live[seq_id] = _Live(ext, int_id, list(toks), served=n)
-        return lv
-
-    def _serve(self, lv: _Live, n: int) -> tuple[list[int], int, bool]:
-        """The tokens after position n up to the end of the engine step's chunk holding n, the native drafts
-        credited to them (the chunk's drafts past the offset; accepted = len - 1), and whether the chunk is the
-        request's first step (a prefill: no draft was possible)."""
-        for j, c in enumerate(lv.chunks):
-            if c.start <= n < c.end:
-                off = n - c.start
-                toks = lv.tokens[n : c.end]
-                drafts = max(c.drafts - off, 0) if c.drafts else 0
-                return toks, drafts, j == 0
-        raise AssertionError("no chunk holds the position")  # pragma: no cover - guarded by the caller
-
-    def verify(
-        self,
-        seq_ids: Sequence[str],
-        draft_ids: Sequence[Sequence[int]],
-        draft_probs: torch.Tensor | None,
-        sampling: Sequence[SamplingParams],
-        method: VerifyMethod,
-        salt: int = 0,
-        sync: Sequence[SeqSync | None] | None = None,
-        return_probs: bool = False,
-    ) -> VerifyResult:
-        """Native rows (empty draft, temperature 0): one step of vLLM's own speculation. Other rows: exact
-        verification by prompt scoring (`VLLMWorker.verify`)."""
-        for sp in sampling:
-            self._width(sp)
-        seqs = self._prepare(seq_ids, sync)
-        native = [b for b in range(len(seq_ids)) if self._native_row(draft_ids[b], sampling[b], return_probs)]
-        native_set = set(native)
-        other = [b for b in range(len(seq_ids)) if b not in native_set]
-        self._abort([seq_ids[b] for b in other])  # their text moves on without the live request
-        self._keep = {seq_ids[b] for b in native}
-        out_ids: list[list[int]] = [[] for _ in seq_ids]
-        n_acc = [0] * len(seq_ids)
-        native_drafts = [0] * len(seq_ids)
-        cold = [False] * len(seq_ids)
-        try:
-            if other:
-                probs = None
-                if draft_probs is not None:
-                    probs = draft_probs[torch.tensor(other, dtype=torch.long)]
-                res = super().verify([seq_ids[b] for b in other], [draft_ids[b] for b in other], probs,
-                                     [sampling[b] for b in other], method, salt, None, return_probs)
-                if return_probs:
-                    return res  # every row went the exact way
-                for j, b in enumerate(other):
-                    out_ids[b], n_acc[b] = res.token_ids[j], res.num_accepted[j]
-            if native:
-                lives = {b: self._ensure_live(seq_ids[b], seqs[b]) for b in native}
-                while any(len(lives[b].tokens) <= len(seqs[b]) for b in native):
-                    stalled = [b for b in native if len(lives[b].tokens) <= len(seqs[b]) and lives[b].finished]
-                    if stalled:
-                        raise RuntimeError(f"{self.name}: vLLM finished {seq_ids[stalled[0]]!r} before the round")
-                    self._step()
-                    self.native_steps += 1
-                for b in native:
-                    toks, d, cold[b] = self._serve(lives[b], len(seqs[b]))
-                    lives[b].served = len(seqs[b]) + len(toks)
-                    seqs[b].extend(toks)
-                    out_ids[b], n_acc[b], native_drafts[b] = toks, len(toks) - 1, d
-                    self.native_served_tokens += len(toks)
-        finally:
-            self._keep = set()
-        return VerifyResult(out_ids, n_acc, None, native_drafts=native_drafts if native else None,
-                            native_cold=cold if native else None)
+    def _live_row(self, draft: Sequence[int], sp: SamplingParams, return_probs: bool) -> bool:
+        return not draft and sp.temperature == 0 and not return_probs  # always live: the engine speculates

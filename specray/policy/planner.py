@@ -18,6 +18,8 @@ T_round = N_t(B, q_native): N_t is a separate `StepCost` fitted on calls made on
 engine's own decode path costs far less than specray's verification through prompt scoring on the same
 engine), q_native the decayed mean of the tokens fed per row (1 + the longest native draft of the step).
 It competes with specray's drafters like any other plan; its regime is still 'none' (the target alone).
+A target with a live decode path but no speculation of its own (a `vllm` worker serving plain rows from
+requests kept alive in its scheduler) gets the same separate curve: T_round(plain) = N_t(B, 1), E[L] = 1.
 
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
@@ -135,6 +137,7 @@ class Planner:
         if self.native_k:
             self.acceptance[(self.top, self.top)] = Acceptance(prior_alpha_ngram, decay=decay,
                                                                k_max=max(32, self.native_k + 1))
+        if self.native_k or getattr(levels[-1], "live_decode", False):
             self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
         self.candidates = self._enumerate()
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
@@ -188,6 +191,8 @@ class Planner:
                 if self.native_cost is not None and level == self.top:
                     self.native_cost.observe(batch, tokens, seconds)
                     self._clock += 1
+                    if not self.native_k:  # plain decoding on the live path (no on_native follows)
+                        self._measured["plain"] = self._clock
             else:
                 cost.observe(batch, tokens, seconds)
                 if level == self.top:

@@ -86,6 +86,7 @@ class LevelActor:
             "vocab_size": int(self.worker.vocab_size),
             "max_context": getattr(self.worker, "max_context", None),
             "native_k": int(getattr(self.worker, "native_k", 0) or 0),
+            "live_decode": bool(getattr(self.worker, "live_decode", False)),
             "eos_token_ids": [int(t) for t in getattr(self.worker, "eos_token_ids", ()) or ()],
             "tokenizer_fingerprint": fingerprint,
             "tokenizer_eos_id": eos_id,
@@ -205,6 +206,7 @@ class ActorWorker:
         self.vocab_size: int = i["vocab_size"]
         self.max_context: int | None = i["max_context"]
         self.native_k: int = int(i.get("native_k", 0) or 0)
+        self.live_decode: bool = bool(i.get("live_decode", False))
         self.eos_token_ids: tuple[int, ...] = tuple(i["eos_token_ids"])
         self.tokenizer_fingerprint: str | None = i["tokenizer_fingerprint"]
         self.incarnation: str = i["incarnation"]

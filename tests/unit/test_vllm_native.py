@@ -201,6 +201,32 @@ def test_planner_weighs_native_plain_plan_by_measured_native_acceptance():
     assert q.plan(1) == ngram
 
 
+def test_planner_prices_plain_decoding_on_a_live_decode_path_apart_from_scoring():
+    """A vllm target without speculation of its own but with live requests: plain rounds are engine steps
+    (timed "native", q = 1), far cheaper than verification by prompt scoring; the planner keeps the two
+    curves apart, so at a batch where the n-gram's scoring cost outweighs its gain it decodes plain."""
+    levels = [Level("ngram", ngram=NgramConfig(4, 1, 3)), Level("t", worker=FakeWorker("t", vocab=8),
+                                                                   live_decode=True)]
+    p = Planner(levels, k_choices=[4], warmup=0, patience=1, hysteresis=0.0, explore_every=0,
+                prior_target=(0.1, 0.01, 0.0))
+    assert p.native_cost is not None and p.native_k == 0
+    plain = p.plain
+    for _ in range(30):
+        p.on_call(1, "native", 8, 1, 0.2)  # 8 rows, one engine step
+        p.on_call(1, "verify", 8, 5, 1.0)  # 8 rows scored with 4 drafted tokens each
+        p.on_verify(1, 0, [4] * 8, [1] * 8)
+    assert p.expected_length(plain) == 1.0
+    assert p.round_time(plain, 8) == pytest.approx(0.2, rel=0.2)
+    assert p.step_time(1, 8, 5) == pytest.approx(1.0, rel=0.2)
+    assert p.plan(8) == plain  # 8 tokens / 0.2 s beats ~16 tokens / 1.0 s
+    p.on_call(1, "native", 8, 1, 0.2)
+    assert p._measured["plain"] == p._clock  # a live plain call counts as a measurement of plain decoding
+    # a worker with the attribute sets it on its level
+    w = FakeWorker("t", vocab=8)
+    w.live_decode = True
+    assert Level("t", worker=w).live_decode
+
+
 def test_planner_without_native_target_is_unchanged():
     p = Planner([Level("ngram", ngram=NgramConfig(4, 1, 3)), Level("t", worker=FakeWorker("t", vocab=8))])
     assert p.native_k == 0 and (1, 1) not in p.acceptance

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from specray.coordinator.cascade import Level
+from specray.coordinator.cascade import CascadeEngine, Level
 from specray.coordinator.generate import generate
 from specray.engine.hf import HFWorker
 from specray.engine.protocol import DraftMode, SeqSync
@@ -123,6 +123,84 @@ def test_greedy_verify_table_matches_hf(vt, ht):
         for s in ids:
             w.free(s)
     assert vt.stats().live_sequences == 0
+
+
+class _Calls:
+    """Observer: every timed worker call as (level, kind, batch, tokens)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str, int, int]] = []
+
+    def on_call(self, level, kind, batch, tokens, seconds):
+        self.calls.append((level, kind, batch, tokens))
+
+
+def test_live_plain_decoding_steps_requests_kept_in_the_scheduler(vt, ht):
+    """Plain greedy over the vllm backend is served by engine requests that stay alive across rounds: one
+    engine step per round, timed as the engine's own decode path ("native"), output == hf plain greedy; the
+    requests are aborted when their sequences are freed. live_decode=False (re-submitting) gives the same."""
+    ref, _ = _run([Level("t", worker=ht)], max_tokens=16)
+    rec = _Calls()
+    steps, restarts, calls = vt.live_steps, vt.live_restarts, vt.engine_calls
+    engine = CascadeEngine([Level("t", worker=vt)])
+    engine.observers.append(rec)
+    batch = generate(engine, PROMPTS, max_tokens=16, ignore_eos=True)
+    assert [r.token_ids for r in batch.results] == ref
+    assert rec.calls and all(kind == "native" and tokens == 1 for _, kind, _, tokens in rec.calls)
+    assert vt.live_steps - steps == 16 == vt.engine_calls - calls  # one engine step per round, nothing else
+    assert vt.live_restarts == restarts
+    st = vt.stats()
+    assert st.live_sequences == 0 and st.extra["live"] == 0
+    vt.live_decode = False
+    try:
+        off, _ = _run([Level("t", worker=vt)], max_tokens=16)
+        assert off == ref and vt.live_steps - steps == 16
+    finally:
+        vt.live_decode = True
+
+
+def test_live_rows_follow_rollbacks_partial_calls_and_drafts_like_hf(vt, ht):
+    """A random schedule of worker calls on both backends: subsets of the sequences (a live request outside a
+    call runs a step ahead), empty drafts (live rows) mixed with drafted rows (prompt scoring) in one call,
+    rollbacks into and past a live request's text. Every call's output is the hf worker's, token for token."""
+    import random
+
+    rng = random.Random(5)
+    ids = [f"lv{i}" for i in range(4)]
+    for w in (vt, ht):
+        for s, p in zip(ids, PROMPTS):
+            w.add(s, ht.tokenizer.encode(p))
+    g = SamplingParams(seed=0)
+    restarts = vt.live_restarts
+    try:
+        for _ in range(40):
+            rows = sorted(rng.sample(ids, rng.randint(1, len(ids))))
+            for s in rows:
+                if rng.random() < 0.15:  # roll back 1..3 tokens (never into the prompt)
+                    n = len(vt.tokens(s))
+                    keep = max(n - rng.randint(1, 3), len(ht.tokenizer.encode(PROMPTS[ids.index(s)])))
+                    vt.rollback(s, keep)
+                    ht.rollback(s, keep)
+            drafts = []
+            for s in rows:
+                if rng.random() < 0.6:
+                    drafts.append([])
+                else:  # a draft that is right for a few tokens, then wrong
+                    cont = ht.propose([s], [3], [g]).token_ids[0]
+                    ht.rollback(s, len(ht.tokens(s)) - 3)
+                    cut = rng.randint(0, 3)
+                    drafts.append(cont[:cut] + [(cont[cut] + 1) % vt.vocab_size] if cut < 3 else cont)
+            rv = vt.verify(rows, drafts, None, [g] * len(rows), VerifyMethod.GREEDY)
+            rh = ht.verify(rows, drafts, None, [g] * len(rows), VerifyMethod.GREEDY)
+            assert rv.token_ids == rh.token_ids
+            for s in rows:
+                assert vt.tokens(s) == ht.tokens(s)
+        assert vt.live_restarts > restarts  # rollbacks and drafted rows re-added live requests
+    finally:
+        for w in (vt, ht):
+            for s in ids:
+                w.free(s)
+    assert vt.stats().extra["live"] == 0
 
 
 SAMPLED = [
