@@ -65,6 +65,11 @@ def regime_of(plan: Plan, is_ngram: Sequence[bool]) -> str:
     return "cascade"
 
 
+def _bucket(batch: int) -> int:
+    """Batch sizes grouped by powers of two (1, 2, 3-4, 5-8, ...): where plain decoding is re-measured."""
+    return 1 << max(0, int(batch) - 1).bit_length()
+
+
 class Planner:
     """Picks a `Plan` per round for the best expected goodput; `planner(batch_size) -> Plan`.
 
@@ -75,10 +80,11 @@ class Planner:
     `patience` consecutive calls, so noise cannot make it flap. Exploration: every `explore_every` calls,
     the (verifier, drafter) pair (or plain decoding) measured least recently, if not within the last
     `explore_every // 2` rounds, gets one round in the best plan containing it, so a switched-off level comes
-    back once its acceptance recovers. `table` = [(min_batch, max_batch, spec), ...] overrides where it
-    matches (first match); spec is a Plan, an int K (default plan's levels, each with K; 0 = plain), or a
-    string: 'none'/'plain', 'default', 'auto' (no override), 'ngram'/'draft'/'cascade' (best plan of that
-    regime) or a plan name like 'ngram:3>draft:4>target'.
+    back once its acceptance recovers; plain decoding is also measured once at every new batch bucket (powers
+    of two) reached while speculating, on the whole batch. `table` = [(min_batch, max_batch, spec), ...]
+    overrides where it matches (first match); spec is a Plan, an int K (default plan's levels, each with K;
+    0 = plain), or a string: 'none'/'plain', 'default', 'auto' (no override), 'ngram'/'draft'/'cascade' (best
+    plan of that regime) or a plan name like 'ngram:3>draft:4>target'.
     """
 
     def __init__(
@@ -148,6 +154,8 @@ class Planner:
         self._calls = 0
         self._clock = 0  # target verify calls seen (~ engine rounds)
         self._measured: dict[tuple[int, int] | str, int] = {}  # pair or "plain" -> clock of last measurement
+        self._plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
+        self._plain_probed: set[int] = set()  # buckets given their first plain probe
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
         self._memo: dict[tuple, float] = {}  # predictions, cleared by every measurement
         for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
@@ -191,6 +199,7 @@ class Planner:
                 if self.native_cost is not None and level == self.top:
                     self.native_cost.observe(batch, tokens, seconds)
                     self._clock += 1
+                    self._plain_at[_bucket(batch)] = self._clock
                     if not self.native_k:  # plain decoding on the live path (no on_native follows)
                         self._measured["plain"] = self._clock
             else:
@@ -199,6 +208,7 @@ class Planner:
                     self._clock += 1
                     if tokens == 1:
                         self._measured["plain"] = self._clock
+                        self._plain_at[_bucket(batch)] = self._clock
 
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
         """Acceptance of the native target's own speculation on rows it decoded without a specray draft (one
@@ -349,15 +359,17 @@ class Planner:
         eff = _effective(plan)
         return [(plan.levels[eff[j + 1]], plan.levels[eff[j]]) for j in range(len(eff) - 1)]
 
-    def _exploration(self, ranked: list[tuple[Plan, float]]) -> Plan | None:
-        """The best plan measuring the stalest pair not in the current plan, if it is stale enough."""
+    def _exploration(self, ranked: list[tuple[Plan, float]], batch: int) -> Plan | None:
+        """The best plan measuring the stalest pair not in the current plan, if it is stale enough. Plain
+        decoding's staleness is counted at the batch's bucket: its cost is what the choice "stop speculating"
+        rests on, and on a CPU it changes with the batch far more than a fitted curve says."""
         current = set(self._pairs(self._current)) | ({"plain"} if not self._pairs(self._current) else set())
         items: list[tuple[int, int] | str] = ["plain", *(pair for pair in self.acceptance if pair[0] != pair[1])]
         stale = []
         for item in items:
             if item in current:
                 continue
-            last = self._measured.get(item)
+            last = self._plain_at.get(_bucket(batch)) if item == "plain" else self._measured.get(item)
             age = math.inf if last is None else self._clock - last
             if age >= self.explore_every // 2:  # measured anyway (e.g. by overridden requests): skip
                 stale.append((age, item))
@@ -389,8 +401,16 @@ class Planner:
                 self._current, self._streak = start, 0
                 self._last = (batch, start)
                 return start
+            bucket = _bucket(batch)
+            if (self.explore_every and bucket not in self._plain_at and bucket not in self._plain_probed
+                    and self._pairs(self._current)):
+                # first round at a new batch size while speculating: measure plain decoding here, once
+                self._plain_probed.add(bucket)
+                self._last = (batch, self._current)
+                self._probe_round = True
+                return self.plain
             if self.explore_every and self._calls % self.explore_every == 0:
-                probe = self._exploration(ranked)
+                probe = self._exploration(ranked, batch)
                 if probe is not None:
                     self._last = (batch, self._current)  # regime() reports the held plan, not the probe
                     self._probe_round = True

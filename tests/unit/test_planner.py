@@ -266,6 +266,25 @@ def test_plain_probe_runs_on_the_whole_batch():
     assert plain_probes >= 1, "no plain probe in 60 rounds with explore_every=10"
 
 
+def test_plain_is_measured_at_once_at_a_new_batch_bucket():
+    """A CPU-like truth the linear fit cannot see: a 1-token row is a cheap matrix-vector product, a 5-token
+    row pays full per-token cost. Speculation wins at batch 1; when the batch jumps to 16 the planner measures
+    plain decoding on the whole batch in its first round there (not after `explore_every` rounds of a plan
+    priced off the fit), and drops speculation; only once per bucket."""
+    cliff = lambda b, q: 0.1 + (0.001 * b if q == 1 else 0.02 * b * q)
+    p = Planner(two_levels(), explore_every=1000, probe_batch=2)
+    sim = Sim(p, {1: cliff, 0: lambda b, q: 0.003}, {(1, 0): 0.8})
+    sim.run(1, 40)
+    assert p.current != p.plain
+    assert p.plan_groups(16) == [(p.plain, 16)]  # the first round at 16 is a plain probe on every sequence
+    sim.round(p.plain, 16)
+    chosen = sim.run(16, 15)
+    assert p.current == p.plain and chosen[-1] == p.plain
+    sim.run(1, 40)  # back to batch 1: speculation again; no new probe there (bucket 1 measured at start)
+    assert p.current != p.plain
+    assert all(plan != p.plain for plan in sim.run(1, 10))
+
+
 def test_table_override_wins():
     table = [(2, 4, Plan((0, 1), (2,))), (5, 8, "none"), (9, 16, 3), (17, 32, "draft:6>target")]
     p = Planner(two_levels(), table=table)
