@@ -106,14 +106,15 @@ def run_phase(args) -> list[dict]:
     setups: dict[str, tuple[list, bool]] = {"vllm plain": ([Level("target", worker=plain)], False)}
     closers = [plain]
     if args.phase == "ngram":
-        native = NativeVLLMWorker(model, native_speculation={"method": "ngram", "num_speculative_tokens": args.k,
-                                                             "prompt_lookup_max": 4, "prompt_lookup_min": 1},
-                                  **common)
+        # one speculative engine serves vLLM's own n-gram loop (LLM.generate) and specray's rounds, whose
+        # drafts (or none: a plain step) it verifies in its own step (engine_verify)
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+        native = VLLMWorker(model, **common, engine_verify=args.k,
+                            engine_kwargs={"speculative_config": spec, "async_scheduling": False})
         closers.append(native)
-        setups[f"vllm native ngram K={args.k}"] = ([Level("target", worker=native)], False)
-        setups[f"specray ngram K={args.k} > vllm"] = ([ng(), Level("target", worker=plain)], False)
-        setups["specray auto {ngram, native}"] = ([ng(), Level("target", worker=native)], True)
-        setups["specray auto {ngram, vllm}"] = ([ng(), Level("target", worker=plain)], True)
+        setups[f"specray ngram K={args.k} > vllm (engine verify)"] = ([ng(), Level("target", worker=native)], False)
+        setups["specray auto {ngram, vllm engine verify}"] = ([ng(), Level("target", worker=native)], True)
+        setups[f"specray ngram K={args.k} > vllm (prompt scoring)"] = ([ng(), Level("target", worker=plain)], False)
     elif args.phase == "draft":
         from specray.engine.hf import HFWorker
 
@@ -128,16 +129,19 @@ def run_phase(args) -> list[dict]:
             [ng(6), Level("draft", worker=draft, k=args.k_draft + 3), Level("target", worker=plain)], False)
         setups["specray auto {ngram, draft}"] = (
             [ng(), Level("draft", worker=draft, k=args.k_draft), Level("target", worker=plain)], True)
+    if args.only:
+        setups = {n: v for n, v in setups.items() if n == "vllm plain" or any(o in n for o in args.only)}
     print(f"[{args.phase}] engines loaded in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
 
     own: dict[str, object] = {}
     if args.phase == "ngram":  # vLLM's own scheduling loop (LLM.generate), not specray's rounds over a worker
         own["vLLM own loop, plain"] = plain
-        own[f"vLLM own loop, native ngram K={args.k}"] = native
+        own[f"vLLM own loop, native ngram K={args.k}"] = native  # its proposer drafts (nothing injected)
     engines = {}
     for name, (levels, auto) in setups.items():
         engine = CascadeEngine(levels)
-        planner = Planner(engine.levels, k_max=args.k_max).attach(engine) if auto else None
+        k_max = min(args.k_max, args.k) if levels[-1].worker is not plain and args.phase == "ngram" else args.k_max
+        planner = Planner(engine.levels, k_max=k_max).attach(engine) if auto else None
         engines[name] = (engine, planner)
         generate(engine, [list(tok.encode("Hello, hello"))], max_tokens=4, ignore_eos=True, plan=planner)  # warm
 
@@ -266,6 +270,8 @@ def main() -> None:
     ap.add_argument("--kv-mib", type=int, default=1024, help="vLLM KV cache per engine (MiB)")
     ap.add_argument("--phases", nargs="+", default=["ngram", "draft", "step"])
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # internal: run one phase in this process
+    ap.add_argument("--only", nargs="+", default=None,
+                    help="run only the setups whose name contains one of these (vllm plain and the own loops stay)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -288,6 +294,8 @@ def main() -> None:
             if val is not None:
                 cmd += [f"--{key.replace('_', '-')}", str(val)]
         cmd += ["--batch", *map(str, args.batch), "--sets", *args.sets]
+        if args.only:
+            cmd += ["--only", *args.only]
         subprocess.run(cmd, check=True)
         rows += json.loads(part.read_text())
         part.unlink()

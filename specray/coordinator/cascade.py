@@ -47,6 +47,8 @@ class Level:
     native vLLM target, `specray.engine.vllm_native`); 0: none. Defaults to the worker's `native_k`.
     live_decode: the level decodes rows without a draft on a path of its own, cheaper than verification (a
     vllm worker's live requests); such calls are timed apart. Defaults to the worker's `live_decode`.
+    engine_verify: the level verifies drafts of up to this many tokens per step on that path (inside a vLLM
+    engine); 0: by a forward pass over the draft. Defaults to the worker's `engine_verify`.
     """
 
     name: str
@@ -56,6 +58,7 @@ class Level:
     method: VerifyMethod = VerifyMethod.DETERMINISTIC
     native_k: int = 0
     live_decode: bool = False
+    engine_verify: int = 0
 
     def __post_init__(self) -> None:
         if (self.worker is None) == (self.ngram is None):
@@ -64,6 +67,8 @@ class Level:
             self.native_k = int(getattr(self.worker, "native_k", 0) or 0)
         if not self.live_decode and self.worker is not None:
             self.live_decode = bool(getattr(self.worker, "live_decode", False))
+        if not self.engine_verify and self.worker is not None:
+            self.engine_verify = int(getattr(self.worker, "engine_verify", 0) or 0)
         if self.ngram is not None and self.k == 4:
             self.k = self.ngram.num_speculative_tokens
         self.method = VerifyMethod(self.method)
@@ -485,8 +490,8 @@ class CascadeEngine:
             nat = [b for b, d in enumerate(drafts) if not d] if res.native_drafts is not None else []
             cold = res.native_cold or [False] * len(drafts)
             warm = [b for b in nat if not cold[b]]
-            # a call made only of native steps runs the engine's own (cheaper) path: timed apart
-            kind = "native" if nat and len(nat) == len(drafts) else "verify"
+            # a call made only of engine steps runs the engine's own (cheaper) path: timed apart
+            kind = "native" if res.stepped or (nat and len(nat) == len(drafts)) else "verify"
             nat_set = set(nat)
             rows = [b for b in range(len(drafts)) if b not in nat_set]  # rows that verified a given draft
             for ob in self.observers:

@@ -69,6 +69,9 @@ class VerifyResult:
     #: per sequence, True where the native engine's request started in this call: its first step is a prefill
     #: that cannot draft, so it says nothing about the native acceptance (the planner skips such rows)
     native_cold: list[bool] | None = None
+    #: every row was served by steps of requests kept alive in the verifier's engine (its decode path, with
+    #: the drafts verified inside the engine): the call is timed apart from verification by a forward pass
+    stepped: bool = False
 
 
 @dataclass

@@ -143,6 +143,8 @@ class VLLMWorker:
     kv_cache_bytes sizes vLLM's KV cache (it must hold max_context tokens); engine_kwargs go to
     `vllm.LLM` unchanged (they override ours). live_decode: serve plain temperature-0 rows from requests
     that stay alive in vLLM's scheduler (module docstring); off, every call re-submits its sequences.
+    engine_verify: verify greedy drafts of up to this many tokens per engine step inside the engine, on the
+    live requests (module docstring, "Engine verification"); 0: by prompt scoring.
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class VLLMWorker:
         full_vocab_logprobs: bool = True,
         in_process: bool = True,
         live_decode: bool = True,
+        engine_verify: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         from specray.engine.models import load_tokenizer, resolve_model
@@ -194,6 +197,19 @@ class VLLMWorker:
             kwargs["block_size"] = block_size
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
+        engine_verify = int(engine_verify or 0)
+        if engine_verify < 0:
+            raise ValueError("engine_verify must be >= 0")
+        if engine_verify and not live_decode:
+            raise ValueError("engine_verify runs on live requests: it needs live_decode")
+        if engine_verify and not in_process:
+            raise ValueError("engine_verify hands drafts to the engine's scheduler: the engine must be in-process")
+        if engine_verify and "speculative_config" not in (engine_kwargs or {}):
+            # a speculative engine (for its rejection sampler); its own n-gram proposer is overridden every
+            # step, so it is set to look for long matches only (cheap, and never used)
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": engine_verify,
+                                            "prompt_lookup_min": 16, "prompt_lookup_max": 16}
+            kwargs["async_scheduling"] = False
         kwargs.update(engine_kwargs or {})
         set_threads = torch.set_num_threads
         _shield_llvmlite()
@@ -214,6 +230,21 @@ class VLLMWorker:
         self.engine = self.llm.llm_engine
         #: plain temperature-0 rows are served by live engine requests (module docstring)
         self.live_decode = bool(live_decode)
+        #: greedy drafts are verified by the engine itself on live requests, this many tokens per step
+        spec_cfg = getattr(self.engine.vllm_config, "speculative_config", None)
+        if engine_verify and spec_cfg is not None:  # the engine schedules at most its own K drafts per step
+            engine_verify = min(engine_verify, int(spec_cfg.num_speculative_tokens))
+        self.engine_verify = engine_verify
+        #: whether empty-draft live rows run the engine's own speculation (a native level) or plain steps
+        self._own_drafts = False
+        self._scheduler = None
+        if engine_verify:
+            core = getattr(self.engine.engine_core, "engine_core", None)
+            self._scheduler = getattr(core, "scheduler", None)
+            if self._scheduler is None or not hasattr(self._scheduler, "requests"):
+                self.close()
+                raise RuntimeError("engine_verify: the engine core is not in this process (set "
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         self._live: dict[str, _Live] = {}
         self._keep: set[str] = set()  # live requests allowed to advance in the current call
         self._ids = itertools.count()
@@ -385,7 +416,16 @@ class VLLMWorker:
         return done
 
     def _live_row(self, draft: Sequence[int], sp: SamplingParams, return_probs: bool) -> bool:
-        return self.live_decode and not draft and sp.temperature == 0 and not return_probs
+        if not self.live_decode or sp.temperature != 0 or return_probs:
+            return False
+        return not draft or self.engine_verify > 0
+
+    def _set_drafts(self, lv: _Live, draft: Sequence[int]) -> None:
+        """The draft the engine verifies for `lv` in its next step (replacing its own proposer's)."""
+        req = self._scheduler.requests.get(lv.int_id) if self._scheduler is not None else None
+        if req is None:
+            raise RuntimeError(f"{self.name}: live request {lv.ext_id!r} is not in the scheduler")
+        req.spec_token_ids = list(draft[: self.engine_verify])
 
     def _ensure_live(self, seq_id: str, toks: list[int]) -> _Live:
         """The live request of a row, consistent with the coordinator's tokens (re-added if not)."""
@@ -600,21 +640,52 @@ class VLLMWorker:
                 for j, b in enumerate(other):
                     out_ids[b], n_acc[b] = res.token_ids[j], res.num_accepted[j]
             lives = {b: self._ensure_live(seq_ids[b], seqs[b]) for b in live}
-            while any(len(lives[b].tokens) <= len(seqs[b]) for b in live):
-                stalled = [b for b in live if len(lives[b].tokens) <= len(seqs[b]) and lives[b].finished]
+            while True:
+                need = [b for b in live if self._wants_step(lives[b], len(seqs[b]), draft_ids[b])]
+                if not need:
+                    break
+                stalled = [b for b in need if lives[b].finished]
                 if stalled:
                     raise RuntimeError(f"{self.name}: vLLM finished {seq_ids[stalled[0]]!r} before the round")
+                if self.engine_verify:
+                    for b in need:  # specray's draft (or none: a plain step) unless the engine drafts itself
+                        if draft_ids[b] or not self._own_drafts:
+                            done = len(lives[b].tokens) - len(seqs[b])
+                            self._set_drafts(lives[b], list(draft_ids[b])[done:])
                 self._step()
                 self.live_steps += 1
             for b in live:
-                toks, d, cold[b] = self._serve(lives[b], len(seqs[b]))
-                lives[b].served = len(seqs[b]) + len(toks)
+                n, lv = len(seqs[b]), lives[b]
+                if draft_ids[b]:
+                    # the engine's greedy tokens from n on; the draft is accepted up to the first difference
+                    d = list(draft_ids[b])
+                    got = lv.tokens[n:]
+                    a = 0
+                    while a < len(d) and a < len(got) - 1 and got[a] == d[a]:
+                        a += 1
+                    toks = got[: a + 1]
+                else:
+                    toks, native_drafts[b], cold[b] = self._serve(lv, n)
+                    a = len(toks) - 1
+                lv.served = n + len(toks)
                 seqs[b].extend(toks)
-                out_ids[b], n_acc[b], native_drafts[b] = toks, len(toks) - 1, d
+                out_ids[b], n_acc[b] = toks, a
                 self.live_served_tokens += len(toks)
         finally:
             self._keep = set()
-        return VerifyResult(out_ids, n_acc, None, native_drafts=native_drafts, native_cold=cold)
+        return VerifyResult(out_ids, n_acc, None, native_drafts=native_drafts, native_cold=cold,
+                            stepped=not other)
+
+    @staticmethod
+    def _wants_step(lv: _Live, n: int, draft: Sequence[int]) -> bool:
+        """Whether a live row needs another engine step: it has no token past n yet, or (a drafted row) every
+        token it has past n equals the draft and the draft goes on past them (not yet verified to its end)."""
+        got = len(lv.tokens) - n
+        if got <= 0:
+            return True
+        if not draft or got > len(draft):
+            return False
+        return lv.tokens[n:] == list(draft[:got])
 
     def _verify_scored(
         self,

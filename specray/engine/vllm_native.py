@@ -58,12 +58,10 @@ executor) are not supported as native levels.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from specray.engine.protocol import WorkerStats
 from specray.engine.vllm import VLLMWorker
-from specray.spec.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +123,12 @@ class NativeVLLMWorker(VLLMWorker):
             raise ValueError("give the speculative config as native_speculation, not engine_args.speculative_config")
         engine.update(speculative_config=spec, per_request_spec_decode_metrics="detailed",
                       disable_log_stats=False, async_scheduling=False)
+        kwargs["live_decode"] = True
+        # an n-gram engine verifies specray's drafts too, in its own step (a draft-model engine's proposer keeps
+        # state of its own: drafted rows go through prompt scoring there)
+        kwargs.setdefault("engine_verify", int(spec["num_speculative_tokens"]) if spec["method"] == "ngram" else 0)
         super().__init__(model, in_process=True, engine_kwargs=engine, **kwargs)
+        self._own_drafts = True
         self.native_speculation = spec
         self.native_k = int(spec["num_speculative_tokens"])
         core = getattr(self.engine.engine_core, "engine_core", None)
@@ -176,6 +179,3 @@ class NativeVLLMWorker(VLLMWorker):
         if len(drafted) > 1:
             raise RuntimeError(f"{self.name}: vLLM recorded {len(drafted)} verify steps in one engine step")
         return (int(drafted[0]), int(accepted[0])) if drafted else (0, 0)
-
-    def _live_row(self, draft: Sequence[int], sp: SamplingParams, return_probs: bool) -> bool:
-        return not draft and sp.temperature == 0 and not return_probs  # always live: the engine speculates

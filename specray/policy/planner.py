@@ -20,6 +20,8 @@ engine), q_native the decayed mean of the tokens fed per row (1 + the longest na
 It competes with specray's drafters like any other plan; its regime is still 'none' (the target alone).
 A target with a live decode path but no speculation of its own (a `vllm` worker serving plain rows from
 requests kept alive in its scheduler) gets the same separate curve: T_round(plain) = N_t(B, 1), E[L] = 1.
+A target that verifies drafts inside its engine (`engine_verify` = E tokens per step) prices the verification
+of K drafted tokens on that curve too: ceil(K / E) * N_t(B, min(K, E) + 1).
 
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
@@ -77,7 +79,9 @@ class Planner:
     to the engine's measurements (`on_call`, `on_verify`); tests may call those hooks directly.
 
     Stability: the current plan is kept unless another beats it by more than `hysteresis` (relative) on
-    `patience` consecutive calls, so noise cannot make it flap. Exploration: every `explore_every` calls,
+    `patience` consecutive calls, so noise cannot make it flap (one call suffices when the predicted gain
+    exceeds `decisive`, relative: a 2x gap is not noise, and a losing plan can cost many times a round --
+    speculation scored on a vLLM target at batch 16 costs ~8 plain rounds). Exploration: every `explore_every` calls,
     the (verifier, drafter) pair (or plain decoding) measured least recently, if not within the last
     `explore_every // 2` rounds, gets one round in the best plan containing it, so a switched-off level comes
     back once its acceptance recovers; plain decoding is also measured once at every new batch bucket (powers
@@ -106,6 +110,7 @@ class Planner:
         prior_target: tuple[float, float, float] = (1.0, 0.02, 0.0),
         warmup: int = 2,
         probe_batch: int = 2,
+        decisive: float = 1.0,
     ) -> None:
         if not levels:
             raise ValueError("a planner needs at least the target level")
@@ -120,6 +125,7 @@ class Planner:
         self.hysteresis, self.patience, self.explore_every = hysteresis, patience, explore_every
         self.overhead, self.ngram_cost, self.warmup = overhead, ngram_cost, warmup
         self.probe_batch = max(1, probe_batch)
+        self.decisive = decisive
         self._probe_round = False
         self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
         self.plain = Plan((self.top,), ())
@@ -139,11 +145,13 @@ class Planner:
                                  k_max=max(32, max(self.k_choices) + 1))
             for lo, up in itertools.combinations(range(self.top + 1), 2)
         }
+        #: the target verifies drafts of up to this many tokens inside its engine, on its decode path
+        self.engine_verify = int(getattr(levels[-1], "engine_verify", 0) or 0)
         self.native_cost: StepCost | None = None
         if self.native_k:
             self.acceptance[(self.top, self.top)] = Acceptance(prior_alpha_ngram, decay=decay,
                                                                k_max=max(32, self.native_k + 1))
-        if self.native_k or getattr(levels[-1], "live_decode", False):
+        if self.native_k or self.engine_verify or getattr(levels[-1], "live_decode", False):
             self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
         self.candidates = self._enumerate()
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
@@ -288,8 +296,19 @@ class Planner:
                 return t + self.overhead
             return self.step_time(self.top, batch, 1) + self.overhead
         k = plan.k[-1]
-        return self._produce(plan, len(plan.levels) - 2, batch, k) + self.step_time(self.top, batch, k + 1) + (
-            self.overhead)
+        return self._produce(plan, len(plan.levels) - 2, batch, k) + self._verify_time(batch, k) + self.overhead
+
+    def _verify_time(self, batch: int, k: int) -> float:
+        """The target verifying k drafted tokens per sequence: a forward pass, or engine steps (each verifying
+        up to `engine_verify` tokens) on the engine's decode path."""
+        if self.native_cost is None or not self.engine_verify:
+            return self.step_time(self.top, batch, k + 1)
+        key = ("v", batch, k)
+        t = self._memo.get(key)
+        if t is None:
+            steps = math.ceil(k / self.engine_verify)
+            t = self._memo[key] = steps * self.native_cost.predict(batch, min(k, self.engine_verify) + 1)
+        return t
 
     def expected_length(self, plan: Plan) -> float:
         """Expected tokens committed per sequence per round."""
@@ -419,7 +438,9 @@ class Planner:
                 cur_gp = self.goodput(self._current, batch)
                 if best_gp > cur_gp * (1.0 + self.hysteresis):
                     self._streak += 1
-                    if self._streak >= self.patience:
+                    # a plan predicted to beat the held one by more than `decisive` (2x by default) is not
+                    # noise: switch at once instead of paying `patience` more rounds of a plan that loses big
+                    if self._streak >= self.patience or best_gp > cur_gp * (1.0 + self.decisive):
                         self._current, self._streak = best, 0
                 else:
                     self._streak = 0

@@ -87,6 +87,7 @@ class LevelActor:
             "max_context": getattr(self.worker, "max_context", None),
             "native_k": int(getattr(self.worker, "native_k", 0) or 0),
             "live_decode": bool(getattr(self.worker, "live_decode", False)),
+            "engine_verify": int(getattr(self.worker, "engine_verify", 0) or 0),
             "eos_token_ids": [int(t) for t in getattr(self.worker, "eos_token_ids", ()) or ()],
             "tokenizer_fingerprint": fingerprint,
             "tokenizer_eos_id": eos_id,
@@ -207,6 +208,7 @@ class ActorWorker:
         self.max_context: int | None = i["max_context"]
         self.native_k: int = int(i.get("native_k", 0) or 0)
         self.live_decode: bool = bool(i.get("live_decode", False))
+        self.engine_verify: int = int(i.get("engine_verify", 0) or 0)
         self.eos_token_ids: tuple[int, ...] = tuple(i["eos_token_ids"])
         self.tokenizer_fingerprint: str | None = i["tokenizer_fingerprint"]
         self.incarnation: str = i["incarnation"]

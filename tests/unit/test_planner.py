@@ -214,6 +214,24 @@ def test_hysteresis_holds_under_noise_and_follows_a_real_change():
     assert p.current == p.plain
 
 
+def test_a_decisive_gap_switches_at_once_a_small_one_waits_for_patience():
+    def planner_after(verify_seconds: float) -> tuple[Planner, list[Plan]]:
+        p = Planner(two_levels(), k_choices=[4], explore_every=0, patience=3, warmup=0, hysteresis=0.05)
+        for _ in range(20):  # plain: 0.1 s per round; the draft: accepted 2 of 4 on average
+            p.on_call(1, "verify", 1, 1, 0.1)
+            p.on_call(0, "propose", 1, 4, 0.004)
+            p.on_call(1, "verify", 1, 5, verify_seconds)
+            p.on_verify(1, 0, [4], [2])
+        return p, [p.plan(1) for _ in range(4)]
+
+    p, chosen = planner_after(1.0)  # the speculative plan is predicted ~3x slower than plain: switch now
+    assert p.goodput(p.plain, 1) > 2 * p.goodput(p.default_plan, 1)
+    assert chosen[0] == p.plain
+    p, chosen = planner_after(0.37)  # ~0.8x of plain: noise-sized, so patience applies
+    assert 1.05 < p.goodput(p.plain, 1) / p.goodput(p.default_plan, 1) < 2
+    assert chosen[:2] == [p.default_plan] * 2 and chosen[2] == p.plain
+
+
 def test_exploration_brings_a_level_back():
     p = Planner(two_levels(), explore_every=20)
     sim = Sim(p, {1: linear_cost(0.02, 0.0), 0: linear_cost(0.003, 0.0)}, {(1, 0): 0.05})

@@ -54,6 +54,15 @@ def vt(fam):
 
 
 @pytest.fixture(scope="module")
+def ve(fam):
+    """The target with engine verification: greedy drafts verified inside vLLM's step (4 tokens per step)."""
+    w = VLLMWorker(str(fam.target_dir), name="t", dtype="float32", kv_cache_bytes=KV, max_context=1024,
+                   max_num_seqs=256, engine_verify=4)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
 def vmid(fam):
     w = _vllm(fam.draft_dirs["mid"], "mid")
     yield w
@@ -70,9 +79,9 @@ def hmid(fam):
     return HFWorker(str(fam.draft_dirs["mid"]), name="mid", dtype="float32")
 
 
-def _run(levels, prompts=PROMPTS, max_tokens=20, sampling=None):
-    batch = generate(levels, prompts, max_tokens=max_tokens, ignore_eos=True, sampling=sampling)
-    for lvl in levels:
+def _run(levels, prompts=PROMPTS, max_tokens=20, sampling=None, plan=None):
+    batch = generate(levels, prompts, max_tokens=max_tokens, ignore_eos=True, sampling=sampling, plan=plan)
+    for lvl in getattr(levels, "levels", levels):
         if lvl.worker is not None:
             assert lvl.worker.stats().live_sequences == 0, lvl.name
     return [r.token_ids for r in batch.results], batch
@@ -134,6 +143,9 @@ class _Calls:
     def on_call(self, level, kind, batch, tokens, seconds):
         self.calls.append((level, kind, batch, tokens))
 
+    def on_verify(self, level, lower, lens, accepted):
+        pass
+
 
 def test_live_plain_decoding_steps_requests_kept_in_the_scheduler(vt, ht):
     """Plain greedy over the vllm backend is served by engine requests that stay alive across rounds: one
@@ -159,19 +171,22 @@ def test_live_plain_decoding_steps_requests_kept_in_the_scheduler(vt, ht):
         vt.live_decode = True
 
 
-def test_live_rows_follow_rollbacks_partial_calls_and_drafts_like_hf(vt, ht):
+@pytest.mark.parametrize("engine_verify", [False, True])
+def test_live_rows_follow_rollbacks_partial_calls_and_drafts_like_hf(engine_verify, request, ht):
     """A random schedule of worker calls on both backends: subsets of the sequences (a live request outside a
-    call runs a step ahead), empty drafts (live rows) mixed with drafted rows (prompt scoring) in one call,
+    call runs a step ahead), empty drafts (live rows) mixed with drafted rows (prompt scoring, or with
+    engine_verify verified inside the engine's step, drafts longer than its 4 tokens over several steps),
     rollbacks into and past a live request's text. Every call's output is the hf worker's, token for token."""
     import random
 
+    vt = request.getfixturevalue("ve" if engine_verify else "vt")
     rng = random.Random(5)
     ids = [f"lv{i}" for i in range(4)]
     for w in (vt, ht):
         for s, p in zip(ids, PROMPTS):
             w.add(s, ht.tokenizer.encode(p))
     g = SamplingParams(seed=0)
-    restarts = vt.live_restarts
+    steps = vt.live_steps
     try:
         for _ in range(40):
             rows = sorted(rng.sample(ids, rng.randint(1, len(ids))))
@@ -185,22 +200,61 @@ def test_live_rows_follow_rollbacks_partial_calls_and_drafts_like_hf(vt, ht):
             for s in rows:
                 if rng.random() < 0.6:
                     drafts.append([])
-                else:  # a draft that is right for a few tokens, then wrong
-                    cont = ht.propose([s], [3], [g]).token_ids[0]
-                    ht.rollback(s, len(ht.tokens(s)) - 3)
-                    cut = rng.randint(0, 3)
-                    drafts.append(cont[:cut] + [(cont[cut] + 1) % vt.vocab_size] if cut < 3 else cont)
+                else:  # a draft that is right for a few tokens, then wrong (or right to its end)
+                    k = rng.choice([3, 6])
+                    cont = ht.propose([s], [k], [g]).token_ids[0]
+                    ht.rollback(s, len(ht.tokens(s)) - k)
+                    cut = rng.randint(0, k)
+                    drafts.append(cont[:cut] + [(cont[cut] + 1) % vt.vocab_size] if cut < k else cont)
             rv = vt.verify(rows, drafts, None, [g] * len(rows), VerifyMethod.GREEDY)
             rh = ht.verify(rows, drafts, None, [g] * len(rows), VerifyMethod.GREEDY)
-            assert rv.token_ids == rh.token_ids
+            assert rv.token_ids == rh.token_ids and rv.num_accepted == rh.num_accepted
+            assert rv.stepped == (engine_verify or not any(drafts))
             for s in rows:
                 assert vt.tokens(s) == ht.tokens(s)
-        assert vt.live_restarts > restarts  # rollbacks and drafted rows re-added live requests
+        assert vt.live_steps > steps
     finally:
         for w in (vt, ht):
             for s in ids:
                 w.free(s)
     assert vt.stats().extra["live"] == 0
+
+
+def test_engine_verification_cascades_equal_plain_in_engine_steps(ve, ht, hmid):
+    """With engine_verify the target verifies every greedy draft inside vLLM's own step on its live requests:
+    n-gram, a model draft of 6 (two steps of 4 + 2) and a cascade all give plain greedy output token for
+    token, and every target call is timed as an engine step ("native"), never as prompt scoring. The planner
+    prices those rounds on that curve and stays exact."""
+    from specray.policy.planner import Planner
+
+    ref, _ = _run([Level("t", worker=ht)], max_tokens=20)
+    ngram = lambda: Level("ngram", ngram=NgramConfig(4, 1, 3))
+    setups = {
+        "ngram -> vllm": [ngram(), Level("t", worker=ve)],
+        "hf draft 6 -> vllm": [Level("mid", worker=hmid, k=6), Level("t", worker=ve)],
+        "ngram -> hf draft -> vllm": [ngram(), Level("mid", worker=hmid, k=4), Level("t", worker=ve)],
+    }
+    for name, levels in setups.items():
+        engine = CascadeEngine(levels)
+        assert engine.levels[-1].engine_verify == 4 and engine.levels[-1].live_decode
+        rec = _Calls()
+        engine.observers.append(rec)
+        calls, steps = ve.engine_calls, ve.live_steps
+        out, batch = _run(engine, max_tokens=20)
+        assert out == ref, name
+        assert batch.stats["t"].accepted_tokens > 0, name
+        top = [kind for lvl, kind, _, _ in rec.calls if lvl == len(levels) - 1]
+        assert top and set(top) == {"native"}, name
+        # every engine step served live rows (no scoring request): 1 per call, 2 where a draft ran past 4
+        # tokens or a fresh request's first step (a prefill) matched the draft's first token
+        assert ve.engine_calls - calls == ve.live_steps - steps, name
+        assert len(top) <= ve.live_steps - steps <= 2 * len(top), name
+    levels = [ngram(), Level("mid", worker=hmid, k=4), Level("t", worker=ve)]
+    engine = CascadeEngine(levels)
+    planner = Planner(engine.levels, k_max=6).attach(engine)
+    assert planner.engine_verify == 4 and planner.native_cost is not None
+    out, _ = _run(engine, max_tokens=20, plan=planner)
+    assert out == ref
 
 
 SAMPLED = [
