@@ -65,6 +65,14 @@ class LevelConfig(_Strict):
         "gpu_memory_utilization: 0.9, enforce_eager: false}. A level whose engine spans N = tensor x pipeline "
         "parallel GPUs runs all N inside its one actor, so it must reserve them: num_gpus: N.",
     )
+    engine_verify: int = Field(
+        0, ge=0, le=64,
+        description="vllm only: verify greedy drafts of up to this many tokens inside the vLLM engine, in one decode "
+        "step of a request kept alive in its scheduler (the engine is started with a speculative config whose "
+        "drafts specray supplies), instead of by prompt scoring; plain rounds are plain steps of the same "
+        "requests. Set it to the largest K proposed to this level. 0: prompt scoring. Rows at temperature > 0 "
+        "always go through prompt scoring (exact keyed sampling). A native n-gram level does this by itself.",
+    )
     native_speculation: dict[str, Any] | None = Field(
         None,
         description="vllm target only: the engine's own speculative decoding (vLLM's `speculative_config`), e.g. "
@@ -84,6 +92,15 @@ class LevelConfig(_Strict):
             self._check_engine_args()
         if self.native_speculation is not None:
             self._check_native()
+        if self.engine_verify:
+            if self.kind != "vllm":
+                raise ValueError(f"engine_verify is for vllm levels; a {self.kind} level verifies in its forward pass")
+            if self.engine_world_size > 1:
+                raise ValueError("engine_verify hands drafts to the engine's scheduler in-process, which a multi-GPU "
+                                 "engine (tensor/pipeline parallel) cannot")
+            if self.native_speculation is not None:
+                raise ValueError("engine_verify: a native level verifies specray's drafts in its engine already "
+                                 "(n-gram method); drop engine_verify")
         return self
 
     def _check_native(self) -> None:

@@ -62,6 +62,8 @@ def vllm_worker_kwargs(cfg: LevelConfig) -> dict[str, Any]:
         engine.setdefault("distributed_executor_backend", "mp")
     kwargs: dict[str, Any] = dict(name=cfg.display_name, dtype=cfg.dtype, num_threads=cfg.num_threads,
                                   max_context=cfg.max_context, engine_kwargs=engine)
+    if cfg.engine_verify:
+        kwargs["engine_verify"] = cfg.engine_verify
     if cfg.num_gpus > 0:
         kwargs["kv_cache_bytes"] = None
     return kwargs

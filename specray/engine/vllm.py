@@ -23,13 +23,26 @@ plan group this round, an exploration probe, a sequence that just finished). Suc
 step ahead; before the next step, a request outside the call that still holds unserved tokens is aborted,
 so a sequence that comes back next round keeps its warm request and a finished one costs at most one wasted
 step. Every other engine request (scoring, proposals) runs through the same step loop, because
-``LLM.generate`` would run each live request to its end. A call made only of live rows is reported with
-``native_drafts`` (all 0 here), so the coordinator times it apart from prompt scoring (kind "native"): the
-planner then prices plain decoding at the engine's decode speed. `specray.engine.vllm_native` builds on
+``LLM.generate`` would run each live request to its end. A call made only of live rows is reported as
+``stepped``, so the coordinator times it apart from prompt scoring (kind "native"): the planner then prices
+plain decoding (and engine verification, below) at the engine's decode speed. `specray.engine.vllm_native` builds on
 this: the same live requests, on an engine that speculates by itself. ``live_decode=False`` turns it off.
 
 At temperature > 0 rows are never live: vLLM's sampler draws with its own generator, not specray's keyed
 noise, so the output for a seed would depend on the plan. They decode through scoring and keyed sampling.
+
+Engine verification (``engine_verify`` = E > 0)
+-----------------------------------------------
+Prompt scoring re-submits the sequence and its draft and costs several decode steps on a CPU. With
+``engine_verify`` the engine is started with a speculative config, and a greedy row *with* a draft is a live
+row too: before the step, the draft is handed to the scheduler as the request's ``spec_token_ids`` (replacing
+what vLLM's own proposer put there; an empty list for a plain row), and vLLM verifies it inside its step with
+its greedy rejection sampler, on KV it already holds. A row's tokens from the step are the target's greedy
+tokens, so the row emits them up to the first one that differs from the draft (the correction) or one past
+the draft's end (the bonus); a draft longer than E, or a request whose first step was a prefill, takes more
+steps until the draft is decided. Exact at temperature 0 by construction (only the engine's greedy tokens
+are emitted); a round of specray's n-gram or draft model costs one engine step, as vLLM's own speculation.
+The engine runs in-process (the worker writes to its scheduler's requests).
 
 How the distributions are obtained
 ----------------------------------

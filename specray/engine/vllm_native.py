@@ -16,9 +16,10 @@ the end of step s - 1, so a request torn down after each round would never specu
 first step drafts nothing. Tokens produced but never served are tallied (``unserved_*`` in `stats`), so
 specray's counters plus those equal vLLM's own.
 
-Rows *with* a specray draft (an n-gram or model level below the native target) are verified exactly as by
-`VLLMWorker`, through prompt scoring on the same engine (vLLM 0.32 accepts prompt logprobs on a speculative
-engine). Those scoring requests run through the worker's step loop, like every engine request.
+Rows *with* a specray draft (an n-gram or model level below the native target) are verified inside the same
+engine on an n-gram native level (`VLLMWorker`'s engine verification: specray's draft replaces vLLM's for
+that step), and through prompt scoring on a draft_model level, whose proposer keeps state of its own (vLLM
+0.32 accepts prompt logprobs on a speculative engine).
 
 Exactness
 ---------

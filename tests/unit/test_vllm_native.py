@@ -30,6 +30,13 @@ def _target(**kw) -> dict:
     return {"name": "t", "kind": "vllm", "model": "m", **kw}
 
 
+def test_engine_verify_reaches_the_worker_arguments():
+    from specray.coordinator.generate import vllm_worker_kwargs
+
+    assert vllm_worker_kwargs(LevelConfig(**_target(engine_verify=6)))["engine_verify"] == 6
+    assert "engine_verify" not in vllm_worker_kwargs(LevelConfig(**_target()))
+
+
 def test_config_accepts_native_target_and_normalises():
     cfg = CascadeConfig(levels=[{"kind": "ngram"}, _target(native_speculation={"method": "ngram",
                                                                                 "num_speculative_tokens": 3})])
@@ -52,6 +59,9 @@ def test_config_accepts_native_target_and_normalises():
     ([_target(native_speculation={**NGRAM, "disable_logprobs": True})], "set by specray"),
     ([_target(engine_args={"speculative_config": NGRAM})], "native_speculation"),
     ([_target(native_speculation=NGRAM, num_gpus=2, engine_args={"tensor_parallel_size": 2})], "in-process"),
+    ([{"name": "t", "kind": "hf", "model": "m", "engine_verify": 4}], "engine_verify is for vllm levels"),
+    ([_target(engine_verify=4, num_gpus=2, engine_args={"tensor_parallel_size": 2})], "in-process"),
+    ([_target(engine_verify=4, native_speculation=NGRAM)], "drop engine_verify"),
 ])
 def test_config_errors(levels, match):
     with pytest.raises(ValidationError, match=match):
