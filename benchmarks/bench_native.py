@@ -8,14 +8,15 @@ memory is one plain vLLM target, one native engine and the hf draft); inside a p
 workload side by side (interleaved), so the ratios to the phase's own plain vLLM are comparable on a noisy
 machine. Greedy throughout; `same` says whether a setup's tokens equal plain vLLM's.
 
-- phase ngram: vLLM's own loop (`LLM.generate`: requests live in vLLM's scheduler), plain and with its n-gram
-  speculation -- the true vLLM baselines -- then specray rounds: vllm plain (specray's plain decoding over the
-  vllm backend: one step of a request kept alive in vLLM's scheduler per round) | vllm native ngram (the
-  native level: one vLLM speculative step per round) | specray ngram K > vllm (verification by prompt
-  scoring) | specray auto: the planner over {specray n-gram, the native level} and over {specray n-gram,
-  vllm plain}. `vs_own_plain` is the ratio to vLLM's own plain loop.
+- phase ngram: two engines. A plain one runs vLLM's own loop (`LLM.generate`: requests live in the
+  scheduler), the true plain baseline, and specray's plain decoding over the vllm backend ("vllm plain": one
+  step of a live request per round). A speculative one (vLLM n-gram K, lookup 1..4) runs vLLM's own n-gram
+  loop, the native baseline, and specray's rounds with engine verification: specray's n-gram K (its drafts
+  verified in vLLM's step) and the planner over {plain, n-gram K' <= K} on it. Plus specray's n-gram over the
+  plain engine verified by prompt scoring. `vs_own_plain` is the ratio to vLLM's own plain loop.
 - phase draft (with --draft): vllm plain | vllm native draft_model (K_d) | specray hf draft > vllm |
-  specray cascade ngram > hf draft > vllm | specray auto over {ngram, draft, vllm plain}.
+  specray cascade ngram > hf draft > vllm | specray auto over {ngram, draft, vllm plain}; specray's target
+  here verifies in its engine (engine_verify 8).
 - phase step: one plain decoding round of the hf backend (fp32, prepacked linears) vs the vllm backend at each
   batch size (median of timed rounds after warm-up).
 
@@ -100,7 +101,8 @@ def run_phase(args) -> list[dict]:
     common = dict(name="target", dtype=args.dtype, num_threads=args.threads, kv_cache_bytes=args.kv_mib << 20,
                   max_context=args.max_context, max_num_seqs=max(args.batch))
     t0 = time.perf_counter()
-    plain = VLLMWorker(model, **common)
+    # the draft phase has no own-loop baseline: its plain engine verifies specray's drafts in its step
+    plain = VLLMWorker(model, **common, engine_verify=8 if args.phase == "draft" else 0)
     tok = plain.tokenizer
     ng = lambda k=args.k: Level("ngram", ngram=NgramConfig(k, 1, 4), k=k)
     setups: dict[str, tuple[list, bool]] = {"vllm plain": ([Level("target", worker=plain)], False)}

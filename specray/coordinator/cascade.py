@@ -494,8 +494,12 @@ class CascadeEngine:
             kind = "native" if res.stepped or (nat and len(nat) == len(drafts)) else "verify"
             nat_set = set(nat)
             rows = [b for b in range(len(drafts)) if b not in nat_set]  # rows that verified a given draft
+            # a stepped call in which a row's engine request started ran that row's prefill: its time says
+            # nothing about a decode step (it would price plain decoding at a prefill's cost), so it is not timed
+            timed = not (res.stepped and any(cold))
             for ob in self.observers:
-                ob.on_call(i, kind, len(seqs), tokens, dt)
+                if timed:
+                    ob.on_call(i, kind, len(seqs), tokens, dt)
                 if lower is not None and rows:
                     ob.on_verify(i, lower, [lens[b] for b in rows], [res.num_accepted[b] for b in rows])
                 if warm and hasattr(ob, "on_native"):

@@ -440,12 +440,18 @@ class VLLMWorker:
             raise RuntimeError(f"{self.name}: live request {lv.ext_id!r} is not in the scheduler")
         req.spec_token_ids = list(draft[: self.engine_verify])
 
+    def _is_live(self, seq_id: str, toks: list[int]) -> bool:
+        """Whether the row's live request can serve the coordinator's tokens as they are."""
+        lv = self._live.get(seq_id)
+        n = len(toks)
+        return lv is not None and lv.base <= n <= len(lv.tokens) and lv.tokens[:n] == toks and (
+            len(lv.tokens) > n or not lv.finished)
+
     def _ensure_live(self, seq_id: str, toks: list[int]) -> _Live:
         """The live request of a row, consistent with the coordinator's tokens (re-added if not)."""
         lv = self._live.get(seq_id)
         n = len(toks)
-        if lv is not None and lv.base <= n <= len(lv.tokens) and lv.tokens[:n] == toks and (
-                len(lv.tokens) > n or not lv.finished):
+        if self._is_live(seq_id, toks):
             return lv
         if lv is not None:
             self._abort([seq_id])
@@ -652,6 +658,7 @@ class VLLMWorker:
                                           [sampling[b] for b in other], method, salt, False)
                 for j, b in enumerate(other):
                     out_ids[b], n_acc[b] = res.token_ids[j], res.num_accepted[j]
+            fresh = {b for b in live if not self._is_live(seq_ids[b], seqs[b])}  # a prefill in this call
             lives = {b: self._ensure_live(seq_ids[b], seqs[b]) for b in live}
             while True:
                 need = [b for b in live if self._wants_step(lives[b], len(seqs[b]), draft_ids[b])]
@@ -680,6 +687,7 @@ class VLLMWorker:
                 else:
                     toks, native_drafts[b], cold[b] = self._serve(lv, n)
                     a = len(toks) - 1
+                cold[b] = cold[b] or b in fresh
                 lv.served = n + len(toks)
                 seqs[b].extend(toks)
                 out_ids[b], n_acc[b] = toks, a

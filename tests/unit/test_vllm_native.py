@@ -167,6 +167,27 @@ def test_cold_native_rows_are_counted_but_not_estimated():
     assert all(kind == "native" for _, kind, _, _ in rec.calls)
 
 
+class SteppedColdFake(ColdFake):
+    """Like ColdFake, served by engine steps (`stepped`): a call holding a fresh request ran its prefill."""
+
+    def verify(self, *a, **kw):
+        res = super().verify(*a, **kw)
+        res.stepped = True
+        return res
+
+
+def test_stepped_calls_with_a_prefill_are_not_timed():
+    """A stepped call in which some row's engine request started is a prefill for that row: timing it as a
+    decode step would price plain decoding at a prefill's cost, so the coordinator reports no on_call for it;
+    the other calls are timed as engine steps ("native")."""
+    engine = CascadeEngine([Level("t", worker=SteppedColdFake("t", vocab=16, order=2))])
+    rec = Recorder()
+    engine.observers.append(rec)
+    out = generate(engine, PROMPTS_IDS, max_tokens=9)
+    assert rec.calls and all(kind == "native" for _, kind, _, _ in rec.calls)
+    assert len(rec.calls) == max(r.rounds for r in out.results) - 1  # the first round started every request
+
+
 def test_specray_drafts_on_a_native_target_feed_the_pair_and_empty_drafts_the_native_estimate():
     engine = CascadeEngine([Level("ng", ngram=NgramConfig(3, 1, 3)), Level("t", worker=NativeFake("t", vocab=16))])
     rec = Recorder()

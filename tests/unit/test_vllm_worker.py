@@ -245,10 +245,9 @@ def test_engine_verification_cascades_equal_plain_in_engine_steps(ve, ht, hmid):
         assert batch.stats["t"].accepted_tokens > 0, name
         top = [kind for lvl, kind, _, _ in rec.calls if lvl == len(levels) - 1]
         assert top and set(top) == {"native"}, name
-        # every engine step served live rows (no scoring request): 1 per call, 2 where a draft ran past 4
-        # tokens or a fresh request's first step (a prefill) matched the draft's first token
+        # every engine step served live rows (no scoring request); the first call (prefills) is not timed
         assert ve.engine_calls - calls == ve.live_steps - steps, name
-        assert len(top) <= ve.live_steps - steps <= 2 * len(top), name
+        assert len(top) < ve.live_steps - steps, name
     levels = [ngram(), Level("mid", worker=hmid, k=4), Level("t", worker=ve)]
     engine = CascadeEngine(levels)
     planner = Planner(engine.levels, k_max=6).attach(engine)
