@@ -11,6 +11,7 @@ and at least one token is pending (the last one), because its logits predict the
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class LogitsWorker(abc.ABC):
 
     def __init__(self) -> None:
         self._seqs: dict[str, SeqState] = {}
+        self._prefill_seconds = 0.0  # of the latest _prepare
 
     # ----- backend hooks ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -107,6 +109,8 @@ class LogitsWorker(abc.ABC):
                 raise ValueError("sync must be aligned with seq_ids")
             for seq, sy in zip(seqs, sync):
                 self._apply_sync(seq, sy)
+        t0 = time.perf_counter()
+        prefilled = False
         for seq in seqs:
             seq.kv_len = min(seq.kv_len, len(seq.tokens) - 1)  # keep one pending token
             while len(seq.tokens) - seq.kv_len > self.prefill_threshold:
@@ -114,6 +118,8 @@ class LogitsWorker(abc.ABC):
                 chunk = seq.tokens[start : min(len(seq.tokens) - 1, start + self.prefill_chunk)]
                 self._forward([seq], [chunk], [1])
                 seq.kv_len = start + len(chunk)
+                prefilled = True
+        self._prefill_seconds = time.perf_counter() - t0 if prefilled else 0.0
         return seqs
 
     # ----- protocol: propose / verify -----------------------------------------------------------
@@ -148,7 +154,7 @@ class LogitsWorker(abc.ABC):
                 out[b].append(int(toks[i]))
                 if probs is not None:
                     probs[b, t] = p[i]
-        return DraftProposal(out, probs)
+        return DraftProposal(out, probs, prefill_seconds=self._prefill_seconds)
 
     def verify(
         self,
@@ -193,4 +199,4 @@ class LogitsWorker(abc.ABC):
             s.tokens.extend(toks)
             emitted.append(toks)
         out_probs = p[:, : max(len(e) for e in emitted)].clone() if return_probs else None
-        return VerifyResult(emitted, n_acc, out_probs)
+        return VerifyResult(emitted, n_acc, out_probs, prefill_seconds=self._prefill_seconds)

@@ -337,3 +337,42 @@ def test_target_failure_is_raised():
     with pytest.raises(LevelCallError) as ei:
         eng.step([s])
     assert ei.value.level == 1 and "target" in str(ei.value)
+
+
+class _SlowPrefill(FakeWorker):
+    """A fake whose prompt forwards (more than 8 tokens) take 50 ms, decode forwards nothing."""
+
+    def _forward(self, seqs, inputs, keep):
+        if max(len(x) for x in inputs) > 8:
+            import time
+
+            time.sleep(0.05)
+        return super()._forward(seqs, inputs, keep)
+
+
+def test_prefill_time_is_reported_and_left_out_of_call_timings():
+    """A worker reports the seconds a call spent prefilling unseen text; the coordinator times calls without
+    them, so the planner's step costs are decode costs (a new request's prompt is not a slow decode step)."""
+    w = _SlowPrefill("t", vocab=16)
+    w.add("a", [t % 16 for t in range(1, 40)])
+    g = [SamplingParams(seed=0)]
+    first = w.verify(["a"], [[]], None, g, VerifyMethod.GREEDY)
+    again = w.verify(["a"], [[]], None, g, VerifyMethod.GREEDY)
+    assert first.prefill_seconds >= 0.05 and again.prefill_seconds == 0.0
+    w.free("a")
+
+    calls: list[tuple[int, str, float]] = []
+
+    class Rec:
+        def on_call(self, level, kind, batch, tokens, seconds):
+            calls.append((level, kind, seconds))
+
+        def on_verify(self, *a):
+            pass
+
+    engine = CascadeEngine([Level("d", worker=_SlowPrefill("d", vocab=16), k=3),
+                            Level("t", worker=_SlowPrefill("t", vocab=16))])
+    engine.observers.append(Rec())
+    generate(engine, [[t % 16 for t in range(1, 30)], [t % 16 for t in range(2, 25)]], max_tokens=8)
+    assert {kind for _, kind, _ in calls} == {"propose", "verify"}
+    assert all(sec < 0.04 for _, _, sec in calls), calls  # every prompt prefill (>= 50 ms) left out
