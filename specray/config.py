@@ -220,8 +220,8 @@ class PolicyConfig(_Strict):
     k_max: int = Field(8, ge=1, le=32, description="Largest K the planner considers per level.")
     hysteresis: float = Field(0.05, ge=0, description="Relative goodput gain needed to switch plans.")
     patience: int = Field(3, ge=1, description="Rounds a better plan must keep winning before a switch.")
-    decisive: float = Field(1.0, ge=0, description="Relative goodput gain above which a switch happens at once "
-                            "(no patience): 1.0 = a plan predicted 2x better.")
+    decisive: float = Field(1.0, ge=0, description="Relative goodput gain above which falling back to plain "
+                            "decoding happens at once (no patience): 1.0 = plain predicted 2x better.")
     explore_every: int = Field(50, ge=2, description="Rounds between probes of levels not in the current plan.")
     table: list[tuple[int, int, int | str]] | None = Field(
         None, description="Static override [[min_batch, max_batch, plan], ...]: plan is K (0 = plain), 'none', "

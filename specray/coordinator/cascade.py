@@ -420,9 +420,8 @@ class CascadeEngine:
                 i, lvl.worker.propose, [s.seq_id for s in seqs], want, [s.sampling for s in seqs],
                 mode=DraftMode.for_method(self._method(chain[ci + 1], i, override)), salt=i, sync=syncs,
             )
-            dt = time.perf_counter() - t0 - getattr(prop, "prefill_seconds", 0.0)  # decode time only
             for ob in self.observers:
-                ob.on_call(i, "propose", len(seqs), max(want, default=0), dt)
+                ob.on_call(i, "propose", len(seqs), max(want, default=0), time.perf_counter() - t0)
             for s, toks in zip(seqs, prop.token_ids):
                 s.mirror[i].extend(toks)
             return prop.token_ids, prop.probs
@@ -481,7 +480,7 @@ class CascadeEngine:
             i, worker.verify, [s.seq_id for s in seqs], drafts, probs if method == VerifyMethod.REJECTION else None,
             [s.sampling for s in seqs], method, salt=i, sync=syncs, return_probs=return_probs,
         )
-        dt = time.perf_counter() - t0 - getattr(res, "prefill_seconds", 0.0)  # decode/verify time only
+        dt = time.perf_counter() - t0
         for s, toks in zip(seqs, res.token_ids):
             s.mirror[i].extend(toks)
         if self.observers:

@@ -11,7 +11,6 @@ and at least one token is pending (the last one), because its logits predict the
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,7 +41,6 @@ class LogitsWorker(abc.ABC):
 
     def __init__(self) -> None:
         self._seqs: dict[str, SeqState] = {}
-        self._prefill_seconds = 0.0  # of the latest _prepare
 
     # ----- backend hooks ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -109,8 +107,6 @@ class LogitsWorker(abc.ABC):
                 raise ValueError("sync must be aligned with seq_ids")
             for seq, sy in zip(seqs, sync):
                 self._apply_sync(seq, sy)
-        t0 = time.perf_counter()
-        prefilled = False
         for seq in seqs:
             seq.kv_len = min(seq.kv_len, len(seq.tokens) - 1)  # keep one pending token
             while len(seq.tokens) - seq.kv_len > self.prefill_threshold:
@@ -118,8 +114,6 @@ class LogitsWorker(abc.ABC):
                 chunk = seq.tokens[start : min(len(seq.tokens) - 1, start + self.prefill_chunk)]
                 self._forward([seq], [chunk], [1])
                 seq.kv_len = start + len(chunk)
-                prefilled = True
-        self._prefill_seconds = time.perf_counter() - t0 if prefilled else 0.0
         return seqs
 
     # ----- protocol: propose / verify -----------------------------------------------------------
@@ -154,7 +148,7 @@ class LogitsWorker(abc.ABC):
                 out[b].append(int(toks[i]))
                 if probs is not None:
                     probs[b, t] = p[i]
-        return DraftProposal(out, probs, prefill_seconds=self._prefill_seconds)
+        return DraftProposal(out, probs)
 
     def verify(
         self,
@@ -199,4 +193,4 @@ class LogitsWorker(abc.ABC):
             s.tokens.extend(toks)
             emitted.append(toks)
         out_probs = p[:, : max(len(e) for e in emitted)].clone() if return_probs else None
-        return VerifyResult(emitted, n_acc, out_probs, prefill_seconds=self._prefill_seconds)
+        return VerifyResult(emitted, n_acc, out_probs)

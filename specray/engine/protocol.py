@@ -54,9 +54,6 @@ class DraftProposal:
 
     token_ids: list[list[int]]
     probs: torch.Tensor | None = None  # [B, k_max, V] float32; rows padded past len(token_ids[b])
-    #: seconds of the call spent prefilling text the worker had not seen (new prompts, catch-up after a level
-    #: sat out): the coordinator times the call without it, so the planner's step costs stay decode costs
-    prefill_seconds: float = 0.0
 
 
 @dataclass
@@ -75,8 +72,6 @@ class VerifyResult:
     #: every row was served by steps of requests kept alive in the verifier's engine (its decode path, with
     #: the drafts verified inside the engine): the call is timed apart from verification by a forward pass
     stepped: bool = False
-    #: as `DraftProposal.prefill_seconds`
-    prefill_seconds: float = 0.0
 
 
 @dataclass

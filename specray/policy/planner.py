@@ -79,13 +79,15 @@ class Planner:
     to the engine's measurements (`on_call`, `on_verify`); tests may call those hooks directly.
 
     Stability: the current plan is kept unless another beats it by more than `hysteresis` (relative) on
-    `patience` consecutive calls, so noise cannot make it flap (one call suffices when the predicted gain
-    exceeds `decisive`, relative: a 2x gap is not noise, and a losing plan can cost many times a round --
-    speculation scored on a vLLM target at batch 16 costs ~8 plain rounds). Exploration: every `explore_every` calls,
+    `patience` consecutive calls, so noise cannot make it flap (one call suffices to fall back to plain
+    decoding when it is predicted better by more than `decisive`, relative: a 2x gap between two measured
+    costs is not noise, and a losing plan can cost many times a round -- speculation scored on a vLLM target
+    at batch 16 costs ~8 plain rounds). Exploration: every `explore_every` calls,
     the (verifier, drafter) pair (or plain decoding) measured least recently, if not within the last
     `explore_every // 2` rounds, gets one round in the best plan containing it, so a switched-off level comes
     back once its acceptance recovers; plain decoding is also measured once at every new batch bucket (powers
-    of two) reached while speculating, on the whole batch. `table` = [(min_batch, max_batch, spec), ...]
+    of two) reached while speculating, on the whole batch, in the second round there (the first carries the
+    prefills of the requests that grew the batch). `table` = [(min_batch, max_batch, spec), ...]
     overrides where it matches (first match); spec is a Plan, an int K (default plan's levels, each with K;
     0 = plain), or a string: 'none'/'plain', 'default', 'auto' (no override), 'ngram'/'draft'/'cascade' (best
     plan of that regime) or a plan name like 'ngram:3>draft:4>target'.
@@ -164,6 +166,7 @@ class Planner:
         self._measured: dict[tuple[int, int] | str, int] = {}  # pair or "plain" -> clock of last measurement
         self._plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
         self._plain_probed: set[int] = set()  # buckets given their first plain probe
+        self._last_bucket, self._bucket_run = 0, 0  # bucket of the latest plan() call, consecutive calls there
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
         self._memo: dict[tuple, float] = {}  # predictions, cleared by every measurement
         for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
@@ -421,9 +424,12 @@ class Planner:
                 self._last = (batch, start)
                 return start
             bucket = _bucket(batch)
-            if (self.explore_every and bucket not in self._plain_at and bucket not in self._plain_probed
-                    and self._pairs(self._current)):
-                # first round at a new batch size while speculating: measure plain decoding here, once
+            self._bucket_run = self._bucket_run + 1 if bucket == self._last_bucket else 1
+            self._last_bucket = bucket
+            if (self.explore_every and self._bucket_run >= 2 and bucket not in self._plain_at
+                    and bucket not in self._plain_probed and self._pairs(self._current)):
+                # second round at a new batch size while speculating (the first one carries the prefills of
+                # the requests that grew the batch): measure plain decoding here, once
                 self._plain_probed.add(bucket)
                 self._last = (batch, self._current)
                 self._probe_round = True
@@ -438,9 +444,12 @@ class Planner:
                 cur_gp = self.goodput(self._current, batch)
                 if best_gp > cur_gp * (1.0 + self.hysteresis):
                     self._streak += 1
-                    # a plan predicted to beat the held one by more than `decisive` (2x by default) is not
-                    # noise: switch at once instead of paying `patience` more rounds of a plan that loses big
-                    if self._streak >= self.patience or best_gp > cur_gp * (1.0 + self.decisive):
+                    # plain decoding predicted to beat the held plan by more than `decisive` (2x by default) is
+                    # not noise -- both costs are measured at this batch (the held plan runs; plain is probed
+                    # at every new batch bucket): switch at once instead of paying `patience` more rounds of a
+                    # plan that loses big. A speculative plan's cost here may be an extrapolation: patience.
+                    decisive = best == self.plain and best_gp > cur_gp * (1.0 + self.decisive)
+                    if self._streak >= self.patience or decisive:
                         self._current, self._streak = best, 0
                 else:
                     self._streak = 0

@@ -214,7 +214,7 @@ def test_hysteresis_holds_under_noise_and_follows_a_real_change():
     assert p.current == p.plain
 
 
-def test_a_decisive_gap_switches_at_once_a_small_one_waits_for_patience():
+def test_a_decisive_gap_to_plain_switches_at_once_others_wait_for_patience():
     def planner_after(verify_seconds: float) -> tuple[Planner, list[Plan]]:
         p = Planner(two_levels(), k_choices=[4], explore_every=0, patience=3, warmup=0, hysteresis=0.05)
         for _ in range(20):  # plain: 0.1 s per round; the draft: accepted 2 of 4 on average
@@ -227,6 +227,17 @@ def test_a_decisive_gap_switches_at_once_a_small_one_waits_for_patience():
     p, chosen = planner_after(1.0)  # the speculative plan is predicted ~3x slower than plain: switch now
     assert p.goodput(p.plain, 1) > 2 * p.goodput(p.default_plan, 1)
     assert chosen[0] == p.plain
+    # the other way (speculation predicted far better than the held plain plan): its cost at this batch may be
+    # an extrapolation, so patience still applies
+    q = Planner(two_levels(), k_choices=[4], explore_every=0, patience=3, warmup=0, hysteresis=0.05)
+    q._current = q.plain
+    for _ in range(20):
+        q.on_call(1, "verify", 1, 1, 0.1)
+        q.on_call(0, "propose", 1, 4, 0.004)
+        q.on_call(1, "verify", 1, 5, 0.11)
+        q.on_verify(1, 0, [4], [4])
+    assert q.goodput(q.default_plan, 1) > 2 * q.goodput(q.plain, 1)
+    assert [q.plan(1) for _ in range(3)] == [q.plain, q.plain, q.default_plan]
     p, chosen = planner_after(0.37)  # ~0.8x of plain: noise-sized, so patience applies
     assert 1.05 < p.goodput(p.plain, 1) / p.goodput(p.default_plan, 1) < 2
     assert chosen[:2] == [p.default_plan] * 2 and chosen[2] == p.plain
@@ -287,14 +298,18 @@ def test_plain_probe_runs_on_the_whole_batch():
 def test_plain_is_measured_at_once_at_a_new_batch_bucket():
     """A CPU-like truth the linear fit cannot see: a 1-token row is a cheap matrix-vector product, a 5-token
     row pays full per-token cost. Speculation wins at batch 1; when the batch jumps to 16 the planner measures
-    plain decoding on the whole batch in its first round there (not after `explore_every` rounds of a plan
-    priced off the fit), and drops speculation; only once per bucket."""
+    plain decoding on the whole batch in its second round there (the first carries the new requests'
+    prefills), not after `explore_every` rounds of a plan priced off the fit, and drops speculation; only
+    once per bucket."""
     cliff = lambda b, q: 0.1 + (0.001 * b if q == 1 else 0.02 * b * q)
     p = Planner(two_levels(), explore_every=1000, probe_batch=2)
     sim = Sim(p, {1: cliff, 0: lambda b, q: 0.003}, {(1, 0): 0.8})
     sim.run(1, 40)
     assert p.current != p.plain
-    assert p.plan_groups(16) == [(p.plain, 16)]  # the first round at 16 is a plain probe on every sequence
+    first = p.plan_groups(16)  # the round where the batch grew (its prefills): no probe yet
+    assert first == [(p.current, 16)] and p.current != p.plain
+    sim.round(p.current, 16)
+    assert p.plan_groups(16) == [(p.plain, 16)]  # the next round at 16 is a plain probe on every sequence
     sim.round(p.plain, 16)
     chosen = sim.run(16, 15)
     assert p.current == p.plain and chosen[-1] == p.plain
