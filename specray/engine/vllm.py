@@ -250,14 +250,7 @@ class VLLMWorker:
         self.engine_verify = engine_verify
         #: whether empty-draft live rows run the engine's own speculation (a native level) or plain steps
         self._own_drafts = False
-        self._scheduler = None
-        if engine_verify:
-            core = getattr(self.engine.engine_core, "engine_core", None)
-            self._scheduler = getattr(core, "scheduler", None)
-            if self._scheduler is None or not hasattr(self._scheduler, "requests"):
-                self.close()
-                raise RuntimeError("engine_verify: the engine core is not in this process (set "
-                                   "VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        self._scheduler = self._in_process_scheduler("engine_verify") if engine_verify else None
         self._live: dict[str, _Live] = {}
         self._keep: set[str] = set()  # live requests allowed to advance in the current call
         self._ids = itertools.count()
@@ -269,6 +262,16 @@ class VLLMWorker:
         self.unserved = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "tokens": 0}
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s with vLLM (%s) in %.1fs", self.name, vdtype, self.load_seconds)
+
+    def _in_process_scheduler(self, what: str) -> Any:
+        """The engine core's scheduler, which `what` reads or writes; a clear error if it is in another process."""
+        core = getattr(self.engine.engine_core, "engine_core", None)
+        scheduler = getattr(core, "scheduler", None)
+        if scheduler is None or not hasattr(scheduler, "requests"):
+            self.close()
+            raise RuntimeError(f"{what}: the engine core is not in this process (set "
+                               "VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        return scheduler
 
     # ----- sequence state -----------------------------------------------------------------------
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:

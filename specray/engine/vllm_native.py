@@ -132,12 +132,8 @@ class NativeVLLMWorker(VLLMWorker):
         self._own_drafts = True
         self.native_speculation = spec
         self.native_k = int(spec["num_speculative_tokens"])
-        core = getattr(self.engine.engine_core, "engine_core", None)
-        self._scheduler = getattr(core, "scheduler", None)
-        if self._scheduler is None or not hasattr(self._scheduler, "requests"):
-            self.close()
-            raise RuntimeError("native vLLM level: the engine core is not in this process (set "
-                               "VLLM_ENABLE_V1_MULTIPROCESSING=0); its per-step acceptance cannot be read")
+        if self._scheduler is None:  # a draft_model level (no engine verification): read vLLM's per-step acceptance
+            self._scheduler = self._in_process_scheduler("native vLLM level")
         if self.engine.vllm_config.scheduler_config.async_scheduling:
             self.close()
             raise RuntimeError("native vLLM level: async scheduling is on; one round must be one engine step")
