@@ -4,7 +4,7 @@
         --draft qwen2.5-coder-0.5b-instruct --batch 1 4 16 --max-tokens 32 --out benchmarks/results/native-qwen.json
 
 Phases run one after another, each in its own child process (its engines are freed when it exits, so peak
-memory is one plain vLLM target, one native engine and the hf draft); inside a phase every setup runs each
+memory is two engines); inside a phase every setup runs each
 workload side by side (interleaved), so the ratios to the phase's own plain vLLM are comparable on a noisy
 machine. Greedy throughout; `same` says whether a setup's tokens equal plain vLLM's.
 
@@ -14,9 +14,14 @@ machine. Greedy throughout; `same` says whether a setup's tokens equal plain vLL
   loop, the native baseline, and specray's rounds with engine verification: specray's n-gram K (its drafts
   verified in vLLM's step) and the planner over {plain, n-gram K' <= K} on it. Plus specray's n-gram over the
   plain engine verified by prompt scoring. `vs_own_plain` is the ratio to vLLM's own plain loop.
-- phase draft (with --draft): vllm plain | vllm native draft_model (K_d) | specray hf draft > vllm |
-  specray cascade ngram > hf draft > vllm | specray auto over {ngram, draft, vllm plain}; specray's target
-  here verifies in its engine (engine_verify 8).
+- phase draft (with --draft), two stages in one process (a plain engine, a draft_model engine and an hf
+  draft do not fit beside each other in 24 GB at fp32; stage 1's engine is freed before stage 2 loads):
+  stage 1: vLLM's draft_model engine (K_d) alone, by vLLM's own loop and as specray's native level;
+  stage 2: a plain engine that verifies specray's drafts in its step (engine_verify 8) with vLLM's own loop on
+  it (its own n-gram proposer only fires on 16-token matches: plain decoding but for those) | specray plain |
+  specray n-gram | specray draft > vllm and cascade ngram > draft > vllm, with the draft on the hf backend
+  and on the vllm backend (a second engine) | specray auto {ngram, vllm draft}.
+  Ratios across the two stages are of runs minutes apart (compare stage 1 with stage 2's own loop).
 - phase step: one plain decoding round of the hf backend (fp32, prepacked linears) vs the vllm backend at each
   batch size (median of timed rounds after warm-up).
 
@@ -85,75 +90,19 @@ def own_loop(worker, prompts: list[list[int]], max_tokens: int) -> list[list[int
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def run_phase(args) -> list[dict]:
-    import torch
+def _new_acc() -> dict:
+    return {"tokens": 0, "seconds": 0.0, "rounds": 0, "out": [], "drafts": 0, "accepted": 0}
 
-    from specray.coordinator.cascade import CascadeEngine, Level
+
+def _measure(args, tok, real: bool, engines: dict, own: dict, acc: dict) -> None:
+    """Time every setup on every workload, interleaved chunk by chunk; add into acc[workload][setup]."""
     from specray.coordinator.generate import generate
-    from specray.engine.vllm import VLLMWorker
-    from specray.engine.vllm_native import NativeVLLMWorker
-    from specray.policy.planner import Planner
-    from specray.spec.ngram import NgramConfig
 
-    torch.set_num_threads(args.threads)
-    real = args.model is not None
-    model = args.model or tiny_target()
-    common = dict(name="target", dtype=args.dtype, num_threads=args.threads, kv_cache_bytes=args.kv_mib << 20,
-                  max_context=args.max_context, max_num_seqs=max(args.batch))
-    t0 = time.perf_counter()
-    # the draft phase has no own-loop baseline: its plain engine verifies specray's drafts in its step
-    plain = VLLMWorker(model, **common, engine_verify=8 if args.phase == "draft" else 0)
-    tok = plain.tokenizer
-    ng = lambda k=args.k: Level("ngram", ngram=NgramConfig(k, 1, 4), k=k)
-    setups: dict[str, tuple[list, bool]] = {"vllm plain": ([Level("target", worker=plain)], False)}
-    closers = [plain]
-    if args.phase == "ngram":
-        # one speculative engine serves vLLM's own n-gram loop (LLM.generate) and specray's rounds, whose
-        # drafts (or none: a plain step) it verifies in its own step (engine_verify)
-        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-        native = VLLMWorker(model, **common, engine_verify=args.k,
-                            engine_kwargs={"speculative_config": spec, "async_scheduling": False})
-        closers.append(native)
-        setups[f"specray ngram K={args.k} > vllm (engine verify)"] = ([ng(), Level("target", worker=native)], False)
-        setups["specray auto {ngram, vllm engine verify}"] = ([ng(), Level("target", worker=native)], True)
-        setups[f"specray ngram K={args.k} > vllm (prompt scoring)"] = ([ng(), Level("target", worker=plain)], False)
-    elif args.phase == "draft":
-        from specray.engine.hf import HFWorker
-
-        native = NativeVLLMWorker(model, native_speculation={"method": "draft_model", "model": args.draft,
-                                                             "num_speculative_tokens": args.k_draft}, **common)
-        draft = HFWorker(args.draft, name="draft", dtype="float32", cpu_prepack=True)
-        closers.append(native)
-        setups[f"vllm native draft_model K={args.k_draft}"] = ([Level("target", worker=native)], False)
-        setups[f"specray hf draft K={args.k_draft} > vllm"] = (
-            [Level("draft", worker=draft, k=args.k_draft), Level("target", worker=plain)], False)
-        setups["specray cascade ngram > hf draft > vllm"] = (
-            [ng(6), Level("draft", worker=draft, k=args.k_draft + 3), Level("target", worker=plain)], False)
-        setups["specray auto {ngram, draft}"] = (
-            [ng(), Level("draft", worker=draft, k=args.k_draft), Level("target", worker=plain)], True)
-    if args.only:
-        setups = {n: v for n, v in setups.items() if n == "vllm plain" or any(o in n for o in args.only)}
-    print(f"[{args.phase}] engines loaded in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-
-    own: dict[str, object] = {}
-    if args.phase == "ngram":  # vLLM's own scheduling loop (LLM.generate), not specray's rounds over a worker
-        own["vLLM own loop, plain"] = plain
-        own[f"vLLM own loop, native ngram K={args.k}"] = native  # its proposer drafts (nothing injected)
-    engines = {}
-    for name, (levels, auto) in setups.items():
-        engine = CascadeEngine(levels)
-        k_max = min(args.k_max, args.k) if levels[-1].worker is not plain and args.phase == "ngram" else args.k_max
-        planner = Planner(engine.levels, k_max=k_max).attach(engine) if auto else None
-        engines[name] = (engine, planner)
-        generate(engine, [list(tok.encode("Hello, hello"))], max_tokens=4, ignore_eos=True, plan=planner)  # warm
-
-    rows = []
     for wname, batch, prompts in workloads(tok, args.sets, args.batch, real):
-        acc = {name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "out": [], "drafts": 0, "accepted": 0}
-               for name in setups}
+        wacc = acc.setdefault((wname, batch), {})
+        for name in [*own, *engines]:
+            wacc.setdefault(name, _new_acc())
         chunks = [[p] for p in prompts] if batch == 1 else [prompts]
-        for name in own:
-            acc[name] = {"tokens": 0, "seconds": 0.0, "rounds": 0, "out": [], "drafts": 0, "accepted": 0}
         for chunk in chunks:  # interleaved: every setup runs this chunk before the next chunk starts
             # untimed warm-up on the chunk (2 tokens): every engine's prefix cache holds the prompts and the
             # kernels have seen the batch shape, so no setup pays the chunk's prefill for the ones after it
@@ -165,7 +114,7 @@ def run_phase(args) -> list[dict]:
                 t1 = time.perf_counter()
                 toks = own_loop(w, chunk, args.max_tokens)
                 dt = time.perf_counter() - t1
-                a = acc[name]
+                a = wacc[name]
                 a["seconds"] += dt
                 a["tokens"] += sum(map(len, toks))
                 a["out"] += toks
@@ -175,7 +124,7 @@ def run_phase(args) -> list[dict]:
                 t1 = time.perf_counter()
                 out = generate(engine, chunk, max_tokens=args.max_tokens, ignore_eos=True, plan=planner)
                 dt = time.perf_counter() - t1
-                a = acc[name]
+                a = wacc[name]
                 a["seconds"] += dt
                 a["tokens"] += sum(len(r.token_ids) for r in out.results)
                 a["rounds"] += out.rounds
@@ -186,24 +135,135 @@ def run_phase(args) -> list[dict]:
                     a["accepted"] += st.accepted_tokens
                 print(f"[{args.phase} {wname} b={batch}] {name:40s} {dt:7.1f}s "
                       f"{sum(len(r.token_ids) for r in out.results) / dt:6.2f} tok/s", file=sys.stderr, flush=True)
-        base = acc["vllm plain"]
-        own_base = acc.get("vLLM own loop, plain")
-        for name, a in acc.items():
+
+
+def _engines(setups: dict, tok, k_max_of) -> dict:
+    """CascadeEngine (+ planner when auto) per setup, each warmed up on a short prompt."""
+    from specray.coordinator.cascade import CascadeEngine
+    from specray.coordinator.generate import generate
+    from specray.policy.planner import Planner
+
+    engines = {}
+    for name, (levels, auto) in setups.items():
+        engine = CascadeEngine(levels)
+        planner = Planner(engine.levels, k_max=k_max_of(levels)).attach(engine) if auto else None
+        engines[name] = (engine, planner)
+        generate(engine, [list(tok.encode("Hello, hello"))], max_tokens=4, ignore_eos=True, plan=planner)  # warm
+    return engines
+
+
+def _free(workers: list) -> None:
+    """Close engines and hand their memory back before the next stage loads its own."""
+    import ctypes
+    import gc
+
+    for w in workers:
+        w.close()
+    workers.clear()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def run_phase(args) -> list[dict]:
+    import torch
+
+    from specray.coordinator.cascade import Level
+    from specray.engine.models import load_tokenizer
+    from specray.engine.vllm import VLLMWorker
+    from specray.engine.vllm_native import NativeVLLMWorker
+    from specray.spec.ngram import NgramConfig
+
+    torch.set_num_threads(args.threads)
+    real = args.model is not None
+    model = args.model or tiny_target()
+    common = dict(name="target", dtype=args.dtype, num_threads=args.threads, kv_cache_bytes=args.kv_mib << 20,
+                  max_context=args.max_context, max_num_seqs=max(args.batch))
+    tok = load_tokenizer(model)
+    ng = lambda k=args.k: Level("ngram", ngram=NgramConfig(k, 1, 4), k=k)
+    acc: dict = {}
+    closers: list = []
+    own: dict[str, object] = {}
+    t0 = time.perf_counter()
+    if args.phase == "draft":
+        # stage 1, alone in memory (a plain engine, a draft_model engine and an hf draft do not fit beside
+        # each other in 24 GB at fp32): vLLM's draft_model engine, by its own loop and as specray's native level
+        native = NativeVLLMWorker(model, native_speculation={"method": "draft_model", "model": args.draft,
+                                                             "num_speculative_tokens": args.k_draft}, **common)
+        closers.append(native)
+        print(f"[draft] draft_model engine loaded in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+        own_native = {f"vLLM own loop, native draft_model K={args.k_draft}": native}
+        stage1 = {f"specray native draft_model K={args.k_draft} level": ([Level("target", worker=native)], False)}
+        if args.only:
+            stage1 = {n: v for n, v in stage1.items() if any(o in n for o in args.only)}
+        _measure(args, tok, real, _engines(stage1, tok, lambda levels: args.k_max), own_native, acc)
+        _free(closers)
+        t0 = time.perf_counter()
+    # the draft phase's plain engine verifies specray's drafts in its step (engine_verify 8; its own n-gram
+    # proposer only fires on 16-token matches, so its own loop is plain decoding but for those)
+    plain = VLLMWorker(model, **common, engine_verify=8 if args.phase == "draft" else 0)
+    setups: dict[str, tuple[list, bool]] = {"vllm plain": ([Level("target", worker=plain)], False)}
+    closers.append(plain)
+    own["vLLM own loop, plain"] = plain  # vLLM's own scheduling loop (LLM.generate), not specray's rounds
+    if args.phase == "ngram":
+        # one speculative engine serves vLLM's own n-gram loop (LLM.generate) and specray's rounds, whose
+        # drafts (or none: a plain step) it verifies in its own step (engine_verify)
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+        native = VLLMWorker(model, **common, engine_verify=args.k,
+                            engine_kwargs={"speculative_config": spec, "async_scheduling": False})
+        closers.append(native)
+        own[f"vLLM own loop, native ngram K={args.k}"] = native  # its proposer drafts (nothing injected)
+        setups[f"specray ngram K={args.k} > vllm (engine verify)"] = ([ng(), Level("target", worker=native)], False)
+        setups["specray auto {ngram, vllm engine verify}"] = ([ng(), Level("target", worker=native)], True)
+        setups[f"specray ngram K={args.k} > vllm (prompt scoring)"] = ([ng(), Level("target", worker=plain)], False)
+    elif args.phase == "draft":
+        from specray.engine.hf import HFWorker
+
+        draft = HFWorker(args.draft, name="draft", dtype="float32", cpu_prepack=True)
+        # the same draft model on the vllm backend (a mixed cascade's other half): proposals by generation
+        vdraft = VLLMWorker(args.draft, **{**common, "name": "draft", "kv_cache_bytes": args.kv_mib << 19})
+        closers.append(vdraft)
+        kd = args.k_draft
+        setups[f"specray ngram K={args.k} > vllm (engine verify)"] = ([ng(), Level("target", worker=plain)], False)
+        for tag, w in (("hf", draft), ("vllm", vdraft)):
+            setups[f"specray {tag} draft K={kd} > vllm"] = (
+                [Level("draft", worker=w, k=kd), Level("target", worker=plain)], False)
+            setups[f"specray cascade ngram > {tag} draft > vllm"] = (
+                [ng(6), Level("draft", worker=w, k=kd + 3), Level("target", worker=plain)], False)
+        setups["specray auto {ngram, vllm draft}"] = (
+            [ng(), Level("draft", worker=vdraft, k=kd), Level("target", worker=plain)], True)
+    if args.only:
+        setups = {n: v for n, v in setups.items() if n == "vllm plain" or any(o in n for o in args.only)}
+    print(f"[{args.phase}] engines loaded in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    def k_max_of(levels: list) -> int:
+        # on the n-gram engine the engine verifies at most its own K per step
+        return min(args.k_max, args.k) if args.phase == "ngram" and levels[-1].worker is not plain else args.k_max
+
+    engines = _engines(setups, tok, k_max_of)
+    _measure(args, tok, real, engines, own, acc)
+    _free(closers)
+
+    rows = []
+    for (wname, batch), wacc in acc.items():
+        base = wacc["vllm plain"]
+        own_base = wacc.get("vLLM own loop, plain")
+        rate = lambda a: a["tokens"] / a["seconds"]
+        for name, a in wacc.items():
             engine, planner = engines.get(name, (None, None))
             row = {"phase": args.phase, "workload": wname, "batch": batch, "setup": name,
-                   "tokens_per_s": round(a["tokens"] / a["seconds"], 3),
-                   "vs_vllm_plain": round((a["tokens"] / a["seconds"]) / (base["tokens"] / base["seconds"]), 3),
-                   "vs_own_plain": (round((a["tokens"] / a["seconds"]) / (own_base["tokens"] / own_base["seconds"]), 3)
-                                    if own_base else None),
-                   "tokens_per_round": round(a["tokens"] / max(1, a["rounds"]), 2),
+                   "tokens_per_s": round(rate(a), 3),
+                   "vs_vllm_plain": round(rate(a) / rate(base), 3),
+                   "vs_own_plain": round(rate(a) / rate(own_base), 3) if own_base else None,
+                   "tokens_per_round": round(a["tokens"] / a["rounds"], 2) if a["rounds"] else None,
                    "target_acceptance": round(a["accepted"] / a["drafts"], 3) if a["drafts"] else None,
                    "same": a["out"] == base["out"]}
             if planner is not None:
                 row["plan_at_end"] = planner.plan_name(planner.current)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    for w in closers:
-        w.close()
     return rows
 
 
@@ -307,7 +367,7 @@ def main() -> None:
         if r["phase"] != "step":
             acc = "-" if r["target_acceptance"] is None else r["target_acceptance"]
             print(f"| {r['phase']} | {r['workload']} | {r['batch']} | {r['setup']} | {r['tokens_per_s']} | "
-                  f"{r['vs_vllm_plain']}x | {r['tokens_per_round']} | {acc} | {r['same']} |")
+                  f"{r['vs_vllm_plain']}x | {r['tokens_per_round'] or '-'} | {acc} | {r['same']} |")
     steps = [r for r in rows if r["phase"] == "step"]
     if steps:
         print("\n| batch | backend | plain round (ms) |\n|---|---|---|")

@@ -16,9 +16,11 @@ request has the same length) until `--requests-per-client` each are answered. Co
             (one planner for the whole run, as in a server: it keeps what it learned)
 
 The configurations are interleaved per concurrency level (all of them at c before any at 2c), so load that
-comes and goes on a shared machine hits them alike. Writes benchmarks/results/regime-*.json and, with
-matplotlib, a PNG next to it; prints a markdown table and the issue's two checks (adaptive within 5% of the
-best fixed choice; adaptive >= 0.97x plain), whatever their outcome.
+comes and goes on a shared machine hits them alike; with --repeats R each runs R times per level, in an order
+rotated every repeat, and a point pools its repeats (tokens / wall seconds, P90 over all requests).
+Writes benchmarks/results/regime-*.json and, with matplotlib, a PNG next to it; prints a markdown table and
+the issue's two checks (adaptive within 5% of the best fixed choice; adaptive >= 0.97x plain), whatever their
+outcome.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ async def run_point(sched: Scheduler, prompts: list[list[int]], conc: int, per_c
     await asyncio.gather(*[client() for _ in range(conc)])
     wall = time.perf_counter() - t0
     return {"requests": len(lat), "tokens": toks, "wall": wall, "tok_s": toks / wall, "p50": sorted(lat)[len(lat) // 2],
-            "p90": p90(lat)}
+            "p90": p90(lat), "latencies": lat}
 
 
 def main() -> None:
@@ -95,6 +97,9 @@ def main() -> None:
     ap.add_argument("--k-draft", type=int, default=4)
     ap.add_argument("--k-max", type=int, default=8, help="largest K the adaptive planner considers")
     ap.add_argument("--configs", nargs="+", default=["none", "ngram", "draft", "adaptive"])
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every configuration this many times per concurrency (order rotated each time) and pool "
+                         "them: differences between configurations below ~15%% are run-to-run noise on 2 shared cores")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -146,15 +151,31 @@ def main() -> None:
         out: dict = {}
         for c in args.concurrency:
             per_client = args.requests_per_client or max(1, -(-4 // c))
-            for cfg in args.configs:
-                plans_seen.pop(cfg, None)
-                r = await run_point(scheds[cfg], prompts, c, per_client, args.max_tokens)
-                if cfg in plans_seen:
-                    r["plans"] = dict(plans_seen[cfg].most_common())
-                out.setdefault(cfg, {})[c] = r
-                extra = f" plans {r['plans']}" if "plans" in r else ""
-                print(f"c={c:3d} {labels[cfg]:12s} {r['tok_s']:7.2f} tok/s  p90 {r['p90']:6.1f}s  "
-                      f"({r['requests']} req, {r['wall']:.0f}s){extra}", file=sys.stderr, flush=True)
+            for rep in range(args.repeats):
+                # each repeat rotates the order, so no configuration always runs first (or right after another)
+                order = args.configs[rep % len(args.configs):] + args.configs[: rep % len(args.configs)]
+                for cfg in order:
+                    plans_seen.pop(cfg, None)
+                    r = await run_point(scheds[cfg], prompts, c, per_client, args.max_tokens)
+                    if cfg in plans_seen:
+                        r["plans"] = dict(plans_seen[cfg].most_common())
+                    out.setdefault(cfg, {}).setdefault(c, []).append(r)
+                    extra = f" plans {r['plans']}" if "plans" in r else ""
+                    print(f"c={c:3d} {labels[cfg]:12s} {r['tok_s']:7.2f} tok/s  p90 {r['p90']:6.1f}s  "
+                          f"({r['requests']} req, {r['wall']:.0f}s){extra}", file=sys.stderr, flush=True)
+        # a point is its repeats pooled: tokens over wall seconds, P90 over every request's latency
+        for per_c in out.values():
+            for c, reps in per_c.items():
+                lat = [x for r in reps for x in r["latencies"]]
+                plans: Counter = Counter()
+                for r in reps:
+                    plans.update(r.get("plans", {}))
+                tokens, wall = sum(r["tokens"] for r in reps), sum(r["wall"] for r in reps)
+                per_c[c] = {"requests": len(lat), "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
+                            "p50": sorted(lat)[len(lat) // 2], "p90": p90(lat),
+                            "repeats_tok_s": [round(r["tok_s"], 3) for r in reps]}
+                if plans:
+                    per_c[c]["plans"] = dict(plans.most_common())
         for s in scheds.values():
             await s.close()
         return out

