@@ -1,7 +1,8 @@
 """specray over a vLLM target vs vLLM's own speculation (ngram, draft_model) vs plain vLLM, and hf vs vllm steps.
 
     .venv/bin/python benchmarks/bench_native.py --model qwen2.5-coder-1.5b-instruct \
-        --draft qwen2.5-coder-0.5b-instruct --batch 1 4 16 --max-tokens 32 --out benchmarks/results/native-qwen.json
+        --draft qwen2.5-coder-0.5b-instruct --batch 1 4 16 --max-tokens 32 --kv-mib 512 \
+        --out benchmarks/results/native-qwen.json
 
 Phases run one after another, each in its own child process (its engines are freed when it exits, so peak
 memory is two engines); inside a phase every setup runs each
@@ -182,7 +183,7 @@ def run_phase(args) -> list[dict]:
     common = dict(name="target", dtype=args.dtype, num_threads=args.threads, kv_cache_bytes=args.kv_mib << 20,
                   max_context=args.max_context, max_num_seqs=max(args.batch))
     tok = load_tokenizer(model)
-    ng = lambda k=args.k: Level("ngram", ngram=NgramConfig(k, 1, 4), k=k)
+    ng = lambda k=args.k: Level("ngram", ngram=NgramConfig(k, 1, 4, args.ngram_occurrence), k=k)
     acc: dict = {}
     closers: list = []
     own: dict[str, object] = {}
@@ -323,6 +324,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="vLLM dtype (bf16 is slow on CPUs without bf16 units)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="K of vLLM's n-gram speculation and of specray's n-gram")
+    ap.add_argument("--ngram-occurrence", default="earliest", choices=["recent", "earliest"],
+                    help="specray's n-gram: which occurrence drafts (earliest = vLLM's proposer: the same drafts)")
     ap.add_argument("--k-draft", type=int, default=3, help="K of vLLM's draft_model and of specray's hf draft")
     ap.add_argument("--k-max", type=int, default=8, help="largest K the specray planner considers")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
@@ -350,8 +353,8 @@ def main() -> None:
             args.draft = tiny_target()  # mechanics only: the tiny target drafts for itself
         part = Path(f"/tmp/bench-native-{os.getpid()}-{phase}.json")
         cmd = [sys.executable, __file__, "--phase", phase, "--out", str(part)]
-        for key in ("model", "draft", "dtype", "threads", "k", "k_draft", "k_max", "max_tokens", "max_context",
-                    "kv_mib"):
+        for key in ("model", "draft", "dtype", "threads", "k", "ngram_occurrence", "k_draft", "k_max", "max_tokens",
+                    "max_context", "kv_mib"):
             val = getattr(args, key)
             if val is not None:
                 cmd += [f"--{key.replace('_', '-')}", str(val)]

@@ -27,6 +27,8 @@ def _generate_parser(sub) -> None:
                    help="tokens each non-target level proposes per round; repeat per level (default 4)")
     p.add_argument("--prompt-lookup-min", type=int, default=1)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-occurrence", choices=["recent", "earliest"], default="recent",
+                   help="n-gram: draft from the most recent or the earliest (vLLM's choice) occurrence of the suffix")
     p.add_argument("--method", choices=[m.value for m in VerifyMethod], default=VerifyMethod.REJECTION.value,
                    help="verification method at temperature > 0 (temperature 0 is always greedy)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -60,7 +62,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     levels = []
     if args.ngram:
         levels.append(LevelConfig(kind="ngram", num_speculative_tokens=ks[0], method=args.method,
-                                  prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max))
+                                  prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                                  prompt_lookup_occurrence=args.prompt_lookup_occurrence))
     for i, d in enumerate(args.draft):
         levels.append(LevelConfig(kind="hf", model=d, num_speculative_tokens=ks[i + (1 if args.ngram else 0)],
                                   **common))

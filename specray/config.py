@@ -52,6 +52,9 @@ class LevelConfig(_Strict):
     )
     prompt_lookup_min: int = Field(1, ge=1, description="n-gram: shortest suffix to match.")
     prompt_lookup_max: int = Field(4, ge=1, description="n-gram: longest suffix to match (longest wins).")
+    prompt_lookup_occurrence: Literal["recent", "earliest"] = Field(
+        "recent", description="n-gram: which occurrence of the longest matching suffix drafts: the most recent, "
+        "or the earliest (what vLLM's own n-gram proposer takes; often better on code editing).")
     # --- where the level runs (Ray); ignored in-process and for ngram (it runs inside the coordinator) ---
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for this level's actor.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for this level's actor (fractions allowed).")

@@ -71,7 +71,8 @@ def vllm_worker_kwargs(cfg: LevelConfig) -> dict[str, Any]:
 
 def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
     if cfg.kind == "ngram":
-        ng = NgramConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        ng = NgramConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
+                         cfg.prompt_lookup_occurrence)
         return Level(cfg.display_name, ngram=ng, k=cfg.num_speculative_tokens, method=cfg.method)
     # native_k (a native vLLM target's own K) comes from the worker (`Level.__post_init__`)
     return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
