@@ -88,7 +88,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--sets", nargs="+", default=list(SETS))
     ap.add_argument("--configs", nargs="+",
-                    default=["plain", "ngram", "draft", "cascade", "adaptive", "hf_plain", "hf_assisted", "hf_lookup"])
+                    default=["plain", "ngram", "draft", "cascade", "adaptive", "hf_plain", "hf_assisted", "hf_lookup"],
+                    help="plain | ngram[:K] | draft[:K] | cascade[:K0:K1] | adaptive[:K_MAX] | hf_plain | "
+                         "hf_assisted | hf_lookup[:K]; a suffix @earliest / @recent sets the n-gram occurrence of that "
+                         "configuration (default: --ngram-occurrence), +overlap drafts the next round on a second "
+                         "thread while the target verifies; e.g. ngram:16@earliest, cascade:6:8@earliest+overlap")
     ap.add_argument("--k-ngram", type=int, default=8, help="n-gram K (standalone n-gram plan)")
     ap.add_argument("--k-draft", type=int, default=4, help="draft-model K (standalone draft plan)")
     ap.add_argument("--ngram-occurrence", default="recent", choices=["recent", "earliest"],
@@ -111,36 +115,54 @@ def main() -> None:
     tok = target.tokenizer
     eos = list(target.eos_token_ids)
     M = VerifyMethod.GREEDY
-    plans = {
-        "plain": lambda: [Level("target", worker=target, method=M)],
-        "ngram": lambda: [Level("ngram", ngram=NgramConfig(args.k_ngram, 1, 4, args.ngram_occurrence)),
-                          Level("target", worker=target, method=M)],
-        "draft": lambda: [Level("draft", worker=draft, k=args.k_draft), Level("target", worker=target, method=M)],
-        "cascade": lambda: [Level("ngram", ngram=NgramConfig(args.k_cascade[0], 1, 4, args.ngram_occurrence)),
-                            Level("draft", worker=draft, k=args.k_cascade[1], method=M),
-                            Level("target", worker=target, method=M)],
-    }
     from specray.coordinator.cascade import CascadeEngine
     from specray.policy.planner import Planner
 
-    adaptive_levels = plans["cascade"]()
-    adaptive_engine = CascadeEngine(adaptive_levels)
-    adaptive_planner = Planner(adaptive_levels, k_max=args.k_max).attach(adaptive_engine)
+    def levels_for(base: str, ks: list[int], occ: str) -> list[Level]:
+        """plain | ngram[:K] | draft[:K] | cascade[:K0:K1], the n-gram drafting from occurrence `occ`."""
+        if base == "plain":
+            return [Level("target", worker=target, method=M)]
+        if base == "ngram":
+            return [Level("ngram", ngram=NgramConfig(ks[0] if ks else args.k_ngram, 1, 4, occ)),
+                    Level("target", worker=target, method=M)]
+        if base == "draft":
+            return [Level("draft", worker=draft, k=ks[0] if ks else args.k_draft),
+                    Level("target", worker=target, method=M)]
+        if base == "cascade":
+            k0, k1 = ks if len(ks) == 2 else args.k_cascade
+            return [Level("ngram", ngram=NgramConfig(k0, 1, 4, occ)), Level("draft", worker=draft, k=k1, method=M),
+                    Level("target", worker=target, method=M)]
+        raise SystemExit(f"unknown configuration {base!r}")
+
+    adaptive: dict[tuple[int, str, bool], tuple[CascadeEngine, Planner]] = {}  # one live planner per variant
+
+    def parse(cfg: str) -> tuple[str, list[int], str, bool]:
+        cfg, overlap = (cfg[: -len("+overlap")], True) if cfg.endswith("+overlap") else (cfg, False)
+        name, _, occ = cfg.partition("@")
+        base, *ks = name.split(":")
+        return base, [int(k) for k in ks], occ or args.ngram_occurrence, overlap
+
     # warm up both models and the code paths
     warm = chat_ids(tok, "Say hi.")
-    generate(plans["cascade"](), [warm], max_tokens=8)
+    generate(levels_for("cascade", [], args.ngram_occurrence), [warm], max_tokens=8)
     run_hf(target.model, [warm], 4, eos)
 
     def run_one(cfg: str, ids: list[int]) -> tuple[int, float, dict[str, LevelStats] | None]:
-        if cfg == "adaptive":  # the live goodput planner picks levels and K every round
-            return run_specray(adaptive_engine, [ids], args.max_tokens, adaptive_planner)
-        if cfg in plans:
-            return run_specray(plans[cfg](), [ids], args.max_tokens)
+        base, ks, occ, overlap = parse(cfg)
+        if base == "adaptive":  # the live goodput planner picks levels and K every round (cascade levels)
+            key = (ks[0] if ks else args.k_max, occ, overlap)
+            if key not in adaptive:
+                lv = levels_for("cascade", [], occ)
+                eng = CascadeEngine(lv, overlap=overlap)
+                adaptive[key] = (eng, Planner(lv, k_max=key[0]).attach(eng))
+            return run_specray(adaptive[key][0], [ids], args.max_tokens, adaptive[key][1])
+        if not base.startswith("hf_"):
+            return run_specray(CascadeEngine(levels_for(base, ks, occ), overlap=overlap), [ids], args.max_tokens)
         kw = {}
-        if cfg == "hf_assisted":
+        if base == "hf_assisted":
             kw = {"assistant_model": draft.model}
-        elif cfg == "hf_lookup":
-            kw = {"prompt_lookup_num_tokens": args.hf_lookup_k}
+        elif base == "hf_lookup":
+            kw = {"prompt_lookup_num_tokens": ks[0] if ks else args.hf_lookup_k}
         n, dt = run_hf(target.model, [ids], args.max_tokens, eos, **kw)
         return n, dt, None
 
@@ -161,9 +183,9 @@ def main() -> None:
                     for k, v in stats.items():
                         a["stats"].setdefault(k, LevelStats()).merge(v)
                 print(f"[{set_name} #{i}] {cfg:12s} {n:4d} tok {dt:7.1f}s {n / dt:6.2f} tok/s", file=sys.stderr)
-        if "adaptive" in args.configs:
-            print(f"  adaptive planner now holds {adaptive_planner.plan_name(adaptive_planner.current)}",
-                  file=sys.stderr)
+        for (kmax, occ, ov), (_, pl) in adaptive.items():
+            tag = f"k_max {kmax}, {occ}" + (", overlap" if ov else "")
+            print(f"  adaptive ({tag}) planner now holds {pl.plan_name(pl.current)}", file=sys.stderr)
         rows = {}
         for cfg, a in acc.items():
             row = {"tokens": a["tokens"], "seconds": a["seconds"], "tok_s": a["tokens"] / a["seconds"]}
@@ -172,7 +194,7 @@ def main() -> None:
                 row["stats"] = {k: v.as_dict() for k, v in a["stats"].items()}
                 row["E_L"] = expected_accepted_length(alphas(top)) if top.num_drafts else 1.0
             rows[cfg] = row
-        base = rows.get("plain", {}).get("tok_s")
+        base = next((r["tok_s"] for c, r in rows.items() if c.split("@")[0] == "plain"), None)
         hf_base = rows.get("hf_plain", {}).get("tok_s")
         for cfg, row in rows.items():
             ref = hf_base if cfg.startswith("hf_") else base

@@ -43,6 +43,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     p.add_argument("--plain", action="store_true", help="plain decoding with the target only (same code path)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--overlap", action="store_true",
+                   help="draft the next round on a second thread while the target verifies this one")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -74,7 +76,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     t_load = time.perf_counter() - t0
     sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     t0 = time.perf_counter()
-    batch = generate(built, args.prompt, max_tokens=args.max_tokens, sampling=sp, plain=args.plain, chat=args.chat)
+    batch = generate(built, args.prompt, max_tokens=args.max_tokens, sampling=sp, plain=args.plain, chat=args.chat,
+                     overlap=args.overlap)
     dt = time.perf_counter() - t0
     n_tok = sum(len(r.token_ids) for r in batch.results)
     if args.json:

@@ -201,6 +201,11 @@ class ServerConfig(_Strict):
         False, description="Overlap drafting of one half of the batch with verification of the other "
         "(levels on different devices)."
     )
+    overlap: bool = Field(
+        False, description="Draft the next round while the target verifies this one (the levels below the "
+        "target on another thread, device or actor); the look-ahead is the next draft when the target accepts "
+        "all of this one. Pays where drafting and verifying can run at the same time (README, 'Overlap')."
+    )
     in_process: bool = Field(
         False, description="Run the model levels inside the coordinator process instead of one Ray actor per "
         "level (single-box development and tests)."

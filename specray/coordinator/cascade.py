@@ -9,6 +9,15 @@ The engine owns the canonical tokens of every sequence and a mirror of what each
 each worker a `SeqSync` (keep n, append ...) with every call: one batched call per level per (inner)
 round, and rollback is just a shorter `keep`. It talks to workers only through the protocol, so a fake
 worker, an in-process `HFWorker` or a Ray actor proxy all fit.
+
+Overlap (`overlap=True`, "draft ahead"): while the target verifies this round's draft d, the levels below
+it already draft the next round from base + d, as if all of d were accepted, on a second thread (or on
+their own device or actor). When the target accepts all of d and its bonus token equals the first token of
+that look-ahead, the rest of it is the next round's draft and the next round skips drafting; otherwise it is
+dropped (the workers' mirrors roll back on the next sync). Drafting then costs max(draft, verify) instead of
+their sum in the rounds where the guess holds. Exactness is untouched: the target verifies every draft as
+usual, and a look-ahead is only used as a draft for exactly the prefix it was made from. Not with rejection
+verification (its drafts carry probabilities tied to their sampling).
 """
 
 from __future__ import annotations
@@ -17,7 +26,9 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -171,6 +182,8 @@ class Sequence_:
     mirror: dict[int, list[int]] = field(default_factory=dict)
     agreed: dict[int, int] = field(default_factory=dict)
     epoch: dict[int, int] = field(default_factory=dict)  # the level's epoch when the mirror was made
+    #: overlap: (plan it was drafted for, len(tokens) it continues, draft tokens) for the next round
+    ahead: tuple[Plan, int, list[int]] | None = None
 
     @property
     def output(self) -> list[int]:
@@ -192,7 +205,7 @@ def _lcp(a: list[int], b: list[int], start: int) -> int:
 class CascadeEngine:
     """Runs rounds over a batch of sequences. Not thread-safe; one engine per coordinator loop."""
 
-    def __init__(self, levels: Sequence[Level], max_context: int | None = None) -> None:
+    def __init__(self, levels: Sequence[Level], max_context: int | None = None, *, overlap: bool = False) -> None:
         if not levels:
             raise ValueError("a cascade needs at least one level (the target)")
         levels = list(levels)
@@ -222,6 +235,20 @@ class CascadeEngine:
         self.epoch = [0] * len(levels)
         self.down: dict[int, float] = {}  # level -> monotonic time of the next health probe
         self._lock = threading.Lock()
+        #: draft the next round while the target verifies this one (module docstring, "Overlap")
+        self.overlap = overlap
+        #: overlap counters: rows drafted ahead, and rows whose next round used that draft
+        self.ahead_rows = 0
+        self.ahead_hits = 0
+        self._ahead_pool: ThreadPoolExecutor | None = None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """One thread for drafting ahead; it runs torch ops with this thread's intra-op thread count."""
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, "specray-ahead", initializer=torch.set_num_threads,
+                                                  initargs=(torch.get_num_threads(),))
+            weakref.finalize(self, self._ahead_pool.shutdown, wait=False)
+        return self._ahead_pool
 
     def plan_name(self, plan: Plan) -> str:
         """A short label, e.g. 'ngram:4>draft:4>target' or 'target' (plain decoding)."""
@@ -347,21 +374,82 @@ class CascadeEngine:
         chain = list(plan.levels)
         ks = dict(zip(chain[:-1], plan.k))
         bases = [s.tokens for s in active]
-        if len(chain) > 1 and ks[chain[-2]] > 0:
-            want = [max(0, min(ks[chain[-2]], s.remaining - 1)) for s in active]
-            drafts, probs = self._produce(chain, len(chain) - 2, active, bases, want, ks, method)
-        else:
-            drafts, probs = [[] for _ in active], None
         lower = chain[-2] if len(chain) > 1 else None
-        res = self._verify(self.top, lower, active, bases, drafts, probs, False, method)
+        speculative = lower is not None and ks[lower] > 0
+        overlap = (self.overlap and speculative and not all(self.levels[i].is_ngram for i in chain[:-1])
+                   and self._method(self.top, lower, method) != VerifyMethod.REJECTION)
+        if speculative:
+            want = [max(0, min(ks[lower], s.remaining - 1)) for s in active]
+            drafts, probs = self._drafts(chain, active, bases, want, ks, method, plan if overlap else None)
+        else:
+            want, drafts, probs = [0] * len(active), [[] for _ in active], None
+        future = self._pool().submit(self._draft_ahead, chain, active, bases, drafts, want, ks, method) \
+            if overlap else None
+        try:
+            res = self._verify(self.top, lower, active, bases, drafts, probs, False, method)
+        finally:
+            ahead = future.result() if future is not None else None  # never leave it running past the round
         native = _native_lens(res, drafts)
         new_by_id: dict[str, list[int]] = {}
-        for s, toks, nacc, n in zip(active, res.token_ids, res.num_accepted, native):
+        for b, (s, toks, nacc, n) in enumerate(zip(active, res.token_ids, res.num_accepted, native)):
             s.rounds += 1
             committed = self._commit(s, toks)
             new_by_id[s.seq_id] = committed
             s.stats.setdefault(self.top, LevelStats()).record(n, nacc, len(toks))
+            s.ahead = None
+            look = ahead.get(b) if ahead else None
+            # the look-ahead continues base + d + its own first token: usable when the target took all of d
+            # and its bonus token is that first token
+            if (look and not s.finished and nacc == len(drafts[b]) == want[b] and len(committed) == len(toks)
+                    == nacc + 1 and toks[-1] == look[0] and len(look) > 1):
+                s.ahead = (plan, len(s.tokens), look[1:])
         return new_by_id
+
+    def _drafts(
+        self, chain: list[int], active: list[Sequence_], bases: list[list[int]], want: list[int],
+        ks: dict[int, int], method: VerifyMethod | None, plan: Plan | None,
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """This round's drafts for the target: drafted ahead last round where that still holds (`plan` given,
+        overlap), else produced now by the levels below (only for the rows that need it)."""
+        if plan is None:
+            return self._produce(chain, len(chain) - 2, active, bases, want, ks, method)
+        drafts: list[list[int] | None] = [None] * len(active)
+        for b, s in enumerate(active):
+            if s.ahead is not None and s.ahead[0] == plan and s.ahead[1] == len(s.tokens) and want[b] > 0:
+                drafts[b] = s.ahead[2][: want[b]]
+                self.ahead_hits += 1
+            s.ahead = None
+        missing = [b for b, d in enumerate(drafts) if d is None]
+        if missing:
+            made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in missing], [bases[b] for b in missing],
+                                    [want[b] for b in missing], ks, method)
+            for b, d in zip(missing, made):
+                drafts[b] = d
+        return [d or [] for d in drafts], None
+
+    def _draft_ahead(
+        self, chain: list[int], active: list[Sequence_], bases: list[list[int]], drafts: list[list[int]],
+        want: list[int], ks: dict[int, int], method: VerifyMethod | None,
+    ) -> dict[int, list[int]] | None:
+        """The levels below the target draft K + 1 tokens beyond base + d for every row with a full draft d
+        (runs beside the target's verification; a level failing here is dropped like in a round)."""
+        k = ks[chain[-2]]
+        # after this round a row has remaining - want - 1 tokens to go; a look-ahead of 1 token is only the bonus
+        rows = [b for b, s in enumerate(active)
+                if drafts[b] and len(drafts[b]) == want[b] and s.remaining - want[b] - 1 >= 2]
+        if not rows:
+            return None
+        ahead_want = [min(k + 1, active[b].remaining - want[b] - 1) for b in rows]
+        try:
+            made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in rows],
+                                    [bases[b] + drafts[b] for b in rows], ahead_want, ks, method)
+        except LevelCallError as exc:
+            if exc.level == self.top:  # pragma: no cover - the target is not called here
+                raise
+            self._mark_down(exc.level, exc)
+            return None
+        self.ahead_rows += len(rows)
+        return dict(zip(rows, made))
 
     def _commit(self, s: Sequence_, toks: list[int]) -> list[int]:
         out = []

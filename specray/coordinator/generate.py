@@ -123,6 +123,7 @@ def generate(
     ignore_eos: bool = False,
     chat: bool = False,
     tokenizer=None,
+    overlap: bool = False,
 ) -> Batch:
     """Generate for a batch of prompts (text or token ids) with the cascade; returns tokens, text, stats.
 
@@ -130,8 +131,10 @@ def generate(
     (a callable batch size -> Plan, e.g. `specray.policy.planner.Planner(levels).attach(engine)`).
     `chat=True` wraps text prompts in the tokenizer's chat template. Greedy output equals plain greedy
     output token for token; at temperature > 0 the output is an exact sample from the target.
+    `overlap=True` drafts the next round while the target verifies this one (`CascadeEngine`; levels given as a
+    list only: an engine keeps its own setting).
     """
-    engine = levels if isinstance(levels, CascadeEngine) else CascadeEngine(levels)
+    engine = levels if isinstance(levels, CascadeEngine) else CascadeEngine(levels, overlap=overlap)
     if plain:
         plan = Plan((engine.top,), ())
     tok = tokenizer or getattr(engine.levels[-1].worker, "tokenizer", None)

@@ -148,9 +148,12 @@ class Acceptance:
 
     alpha_j = P(draft token j accepted | tokens 1..j-1 accepted). Estimates shrink in two steps, so K can
     be chosen beyond the positions measured so far: a pooled rate over all positions with a Beta prior
-    (`prior_mean`, `prior_strength` pseudo-trials), then each position towards the pooled rate with
-    `pos_strength` pseudo-trials. A draft of length n with a accepted is a trial at positions
-    1..min(a+1, n) and a success at 1..a.
+    (`prior_mean`, `prior_strength` pseudo-trials), then each measured position towards the pooled rate with
+    `pos_strength` pseudo-trials. A position not measured (less than one decayed trial) takes the estimate
+    of the deepest measured position before it, not the pooled rate: n-gram drafts' conditional acceptance
+    rises with j (a copy that has started tends to go on), and with the low pooled rate a planner that ran
+    K = 3 would never find out that K = 8 pays.
+    A draft of length n with a accepted is a trial at positions 1..min(a+1, n) and a success at 1..a.
     """
 
     def __init__(
@@ -201,12 +204,13 @@ class Acceptance:
     def alphas(self, k: int) -> list[float]:
         """alpha_1..alpha_k."""
         pooled, ps = self.pooled, self.pos_strength
-        out = []
+        out: list[float] = []
+        last = pooled
         for j in range(k):
-            if j < len(self.trials):
-                out.append(float((self.successes[j] + ps * pooled) / (self.trials[j] + ps)))
-            else:
-                out.append(pooled)
+            t = float(self.trials[j]) if j < len(self.trials) else 0.0
+            if j == 0 or t >= 1.0:  # measured (at least one decayed trial): shrunk to the pooled rate
+                last = float((self.successes[j] + ps * pooled) / (t + ps))
+            out.append(last)  # never (or long ago) measured: the deepest measured position's estimate
         return out
 
     def expected_length(self, k: int) -> float:

@@ -125,6 +125,28 @@ def test_step_cost_extrapolates_from_one_point_with_prior_shape():
     assert c.predict(4, 1) == pytest.approx(0.03, rel=0.05)  # the measured level, the prior's shape
 
 
+def test_unmeasured_positions_extend_the_deepest_measured_one():
+    """n-gram drafts: alpha rises with the position (a copy that started goes on). Run at K = 3 only, the
+    estimate for positions 4..8 must follow position 3 (high), not the pooled rate (dragged down by position
+    1), or a planner holding K = 3 never finds that K = 8 pays."""
+    acc = Acceptance(prior_mean=0.3, decay=1.0)
+    truth = [0.3, 0.8, 0.9]
+    rng = random.Random(1)
+    for _ in range(200):
+        accepted = []
+        for _row in range(4):
+            a = 0
+            while a < 3 and rng.random() < truth[a]:
+                a += 1
+            accepted.append(a)
+        acc.observe([3] * 4, accepted)
+    al = acc.alphas(8)
+    assert al[0] == pytest.approx(0.3, abs=0.05) and al[2] == pytest.approx(0.9, abs=0.06)
+    assert acc.pooled < 0.6
+    assert all(a == pytest.approx(al[2], abs=1e-9) for a in al[3:])  # the deepest measured position, not pooled
+    assert acc.expected_length(8) > acc.expected_length(3) + 0.15
+
+
 def test_acceptance_estimates_and_expected_length():
     rng = random.Random(0)
     acc = Acceptance(prior_mean=0.5, decay=0.99)
@@ -138,7 +160,7 @@ def test_acceptance_estimates_and_expected_length():
                 a += 1
             accepted.append(a)
         acc.observe(lens, accepted)
-    assert all(abs(a - 0.8) < 0.05 for a in acc.alphas(6))  # positions 5, 6 borrow the pooled rate
+    assert all(abs(a - 0.8) < 0.05 for a in acc.alphas(6))  # positions 5, 6 borrow position 4's estimate
     assert acc.expected_length(4) == pytest.approx(expected_accepted_length_iid(0.8, 4), rel=0.05)
     # a draft of n with a accepted: trials at 1..min(a+1, n), successes at 1..a
     one = Acceptance(prior_strength=0.0, pos_strength=1e-9)

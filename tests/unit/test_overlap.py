@@ -1,0 +1,162 @@
+"""Overlap ("draft ahead"): the levels below the target draft the next round while the target verifies.
+
+The look-ahead is only ever used as a draft for the exact prefix it was drafted from, so outputs must be
+those of the loop without overlap: greedy == plain greedy, seeded sampled outputs identical, the sampled law
+the target's; a drafter failing during a look-ahead is dropped like in any round.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+
+from specray.coordinator.cascade import CascadeEngine, Level, Plan
+from specray.coordinator.generate import generate
+from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams, VerifyMethod
+from specray.testing.fake import FakeWorker
+from tests.unit.test_cascade import PROMPTS, Dying, cascades, target
+
+
+@pytest.mark.parametrize("setup", ["draft", "cascade3", "cascade3_models"])
+def test_overlap_greedy_equals_plain_and_uses_its_lookahead(setup):
+    plain = generate(cascades(VerifyMethod.GREEDY)["plain"], PROMPTS, max_tokens=40, ignore_eos=True)
+    levels = cascades(VerifyMethod.GREEDY)[setup]
+    eng = CascadeEngine(levels, overlap=True)
+    out = generate(eng, PROMPTS, max_tokens=40, ignore_eos=True)
+    assert [r.token_ids for r in out.results] == [r.token_ids for r in plain.results]
+    assert eng.ahead_rows > 0 and eng.ahead_hits > 0  # drafted ahead, and some of it was the next draft
+    assert eng.ahead_hits <= eng.ahead_rows
+    for lvl in levels:
+        if lvl.worker is not None:
+            assert lvl.worker.stats().live_sequences == 0
+
+
+def test_overlap_saves_draft_calls_when_the_draft_is_the_target():
+    """A perfect drafter: every look-ahead holds, so the drafter is called once per round (ahead), never twice."""
+    exact = FakeWorker("d", vocab=16, order=2, table_seed=0)
+    eng = CascadeEngine([Level("d", worker=exact, k=3), Level("target", worker=target())], overlap=True)
+    out = generate(eng, PROMPTS, max_tokens=41, ignore_eos=True)
+    rounds = out.rounds
+    assert rounds == 4 * 11  # 4 tokens per round (3 drafts + bonus), 41 = 10 * 4 + 1
+    proposals = [c for c in exact.calls if c[0] == "propose"]
+    # one initial draft per sequence-batch, then only look-aheads (the last rounds have nothing to look at)
+    assert eng.ahead_hits >= 4 * 9
+    assert len(proposals) <= 11 + 1
+
+
+def test_overlap_runs_beside_verification():
+    """The look-ahead really runs on another thread while the target's verify call is in flight."""
+    seen: set[str] = set()
+
+    class Slow(FakeWorker):
+        def verify(self, *a, **kw):
+            seen.add(threading.current_thread().name)
+            return super().verify(*a, **kw)
+
+        def propose(self, *a, **kw):
+            seen.add(threading.current_thread().name)
+            return super().propose(*a, **kw)
+
+    d = Slow("d", vocab=16, order=2, table_seed=0, noise=0.3)
+    eng = CascadeEngine([Level("d", worker=d, k=3), Level("target", worker=target())], overlap=True)
+    generate(eng, PROMPTS[:1], max_tokens=12, ignore_eos=True)
+    assert any(name.startswith("specray-ahead") for name in seen)
+
+
+@pytest.mark.parametrize("method", [VerifyMethod.DETERMINISTIC, VerifyMethod.COUPLED])
+def test_overlap_seeded_sampling_is_unchanged(method):
+    """At T > 0 with token-only drafts the output for a seed is the one without overlap."""
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(4)]
+    a = generate(cascades(method)["cascade3_models"], PROMPTS, max_tokens=30, sampling=sp, ignore_eos=True)
+    eng = CascadeEngine(cascades(method)["cascade3_models"], overlap=True)
+    b = generate(eng, PROMPTS, max_tokens=30, sampling=sp, ignore_eos=True)
+    assert [r.token_ids for r in a.results] == [r.token_ids for r in b.results]
+    assert eng.ahead_rows > 0
+
+
+def test_overlap_is_off_for_rejection_and_ngram_only_plans():
+    sp = [SamplingParams(temperature=0.8, seed=s) for s in range(4)]
+    eng = CascadeEngine(cascades(VerifyMethod.REJECTION)["draft"], overlap=True)
+    generate(eng, PROMPTS, max_tokens=10, sampling=sp, ignore_eos=True)
+    assert eng.ahead_rows == 0  # its drafts carry probabilities: no look-ahead
+    ng = CascadeEngine([Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("target", worker=target())], overlap=True)
+    generate(ng, PROMPTS, max_tokens=10, ignore_eos=True)
+    assert ng.ahead_rows == 0 and ng._ahead_pool is None  # an n-gram costs nothing to overlap
+
+
+def test_overlap_lookahead_is_dropped_when_the_plan_changes():
+    """A look-ahead drafted for one plan is not the draft of another (different K or levels)."""
+    levels = cascades(VerifyMethod.GREEDY)["cascade3"]
+    eng = CascadeEngine(levels, overlap=True)
+    plans = [Plan((0, 1, 2), (2, 4)), Plan((1, 2), (3,)), Plan((2,), ()), Plan((0, 2), (3,))]
+    n = iter(range(10**6))
+    out = generate(eng, PROMPTS, max_tokens=40, ignore_eos=True, plan=lambda b: plans[next(n) // 2 % len(plans)])
+    plain = generate(cascades(VerifyMethod.GREEDY)["plain"], PROMPTS, max_tokens=40, ignore_eos=True)
+    assert [r.token_ids for r in out.results] == [r.token_ids for r in plain.results]
+
+
+@pytest.mark.parametrize("which", ["bottom", "middle"])
+def test_overlap_a_drafter_failing_during_lookahead_is_dropped_exactly(which):
+    small = Dying("small", vocab=16, order=2, table_seed=0, noise=1.0, noise_seed=5)
+    mid = Dying("mid", vocab=16, order=2, table_seed=0, noise=0.4, noise_seed=6)
+    lv = [Level("small", worker=small, k=2), Level("mid", worker=mid, k=4), Level("target", worker=target())]
+    eng = CascadeEngine(lv, overlap=True)
+    eng.retry_after_s = 0.0
+    victim = small if which == "bottom" else mid
+    seqs = [eng.new_sequence(p, SamplingParams(), 40) for p in PROMPTS]
+    r = 0
+    while any(not s.finished for s in seqs):
+        if r == 2:
+            victim.dead = True
+        if r == 5:
+            victim.restart()
+        eng.step(seqs)
+        r += 1
+    ref = generate([Level("target", worker=target())], PROMPTS, max_tokens=40, ignore_eos=True)
+    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
+    assert eng.level_status()[victim.name] == "up"
+    for s in seqs:
+        eng.release(s)
+    assert victim.stats().live_sequences == 0 and lv[2].worker.stats().live_sequences == 0
+
+
+def test_overlap_sampled_law_is_the_targets():
+    """Deterministic verification over a drafted-ahead cascade: the 4-token joint law == the target's."""
+    from tests.unit.test_cascade import _exact_joint
+
+    vocab, n_draws, n_tok = 5, 6000, 4
+
+    def mk(name, noise, seed):
+        return FakeWorker(name, vocab=vocab, order=1, table_seed=7, noise=noise, noise_seed=seed, sharpness=1.0)
+
+    m = VerifyMethod.DETERMINISTIC
+    levels = [Level("d1", worker=mk("d1", 0.3, 3), k=1), Level("d2", worker=mk("d2", 0.2, 4), k=1, method=m),
+              Level("t", worker=mk("t", 0, 0), method=m)]
+    eng = CascadeEngine(levels, overlap=True)
+    sp = SamplingParams(temperature=1.0, top_p=0.9)
+    prompt = [1, 2, 1, 2, 1]
+    sps = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, 20_000 + i) for i in range(n_draws)]
+    batch = generate(eng, [prompt] * n_draws, max_tokens=n_tok, sampling=sps, ignore_eos=True)
+    assert eng.ahead_hits > 0  # later rounds drafted from look-aheads
+    counts: dict[tuple, int] = {}
+    for r in batch.results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    exact = _exact_joint(levels[-1].worker, prompt, sp, n_tok)
+    assert set(counts) <= set(exact), "emitted a sequence the target cannot produce"
+    stat, cells, pooled_e, pooled_o = 0.0, 0, 0.0, 0
+    for key, p in exact.items():
+        e, o = p * n_draws, counts.get(key, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            cells += 1
+        else:
+            pooled_e, pooled_o = pooled_e + e, pooled_o + o
+    if pooled_e > 0:
+        stat += (pooled_o - pooled_e) ** 2 / pooled_e
+        cells += 1
+    dof = cells - 1
+    crit = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3  # chi-square 0.9999 quantile
+    assert stat < crit, f"chi2={stat:.1f} > {crit:.1f} (dof {dof})"
