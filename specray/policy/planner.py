@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from specray.coordinator.cascade import Plan
 from specray.policy.cost import Acceptance, StepCost
+from specray.spec.params import VerifyMethod
 
 if TYPE_CHECKING:
     from specray.coordinator.cascade import CascadeEngine, Level
@@ -121,6 +122,9 @@ class Planner:
         if self.is_ngram[-1] or any(self.is_ngram[1:]):
             raise ValueError("only level 0 may be an n-gram, and the target must be a model")
         self.top = len(levels) - 1
+        #: the engine drafts the next round while the target verifies (set by attach; round_time prices it)
+        self.overlap = False
+        self._rejection_top = getattr(levels[-1], "method", None) == VerifyMethod.REJECTION
         self.k_choices = tuple(sorted(set(k_choices))) if k_choices else tuple(range(1, k_max + 1))
         if any(k < 1 for k in self.k_choices):
             raise ValueError("k_choices must be >= 1 (plain decoding is always a candidate)")
@@ -181,6 +185,8 @@ class Planner:
             raise ValueError("the engine's levels differ from the planner's")
         if self not in engine.observers:
             engine.observers.append(self)
+        self.overlap = bool(getattr(engine, "overlap", False))
+        self._memo.clear()
         return self
 
     def _scaled_prior(self, ratio: float):
@@ -299,7 +305,16 @@ class Planner:
                 return t + self.overhead
             return self.step_time(self.top, batch, 1) + self.overhead
         k = plan.k[-1]
-        return self._produce(plan, len(plan.levels) - 2, batch, k) + self._verify_time(batch, k) + self.overhead
+        produce = self._produce(plan, len(plan.levels) - 2, batch, k)
+        verify = self._verify_time(batch, k)
+        eff = _effective(plan)
+        if self.overlap and not self._rejection_top and any(not self.is_ngram[plan.levels[j]] for j in eff[:-1]):
+            # overlap (CascadeEngine): the levels below draft K + 1 ahead while the target verifies; the next
+            # round skips drafting when all K and the bonus token match (probability ~ prod alpha_1..K+1)
+            ahead = self._produce(plan, len(plan.levels) - 2, batch, k + 1)
+            hit = math.prod(self.alphas(self.top, plan.levels[-2], k + 1))
+            return (1.0 - hit) * produce + max(verify, ahead) + self.overhead
+        return produce + verify + self.overhead
 
     def _verify_time(self, batch: int, k: int) -> float:
         """The target verifying k drafted tokens per sequence: a forward pass, or engine steps (each verifying

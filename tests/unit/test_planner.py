@@ -187,6 +187,27 @@ def test_goodput_formulas():
     assert p.round_time(Plan((0, 1, 2), (2, 4)), 1) == pytest.approx(inner * 0.2 + 1.0)
 
 
+def test_overlap_is_priced():
+    """With an overlapping engine a model-drafted round costs (1 - hit) * draft(K) + max(verify, draft(K + 1)),
+    hit = prod alpha_1..K+1 (the look-ahead holds); n-gram-only plans and plain decoding are unchanged."""
+    from specray.coordinator.cascade import CascadeEngine
+
+    levels = three_levels()
+    p = Planner(levels, decay=1.0).attach(CascadeEngine(levels, overlap=True))
+    assert p.overlap
+    p.costs[2] = StepCost(prior=(1.0, 0.0, 0.0))
+    p.costs[1] = StepCost(prior=(0.2, 0.0, 0.0))
+    for pair, alpha in {(2, 1): 0.8, (1, 0): 0.5, (2, 0): 0.6}.items():
+        acc = p.acceptance[pair]
+        acc.prior_mean, acc.prior_strength, acc.pos_strength = alpha, 1.0, 1.0
+    hit = 0.8**4
+    assert p.round_time(Plan((1, 2), (3,)), 1) == pytest.approx((1 - hit) * 0.6 + max(1.0, 0.8))
+    assert p.round_time(Plan((0, 2), (5,)), 1) == pytest.approx(1.0)  # the n-gram costs nothing to overlap
+    assert p.round_time(p.plain, 1) == pytest.approx(1.0)
+    off = Planner(three_levels(), decay=1.0).attach(CascadeEngine(three_levels()))
+    assert not off.overlap
+
+
 # ----- choices on synthetic curves -------------------------------------------------------------------------
 def test_batch_one_speculates_with_cheap_accurate_drafter():
     p = Planner(two_levels())
