@@ -575,7 +575,11 @@ class CascadeEngine:
             lens = [len(d) for d in drafts]
             fed = _native_lens(res, drafts)  # tokens fed per row: a native row's own draft counts
             tokens = max(fed, default=0) + 1
-            nat = [b for b, d in enumerate(drafts) if not d] if res.native_drafts is not None else []
+            # rows without a draft that the verifier speculated on by itself (a native target); on a target
+            # without speculation of its own (live decoding) such a row is the drafter finding nothing, which
+            # counts against its acceptance like on any other target
+            own = res.native_drafts is not None and self.levels[i].native_k > 0
+            nat = [b for b, d in enumerate(drafts) if not d] if own else []
             cold = res.native_cold or [False] * len(drafts)
             warm = [b for b in nat if not cold[b]]
             # a call made only of engine steps runs the engine's own (cheaper) path: timed apart

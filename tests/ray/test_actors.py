@@ -131,6 +131,23 @@ def test_cascade_over_actors_equals_in_process(setup, fakes):
         assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())  # everything freed
 
 
+@pytest.mark.parametrize("setup", ["draft", "models3"])
+def test_overlap_over_actors_equals_in_process(setup, fakes):
+    """Overlap with levels as actors: the look-ahead runs on the draft actors while the target actor
+    verifies (concurrent calls on actor proxies); outputs equal the in-process loop without overlap."""
+    from specray.coordinator.cascade import CascadeEngine
+
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(len(PROMPTS))]
+    for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.COUPLED, sp)]:
+        want = generate(fake_cascade(setup, method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
+                        ignore_eos=True)
+        eng = CascadeEngine(fake_cascade(setup, method, fakes.workers), overlap=True)
+        got = generate(eng, PROMPTS, max_tokens=20, sampling=sampling, ignore_eos=True)
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], (setup, method)
+        assert eng.ahead_rows > 0
+        assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
+
+
 def test_hf_cascades_over_actors_equal_plain_greedy(tiny):
     def hf(name: str, path, **kw) -> LevelConfig:
         return LevelConfig(kind="hf", model=str(path), name=name, dtype="float32", num_cpus=1, **kw)

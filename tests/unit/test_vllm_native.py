@@ -402,3 +402,30 @@ def test_temperature_above_zero_falls_back_to_the_exact_keyed_path(engines):
     assert out == ref  # same keyed noise, same tokens as the plain (exact) vLLM level
     assert native.native_steps == steps and batch.stats["t"].num_drafts == 0
     assert _spec_counters(native)["num_drafts"] == before["num_drafts"]
+
+
+class LiveFake(FakeWorker):
+    """A target with live decoding but no speculation of its own (a vllm worker with live requests): every
+    verify reports native_drafts = 0 for each row, as `VLLMWorker` does."""
+
+    live_decode = True
+
+    def verify(self, *a, **kw):
+        res = super().verify(*a, **kw)
+        res.native_drafts = [0] * len(res.token_ids)
+        return res
+
+
+def test_rows_the_ngram_left_empty_count_against_it_on_a_live_decode_target():
+    """On a live-decode target (no native speculation) a row whose n-gram found no match is a failed draft
+    position, as on any target: leaving those rows out overrated the n-gram at large batches (where most
+    rows find no match) and kept the planner speculating where plain decoding won."""
+    rec = Recorder()
+    levels = [Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("t", worker=LiveFake("t", vocab=16, order=2))]
+    eng = CascadeEngine(levels)
+    eng.observers.append(rec)
+    prompts = [[1, 2, 3, 1, 2], [7, 8, 9, 10, 11], [2, 2, 2, 2]]  # the second one has nothing to look up
+    generate(eng, prompts, max_tokens=6, ignore_eos=True, plan=Plan((0, 1), (3,)))
+    lens = [n for _, _, ls, _ in rec.verify for n in ls]
+    assert 0 in lens  # empty drafts were reported to the planner as drafts
+    assert not rec.native  # and nothing as the target's own speculation
