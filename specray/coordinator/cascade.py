@@ -244,11 +244,12 @@ class CascadeEngine:
 
     def _pool(self) -> ThreadPoolExecutor:
         """One thread for drafting ahead; it runs torch ops with this thread's intra-op thread count."""
-        if self._ahead_pool is None:
-            self._ahead_pool = ThreadPoolExecutor(1, "specray-ahead", initializer=torch.set_num_threads,
-                                                  initargs=(torch.get_num_threads(),))
-            weakref.finalize(self, self._ahead_pool.shutdown, wait=False)
-        return self._ahead_pool
+        with self._lock:  # pipelined groups may call step() from two threads
+            if self._ahead_pool is None:
+                self._ahead_pool = ThreadPoolExecutor(1, "specray-ahead", initializer=torch.set_num_threads,
+                                                      initargs=(torch.get_num_threads(),))
+                weakref.finalize(self, self._ahead_pool.shutdown, wait=False)
+            return self._ahead_pool
 
     def plan_name(self, plan: Plan) -> str:
         """A short label, e.g. 'ngram:4>draft:4>target' or 'target' (plain decoding)."""
