@@ -10,14 +10,8 @@ each worker a `SeqSync` (keep n, append ...) with every call: one batched call p
 round, and rollback is just a shorter `keep`. It talks to workers only through the protocol, so a fake
 worker, an in-process `HFWorker` or a Ray actor proxy all fit.
 
-Overlap (`overlap=True`, "draft ahead"): while the target verifies this round's draft d, the levels below
-it already draft the next round from base + d, as if all of d were accepted, on a second thread (or on
-their own device or actor). When the target accepts all of d and its bonus token equals the first token of
-that look-ahead, the rest of it is the next round's draft and the next round skips drafting; otherwise it is
-dropped (the workers' mirrors roll back on the next sync). Drafting then costs max(draft, verify) instead of
-their sum in the rounds where the guess holds. Exactness is untouched: the target verifies every draft as
-usual, and a look-ahead is only used as a draft for exactly the prefix it was made from. Not with rejection
-verification (its drafts carry probabilities tied to their sampling).
+Overlap (`overlap=True`: the levels below the target draft the next round while it verifies this one):
+`specray.coordinator.lookahead`.
 """
 
 from __future__ import annotations
@@ -26,13 +20,12 @@ import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from specray.coordinator.lookahead import LookAhead
 from specray.engine.protocol import DraftMode, SeqSync, Worker
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -202,7 +195,7 @@ def _lcp(a: list[int], b: list[int], start: int) -> int:
     return i
 
 
-class CascadeEngine:
+class CascadeEngine(LookAhead):
     """Runs rounds over a batch of sequences. Not thread-safe; one engine per coordinator loop."""
 
     def __init__(self, levels: Sequence[Level], max_context: int | None = None, *, overlap: bool = False) -> None:
@@ -235,21 +228,7 @@ class CascadeEngine:
         self.epoch = [0] * len(levels)
         self.down: dict[int, float] = {}  # level -> monotonic time of the next health probe
         self._lock = threading.Lock()
-        #: draft the next round while the target verifies this one (module docstring, "Overlap")
-        self.overlap = overlap
-        #: overlap counters: rows drafted ahead, and rows whose next round used that draft
-        self.ahead_rows = 0
-        self.ahead_hits = 0
-        self._ahead_pool: ThreadPoolExecutor | None = None
-
-    def _pool(self) -> ThreadPoolExecutor:
-        """One thread for drafting ahead; it runs torch ops with this thread's intra-op thread count."""
-        with self._lock:  # pipelined groups may call step() from two threads
-            if self._ahead_pool is None:
-                self._ahead_pool = ThreadPoolExecutor(1, "specray-ahead", initializer=torch.set_num_threads,
-                                                      initargs=(torch.get_num_threads(),))
-                weakref.finalize(self, self._ahead_pool.shutdown, wait=False)
-            return self._ahead_pool
+        self._init_lookahead(overlap)
 
     def plan_name(self, plan: Plan) -> str:
         """A short label, e.g. 'ngram:4>draft:4>target' or 'target' (plain decoding)."""
@@ -377,8 +356,7 @@ class CascadeEngine:
         bases = [s.tokens for s in active]
         lower = chain[-2] if len(chain) > 1 else None
         speculative = lower is not None and ks[lower] > 0
-        overlap = (self.overlap and speculative and not all(self.levels[i].is_ngram for i in chain[:-1])
-                   and self._method(self.top, lower, method) != VerifyMethod.REJECTION)
+        overlap = speculative and self._overlaps(chain, method)
         if speculative:
             want = [max(0, min(ks[lower], s.remaining - 1)) for s in active]
             drafts, probs = self._drafts(chain, active, bases, want, ks, method, plan if overlap else None)
@@ -397,60 +375,9 @@ class CascadeEngine:
             committed = self._commit(s, toks)
             new_by_id[s.seq_id] = committed
             s.stats.setdefault(self.top, LevelStats()).record(n, nacc, len(toks))
-            s.ahead = None
-            look = ahead.get(b) if ahead else None
-            # the look-ahead continues base + d + its own first token: usable when the target took all of d
-            # and its bonus token is that first token
-            if (look and not s.finished and nacc == len(drafts[b]) == want[b] and len(committed) == len(toks)
-                    == nacc + 1 and toks[-1] == look[0] and len(look) > 1):
-                s.ahead = (plan, len(s.tokens), look[1:])
+            self._keep_lookahead(s, plan, ahead.get(b) if ahead else None, len(drafts[b]), want[b], nacc, toks,
+                                 committed)
         return new_by_id
-
-    def _drafts(
-        self, chain: list[int], active: list[Sequence_], bases: list[list[int]], want: list[int],
-        ks: dict[int, int], method: VerifyMethod | None, plan: Plan | None,
-    ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """This round's drafts for the target: drafted ahead last round where that still holds (`plan` given,
-        overlap), else produced now by the levels below (only for the rows that need it)."""
-        if plan is None:
-            return self._produce(chain, len(chain) - 2, active, bases, want, ks, method)
-        drafts: list[list[int] | None] = [None] * len(active)
-        for b, s in enumerate(active):
-            if s.ahead is not None and s.ahead[0] == plan and s.ahead[1] == len(s.tokens) and want[b] > 0:
-                drafts[b] = s.ahead[2][: want[b]]
-                self.ahead_hits += 1
-            s.ahead = None
-        missing = [b for b, d in enumerate(drafts) if d is None]
-        if missing:
-            made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in missing], [bases[b] for b in missing],
-                                    [want[b] for b in missing], ks, method)
-            for b, d in zip(missing, made):
-                drafts[b] = d
-        return [d or [] for d in drafts], None
-
-    def _draft_ahead(
-        self, chain: list[int], active: list[Sequence_], bases: list[list[int]], drafts: list[list[int]],
-        want: list[int], ks: dict[int, int], method: VerifyMethod | None,
-    ) -> dict[int, list[int]] | None:
-        """The levels below the target draft K + 1 tokens beyond base + d for every row with a full draft d
-        (runs beside the target's verification; a level failing here is dropped like in a round)."""
-        k = ks[chain[-2]]
-        # after this round a row has remaining - want - 1 tokens to go; a look-ahead of 1 token is only the bonus
-        rows = [b for b, s in enumerate(active)
-                if drafts[b] and len(drafts[b]) == want[b] and s.remaining - want[b] - 1 >= 2]
-        if not rows:
-            return None
-        ahead_want = [min(k + 1, active[b].remaining - want[b] - 1) for b in rows]
-        try:
-            made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in rows],
-                                    [bases[b] + drafts[b] for b in rows], ahead_want, ks, method)
-        except LevelCallError as exc:
-            if exc.level == self.top:  # pragma: no cover - the target is not called here
-                raise
-            self._mark_down(exc.level, exc)
-            return None
-        self.ahead_rows += len(rows)
-        return dict(zip(rows, made))
 
     def _commit(self, s: Sequence_, toks: list[int]) -> list[int]:
         out = []

@@ -48,10 +48,10 @@ def actor_options(cfg: LevelConfig) -> dict[str, Any]:
         opts["resources"] = dict(cfg.resources)
     if cfg.accelerator_type:
         opts["accelerator_type"] = cfg.accelerator_type
-    if cfg.kind == "vllm" and not cfg.num_gpus:
+    if cfg.kind == "vllm":
         from specray.engine.vllm import preload_env  # no vllm import: only a file lookup
 
-        env = preload_env()
+        env = preload_env(cfg.num_gpus)
         if env:  # vLLM on CPU wants the Intel OpenMP runtime preloaded; it only acts at process start
             opts["runtime_env"] = {"env_vars": env}
     return opts

@@ -136,6 +136,35 @@ def _exact_joint(worker: FakeWorker, prompt: list[int], sp: SamplingParams, n: i
     return out
 
 
+def assert_target_law(batch, target: FakeWorker, prompt: list[int], sp: SamplingParams, n_tok: int) -> None:
+    """The emitted n_tok-token sequences follow the target's exact joint law (chi-square goodness of fit)."""
+    n_draws = len(batch.results)
+    counts: dict[tuple, int] = {}
+    for r in batch.results:
+        key = tuple(r.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    exact = _exact_joint(target, prompt, sp, n_tok)
+    assert set(counts) <= set(exact), "emitted a sequence the target cannot produce"
+    # chi-square goodness of fit over the cells with enough mass (others pooled)
+    stat, cells, pooled_e, pooled_o = 0.0, 0, 0.0, 0
+    for key, p in exact.items():
+        e, o = p * n_draws, counts.get(key, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            cells += 1
+        else:
+            pooled_e += e
+            pooled_o += o
+    if pooled_e > 0:
+        stat += (pooled_o - pooled_e) ** 2 / pooled_e
+        cells += 1
+    dof = cells - 1
+    # Wilson-Hilferty approximation of the chi-square 0.9999 quantile: a false alarm 1 run in 10^4
+    z = 3.719
+    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert stat < crit, f"chi2={stat:.1f} > {crit:.1f} (dof {dof})"
+
+
 @pytest.mark.parametrize(
     "method,setup,sp",
     [
@@ -162,30 +191,7 @@ def test_cascade_output_distribution_is_the_targets(method, setup, sp):
     prompt = [1, 2, 1, 2, 1]
     sps = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, 10_000 + i) for i in range(n_draws)]
     batch = generate(levels, [prompt] * n_draws, max_tokens=n_tok, sampling=sps, ignore_eos=True)
-    counts: dict[tuple, int] = {}
-    for r in batch.results:
-        key = tuple(r.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    exact = _exact_joint(levels[-1].worker, prompt, sp, n_tok)
-    assert set(counts) <= set(exact), "emitted a sequence the target cannot produce"
-    # chi-square goodness of fit over the cells with enough mass (others pooled)
-    stat, cells, pooled_e, pooled_o = 0.0, 0, 0.0, 0
-    for key, p in exact.items():
-        e, o = p * n_draws, counts.get(key, 0)
-        if e >= 5:
-            stat += (o - e) ** 2 / e
-            cells += 1
-        else:
-            pooled_e += e
-            pooled_o += o
-    if pooled_e > 0:
-        stat += (pooled_o - pooled_e) ** 2 / pooled_e
-        cells += 1
-    dof = cells - 1
-    # Wilson-Hilferty approximation of the chi-square 0.9999 quantile: a false alarm 1 run in 10^4
-    z = 3.719
-    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-    assert stat < crit, f"chi2={stat:.1f} > {crit:.1f} (dof {dof})"
+    assert_target_law(batch, levels[-1].worker, prompt, sp, n_tok)
     assert batch.stats["t"].accepted_tokens > 0
 
 

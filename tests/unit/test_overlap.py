@@ -7,7 +7,6 @@ the target's; a drafter failing during a look-ahead is dropped like in any round
 
 from __future__ import annotations
 
-import math
 import threading
 
 import pytest
@@ -17,7 +16,7 @@ from specray.coordinator.generate import generate
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.testing.fake import FakeWorker
-from tests.unit.test_cascade import PROMPTS, Dying, cascades, target
+from tests.unit.test_cascade import PROMPTS, Dying, assert_target_law, cascades, target
 
 
 @pytest.mark.parametrize("setup", ["draft", "cascade3", "cascade3_models"])
@@ -125,8 +124,6 @@ def test_overlap_a_drafter_failing_during_lookahead_is_dropped_exactly(which):
 
 def test_overlap_sampled_law_is_the_targets():
     """Deterministic verification over a drafted-ahead cascade: the 4-token joint law == the target's."""
-    from tests.unit.test_cascade import _exact_joint
-
     vocab, n_draws, n_tok = 5, 6000, 4
 
     def mk(name, noise, seed):
@@ -141,22 +138,4 @@ def test_overlap_sampled_law_is_the_targets():
     sps = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, 20_000 + i) for i in range(n_draws)]
     batch = generate(eng, [prompt] * n_draws, max_tokens=n_tok, sampling=sps, ignore_eos=True)
     assert eng.ahead_hits > 0  # later rounds drafted from look-aheads
-    counts: dict[tuple, int] = {}
-    for r in batch.results:
-        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-    exact = _exact_joint(levels[-1].worker, prompt, sp, n_tok)
-    assert set(counts) <= set(exact), "emitted a sequence the target cannot produce"
-    stat, cells, pooled_e, pooled_o = 0.0, 0, 0.0, 0
-    for key, p in exact.items():
-        e, o = p * n_draws, counts.get(key, 0)
-        if e >= 5:
-            stat += (o - e) ** 2 / e
-            cells += 1
-        else:
-            pooled_e, pooled_o = pooled_e + e, pooled_o + o
-    if pooled_e > 0:
-        stat += (pooled_o - pooled_e) ** 2 / pooled_e
-        cells += 1
-    dof = cells - 1
-    crit = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3  # chi-square 0.9999 quantile
-    assert stat < crit, f"chi2={stat:.1f} > {crit:.1f} (dof {dof})"
+    assert_target_law(batch, levels[-1].worker, prompt, sp, n_tok)

@@ -1,0 +1,111 @@
+"""Overlap ("draft ahead") for `CascadeEngine`: the levels below the target draft the next round while the
+target verifies this one.
+
+While the target verifies this round's draft d, the levels below it already draft K + 1 tokens beyond
+base + d, as if all of d were accepted, on a second thread (or, with Ray, on their own actors and devices).
+When the target accepts all of d and its bonus token equals the first token of that look-ahead, the rest of it
+is the next round's draft and that round skips drafting; otherwise it is dropped (the workers' mirrors roll
+back on their next sync). A round then costs max(draft, verify) instead of their sum where the guess holds.
+Exactness is untouched: the target verifies every draft as usual, and a look-ahead is only used as the draft
+of exactly the prefix it was made from. Not with rejection verification (its drafts carry probabilities tied
+to their sampling), and not when only the n-gram drafts (it costs nothing to overlap).
+"""
+
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from specray.spec.params import VerifyMethod
+
+if TYPE_CHECKING:
+    from specray.coordinator.cascade import Plan, Sequence_
+
+__all__ = ["LookAhead"]
+
+
+class LookAhead:
+    """Mixin of `CascadeEngine` (uses its levels, `_produce`, `_method`, `_mark_down` and `_lock`)."""
+
+    def _init_lookahead(self, overlap: bool) -> None:
+        #: draft the next round while the target verifies this one (module docstring)
+        self.overlap = overlap
+        #: rows drafted ahead, and rows whose next round used that draft
+        self.ahead_rows = 0
+        self.ahead_hits = 0
+        self._ahead_pool: ThreadPoolExecutor | None = None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """One thread for drafting ahead; it runs torch ops with this thread's intra-op thread count."""
+        with self._lock:  # pipelined groups may call step() from two threads
+            if self._ahead_pool is None:
+                self._ahead_pool = ThreadPoolExecutor(1, "specray-ahead", initializer=torch.set_num_threads,
+                                                      initargs=(torch.get_num_threads(),))
+                weakref.finalize(self, self._ahead_pool.shutdown, wait=False)
+            return self._ahead_pool
+
+    def _overlaps(self, chain: list[int], method: VerifyMethod | None) -> bool:
+        """Whether a speculative round of this level chain drafts ahead."""
+        return (self.overlap and not all(self.levels[i].is_ngram for i in chain[:-1])
+                and self._method(chain[-1], chain[-2], method) != VerifyMethod.REJECTION)
+
+    def _drafts(
+        self, chain: list[int], active: list[Sequence_], bases: list[list[int]], want: list[int],
+        ks: dict[int, int], method: VerifyMethod | None, plan: Plan | None,
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """This round's drafts for the target: drafted ahead last round where that still holds (`plan` given:
+        overlap), else produced now by the levels below (only for the rows that need it)."""
+        if plan is None:
+            return self._produce(chain, len(chain) - 2, active, bases, want, ks, method)
+        drafts: list[list[int] | None] = [None] * len(active)
+        for b, s in enumerate(active):
+            if s.ahead is not None and s.ahead[0] == plan and s.ahead[1] == len(s.tokens) and want[b] > 0:
+                drafts[b] = s.ahead[2][: want[b]]
+                self.ahead_hits += 1
+            s.ahead = None
+        missing = [b for b, d in enumerate(drafts) if d is None]
+        if missing:
+            made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in missing],
+                                    [bases[b] for b in missing], [want[b] for b in missing], ks, method)
+            for b, d in zip(missing, made):
+                drafts[b] = d
+        return [d or [] for d in drafts], None
+
+    def _draft_ahead(
+        self, chain: list[int], active: list[Sequence_], bases: list[list[int]], drafts: list[list[int]],
+        want: list[int], ks: dict[int, int], method: VerifyMethod | None,
+    ) -> dict[int, list[int]] | None:
+        """The levels below the target draft K + 1 tokens beyond base + d for every row with a full draft d
+        (runs beside the target's verification; a level failing here is dropped as in a round)."""
+        from specray.coordinator.cascade import LevelCallError
+
+        k = ks[chain[-2]]
+        # after this round a row has remaining - want - 1 tokens to go; a look-ahead of 1 token is only the bonus
+        rows = [b for b, s in enumerate(active)
+                if drafts[b] and len(drafts[b]) == want[b] and s.remaining - want[b] - 1 >= 2]
+        if not rows:
+            return None
+        ahead_want = [min(k + 1, active[b].remaining - want[b] - 1) for b in rows]
+        try:
+            made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in rows],
+                                    [bases[b] + drafts[b] for b in rows], ahead_want, ks, method)
+        except LevelCallError as exc:  # only levels below the target are called here
+            self._mark_down(exc.level, exc)
+            return None
+        self.ahead_rows += len(rows)
+        return dict(zip(rows, made))
+
+    @staticmethod
+    def _keep_lookahead(
+        s: Sequence_, plan: Plan, look: list[int] | None, draft_len: int, want: int, accepted: int,
+        toks: list[int], committed: list[int],
+    ) -> None:
+        """After the target's verdict on a row: keep its look-ahead as the next draft if it continues exactly
+        the committed text (the target took the whole draft, and its bonus token is the look-ahead's first)."""
+        s.ahead = None
+        if (look and len(look) > 1 and not s.finished and accepted == draft_len == want
+                and len(committed) == len(toks) == accepted + 1 and toks[-1] == look[0]):
+            s.ahead = (plan, len(s.tokens), look[1:])
