@@ -177,13 +177,18 @@ def main() -> None:
     async def bench() -> dict:
         scheds = {}
         plans_seen: dict[str, Counter] = {}
+        round_secs: dict[str, dict[str, list]] = {}
         for cfg in args.configs:
             engine, pl = engines[cfg]
-            on_round = None
-            if pl is not None:
-                def on_round(batch, groups, seconds, _c=cfg, _e=engine):  # rounds per plan, per point
+            def on_round(batch, groups, seconds, _c=cfg, _e=engine, _pl=pl):
+                if _pl is not None:  # rounds per plan, per point
                     for plan in groups:
                         plans_seen.setdefault(_c, Counter())[_e.plan_name(plan)] += 1
+                if len(groups) == 1:  # measured seconds of single-plan rounds, per (plan, batch)
+                    key = f"{_e.plan_name(next(iter(groups)))}@{batch}"
+                    acc = round_secs.setdefault(_c, {}).setdefault(key, [0, 0.0])
+                    acc[0] += 1
+                    acc[1] += seconds
             scheds[cfg] = Scheduler(engine, None, max_batch_size=64, planner=pl.plan if pl else None,
                                     on_round=on_round)
         # warm up every path (and give the planner its first measurements at batch 1 and 4)
@@ -198,10 +203,24 @@ def main() -> None:
                 order = args.configs[rep % len(args.configs):] + args.configs[: rep % len(args.configs)]
                 for cfg in order:
                     plans_seen.pop(cfg, None)
+                    round_secs.pop(cfg, None)
                     r = await run_point(scheds[cfg], prompts, c, per_client, args.max_tokens,
                                         window=args.window, warm=args.warm if args.window > 0 else 0.0)
                     if cfg in plans_seen:
                         r["plans"] = dict(plans_seen[cfg].most_common())
+                    if cfg in round_secs:
+                        r["round_ms"] = {k: round(1e3 * v[1] / v[0], 1) for k, v in
+                                         sorted(round_secs[cfg].items(), key=lambda kv: -kv[1][0])[:6]}
+                        print(f"      measured round ms (plan@batch): {r['round_ms']}", file=sys.stderr)
+                    pl = engines[cfg][1]
+                    if pl is not None:  # what the planner predicted at this batch when the point ended
+                        r["predicted"] = [
+                            {"plan": pl.plan_name(p), "goodput": round(g, 3), "elen": round(pl.expected_length(p), 3),
+                             "round_s": round(pl.round_time(p, c), 4)}
+                            for p, g in pl.explain(c)[:4] + [(pl.plain, pl.goodput(pl.plain, c))]]
+                        print(f"      predicted at {c}: " + ", ".join(
+                            f"{x['plan']} {x['goodput']:.1f} (E[L] {x['elen']:.2f}, {1e3 * x['round_s']:.0f} ms)"
+                            for x in r["predicted"]), file=sys.stderr, flush=True)
                     out.setdefault(cfg, {}).setdefault(c, []).append(r)
                     extra = f" plans {r['plans']}" if "plans" in r else ""
                     print(f"c={c:3d} {labels[cfg]:12s} {r['tok_s']:7.2f} tok/s  p90 {r['p90']:6.1f}s  "

@@ -357,12 +357,16 @@ class CascadeEngine(LookAhead):
         lower = chain[-2] if len(chain) > 1 else None
         speculative = lower is not None and ks[lower] > 0
         overlap = speculative and self._overlaps(chain, method)
+        cold: set[int] = set()
         if speculative:
             want = [max(0, min(ks[lower], s.remaining - 1)) for s in active]
+            if overlap:  # rows the drafters have never seen: they prefill beside the target (lookahead.py)
+                cold = self._cold_rows(chain, active, want, method)
+                want = [0 if b in cold else w for b, w in enumerate(want)]
             drafts, probs = self._drafts(chain, active, bases, want, ks, method, plan if overlap else None)
         else:
             want, drafts, probs = [0] * len(active), [[] for _ in active], None
-        future = self._pool().submit(self._draft_ahead, chain, active, bases, drafts, want, ks, method) \
+        future = self._pool().submit(self._draft_ahead, chain, active, bases, drafts, want, ks, method, cold) \
             if overlap else None
         try:
             res = self._verify(self.top, lower, active, bases, drafts, probs, False, method)

@@ -35,15 +35,74 @@ def test_overlap_greedy_equals_plain_and_uses_its_lookahead(setup):
 
 def test_overlap_saves_draft_calls_when_the_draft_is_the_target():
     """A perfect drafter: every look-ahead holds, so the drafter is called once per round (ahead), never twice."""
-    exact = FakeWorker("d", vocab=16, order=2, table_seed=0)
+    proposals: list[int] = []
+
+    class Counting(FakeWorker):
+        def propose(self, *a, **kw):
+            proposals.append(1)
+            return super().propose(*a, **kw)
+
+    exact = Counting("d", vocab=16, order=2, table_seed=0)
     eng = CascadeEngine([Level("d", worker=exact, k=3), Level("target", worker=target())], overlap=True)
     out = generate(eng, PROMPTS, max_tokens=41, ignore_eos=True)
     rounds = out.rounds
-    assert rounds == 4 * 11  # 4 tokens per round (3 drafts + bonus), 41 = 10 * 4 + 1
-    proposals = [c for c in exact.calls if c[0] == "propose"]
-    # one initial draft per sequence-batch, then only look-aheads (the last rounds have nothing to look at)
-    assert eng.ahead_hits >= 4 * 9
-    assert len(proposals) <= 11 + 1
+    assert rounds == 4 * 11  # round 1 decodes one token (the drafter prefills beside it), then 4 per round
+    # every round's draft is the previous round's look-ahead (round 1's included): one drafter call per round,
+    # none in the last one (too few tokens left to look ahead)
+    assert eng.ahead_hits == 4 * 10
+    assert len(proposals) == 10
+
+
+def test_overlap_first_round_prefills_the_drafter_beside_the_target():
+    """A new sequence's first round: the target decodes one token without a draft while the drafter, on the
+    look-ahead thread, takes the prompt (its prefill) and drafts beyond it; the second round drafts nothing."""
+    added: dict[str, str] = {}
+    proposes: list[str] = []
+    drafts_seen: list[list[list[int]]] = []
+
+    class Recording(FakeWorker):
+        def add(self, seq_id, prompt_ids):
+            if self.name == "d":
+                added[seq_id] = threading.current_thread().name
+            return super().add(seq_id, prompt_ids)
+
+        def propose(self, *a, **kw):
+            proposes.append(threading.current_thread().name)
+            return super().propose(*a, **kw)
+
+        def verify(self, seq_ids, draft_ids, *a, **kw):
+            if self.name == "target":
+                drafts_seen.append([list(d) for d in draft_ids])
+            return super().verify(seq_ids, draft_ids, *a, **kw)
+
+    exact = Recording("d", vocab=16, order=2, table_seed=0)
+    tgt = Recording("target", vocab=16, order=2, table_seed=0)
+    eng = CascadeEngine([Level("d", worker=exact, k=3), Level("target", worker=tgt)], overlap=True)
+    seqs = [eng.new_sequence(p, SamplingParams(), 20) for p in PROMPTS]
+    first = eng.step(seqs)
+    assert [len(t) for t in first] == [1] * len(seqs)  # plain step: prefill + one token
+    assert drafts_seen == [[[]] * len(seqs)]  # the target's only call: no drafts
+    assert set(added) == {s.seq_id for s in seqs}
+    assert all(name.startswith("specray-ahead") for name in added.values())
+    assert proposes and all(name.startswith("specray-ahead") for name in proposes)
+    n_propose = len(proposes)
+    second = eng.step(seqs)
+    assert [len(t) for t in second] == [4] * len(seqs)  # the look-ahead was the draft: all 3 + bonus
+    assert drafts_seen[-1] == [s.tokens[-4:-1] for s in seqs]
+    assert eng.ahead_hits == len(seqs)
+    # round 2's draft came from the look-ahead; the only new drafter call is round 2's own look-ahead
+    assert len(proposes) == n_propose + 1 and proposes[-1].startswith("specray-ahead")
+    for s in seqs:
+        eng.release(s)
+
+    # deterministic verification at T > 0: a plain first round would draw other tokens than a drafted one
+    # for the same seed, so there the drafter prefills in round 1 as without overlap (outputs stay identical)
+    eng = CascadeEngine([Level("d", worker=Recording("d", vocab=16, order=2, table_seed=0), k=3),
+                         Level("target", worker=target())], overlap=True)
+    sampled = [eng.new_sequence(p, SamplingParams(temperature=0.8, seed=1), 20) for p in PROMPTS]
+    added.clear()
+    eng.step(sampled)
+    assert all(not name.startswith("specray-ahead") for name in added.values())
 
 
 def test_overlap_runs_beside_verification():
