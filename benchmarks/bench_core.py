@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,27 +55,46 @@ def alphas(st: LevelStats) -> list[float]:
 
 
 def run_specray(levels, prompts_ids, max_tokens, plan=None):
+    """(tokens, seconds, stats, seconds to the first token summed over prompts)."""
     t0 = time.perf_counter()
     batch = None
-    toks = 0
+    toks, ttft = 0, 0.0
     stats: dict[str, LevelStats] = {}
     for ids in prompts_ids:  # batch 1: one prompt at a time
         batch = generate(levels, [ids], max_tokens=max_tokens, plan=plan)
         toks += len(batch.results[0].token_ids)
+        ttft += batch.results[0].ttft_s or 0.0
         for k, v in batch.stats.items():
             stats.setdefault(k, LevelStats()).merge(v)
     dt = time.perf_counter() - t0
-    return toks, dt, stats
+    return toks, dt, stats, ttft
+
+
+class _FirstToken(BaseStreamer):
+    """Records when `generate` emits its first new token (its first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts, self.t0, self.first = 0, time.perf_counter(), None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter() - self.t0
+
+    def end(self) -> None:
+        pass
 
 
 def run_hf(model, prompts_ids, max_tokens, eos, **kw):
-    toks, t0 = 0, time.perf_counter()
+    toks, ttft, t0 = 0, 0.0, time.perf_counter()
     for ids in prompts_ids:
+        streamer = _FirstToken()
         with torch.inference_mode():
             out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=list(eos), pad_token_id=eos[0], **kw)
+                                 eos_token_id=list(eos), pad_token_id=eos[0], streamer=streamer, **kw)
         toks += out.shape[1] - len(ids)
-    return toks, time.perf_counter() - t0
+        ttft += streamer.first or 0.0
+    return toks, time.perf_counter() - t0, ttft
 
 
 def main() -> None:
@@ -147,7 +167,7 @@ def main() -> None:
     generate(levels_for("cascade", [], args.ngram_occurrence), [warm], max_tokens=8)
     run_hf(target.model, [warm], 4, eos)
 
-    def run_one(cfg: str, ids: list[int]) -> tuple[int, float, dict[str, LevelStats] | None]:
+    def run_one(cfg: str, ids: list[int]) -> tuple[int, float, dict[str, LevelStats] | None, float]:
         base, ks, occ, overlap = parse(cfg)
         if base == "adaptive":  # the live goodput planner picks levels and K every round (cascade levels)
             key = (ks[0] if ks else args.k_max, occ, overlap)
@@ -163,43 +183,51 @@ def main() -> None:
             kw = {"assistant_model": draft.model}
         elif base == "hf_lookup":
             kw = {"prompt_lookup_num_tokens": ks[0] if ks else args.hf_lookup_k}
-        n, dt = run_hf(target.model, [ids], args.max_tokens, eos, **kw)
-        return n, dt, None
+        n, dt, ttft = run_hf(target.model, [ids], args.max_tokens, eos, **kw)
+        return n, dt, None, ttft
 
     results: dict = {"args": vars(args), "sets": {}}
     for set_name in args.sets:
         prompts_ids = [chat_ids(tok, p) for p in SETS[set_name]]
-        acc: dict[str, dict] = {cfg: {"tokens": 0, "seconds": 0.0, "stats": None} for cfg in args.configs}
+        acc: dict[str, dict] = {cfg: {"tokens": 0, "seconds": 0.0, "ttft": 0.0, "prompts": 0, "stats": None}
+                                for cfg in args.configs}
         # Interleaved: every configuration runs each prompt before the next prompt starts, so load that comes
         # and goes on a shared machine hits all configurations alike and the ratios stay comparable.
         for i, ids in enumerate(prompts_ids):
             for cfg in args.configs:
-                n, dt, stats = run_one(cfg, ids)
+                n, dt, stats, ttft = run_one(cfg, ids)
                 a = acc[cfg]
                 a["tokens"] += n
                 a["seconds"] += dt
+                a["ttft"] += ttft
+                a["prompts"] += 1
                 if stats is not None:
                     a["stats"] = a["stats"] or {}
                     for k, v in stats.items():
                         a["stats"].setdefault(k, LevelStats()).merge(v)
-                print(f"[{set_name} #{i}] {cfg:12s} {n:4d} tok {dt:7.1f}s {n / dt:6.2f} tok/s", file=sys.stderr)
+                print(f"[{set_name} #{i}] {cfg:12s} {n:4d} tok {dt:7.1f}s {n / dt:6.2f} tok/s  first token "
+                      f"{ttft:5.2f}s, then {(n - 1) / max(dt - ttft, 1e-9):6.2f} tok/s", file=sys.stderr)
         for (kmax, occ, ov), (_, pl) in adaptive.items():
             tag = f"k_max {kmax}, {occ}" + (", overlap" if ov else "")
             print(f"  adaptive ({tag}) planner now holds {pl.plan_name(pl.current)}", file=sys.stderr)
         rows = {}
         for cfg, a in acc.items():
-            row = {"tokens": a["tokens"], "seconds": a["seconds"], "tok_s": a["tokens"] / a["seconds"]}
+            # decode phase: the tokens after each request's first one, over the time after it (TPOT's inverse)
+            row = {"tokens": a["tokens"], "seconds": a["seconds"], "tok_s": a["tokens"] / a["seconds"],
+                   "ttft_s": a["ttft"] / a["prompts"],
+                   "decode_tok_s": (a["tokens"] - a["prompts"]) / (a["seconds"] - a["ttft"])}
             if a["stats"] is not None:
                 top = a["stats"].get("target", LevelStats())
                 row["stats"] = {k: v.as_dict() for k, v in a["stats"].items()}
                 row["E_L"] = expected_accepted_length(alphas(top)) if top.num_drafts else 1.0
             rows[cfg] = row
-        base = next((r["tok_s"] for c, r in rows.items() if c.split("@")[0] == "plain"), None)
-        hf_base = rows.get("hf_plain", {}).get("tok_s")
+        plain_row = next((r for c, r in rows.items() if c.split("@")[0] == "plain"), None)
+        hf_row = rows.get("hf_plain")
         for cfg, row in rows.items():
-            ref = hf_base if cfg.startswith("hf_") else base
+            ref = hf_row if cfg.startswith("hf_") else plain_row
             if ref:
-                row["speedup"] = row["tok_s"] / ref
+                row["speedup"] = row["tok_s"] / ref["tok_s"]
+                row["decode_speedup"] = row["decode_tok_s"] / ref["decode_tok_s"]
             if "E_L" in row and "speedup" in row:
                 row["fraction_of_bound"] = row["speedup"] / row["E_L"]
         results["sets"][set_name] = rows
@@ -209,16 +237,18 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {out}\n")
-    print("| set | config | tok/s | speedup vs own plain | target accept rate | E[L] | of bound |")
-    print("|---|---|---|---|---|---|---|")
+    print("| set | config | tok/s | speedup vs own plain | first token s | decode tok/s (speedup) | target accept rate "
+          "| E[L] | of bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for set_name, rows in results["sets"].items():
         for cfg, row in rows.items():
             st = row.get("stats", {}).get("target", {})
             acc = f"{st['acceptance_rate']:.2f}" if st.get("draft_tokens") else "-"
             el = f"{row['E_L']:.2f}" if "E_L" in row else "-"
             fb = f"{row['fraction_of_bound']:.2f}" if "fraction_of_bound" in row else "-"
-            print(f"| {set_name} | {cfg} | {row['tok_s']:.2f} | {row.get('speedup', float('nan')):.2f}x | {acc} | "
-                  f"{el} | {fb} |")
+            print(f"| {set_name} | {cfg} | {row['tok_s']:.2f} | {row.get('speedup', float('nan')):.2f}x | "
+                  f"{row['ttft_s']:.2f} | {row['decode_tok_s']:.2f} ({row.get('decode_speedup', float('nan')):.2f}x) "
+                  f"| {acc} | {el} | {fb} |")
 
 
 if __name__ == "__main__":

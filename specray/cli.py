@@ -83,7 +83,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "results": [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                         "rounds": r.rounds, "stats": {k: v.as_dict() for k, v in r.stats.items()}}
+                         "rounds": r.rounds, "ttft_s": r.ttft_s, "stats": {k: v.as_dict() for k, v in r.stats.items()}}
                         for r in batch.results],
             "seconds": dt, "tokens": n_tok, "tokens_per_s": n_tok / dt if dt else 0.0, "load_seconds": t_load,
         }))
@@ -92,7 +92,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(r.text)
         print("-" * 60)
     print(f"{n_tok} tokens in {dt:.2f}s = {n_tok / dt:.2f} tok/s (models loaded in {t_load:.1f}s), "
-          f"{batch.rounds} target rounds", file=sys.stderr)
+          f"{batch.rounds} target rounds, first token after {max(r.ttft_s or 0.0 for r in batch.results):.2f}s",
+          file=sys.stderr)
     for name, st in batch.stats.items():
         per_pos = ", ".join(f"{c}" for c in st.accepted_per_pos)
         print(f"  {name}: drafts {st.num_drafts}, draft tokens {st.draft_tokens}, accepted {st.accepted_tokens} "

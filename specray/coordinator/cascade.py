@@ -547,6 +547,8 @@ class GenerationResult:
     finish_reason: str
     rounds: int
     stats: dict[str, LevelStats]
+    #: seconds from the start of the call to this sequence's first token (its prefill and first round)
+    ttft_s: float | None = None
 
 
 def run_to_completion(

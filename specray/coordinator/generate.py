@@ -6,6 +6,7 @@ process. Plain decoding is the target alone (or `plain=True`), through the same 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,14 +160,17 @@ def generate(
         seqs.append(engine.new_sequence(ids, sp, max_tokens, stop_ids))
 
     stop_strs = [s for s in stop if s]
+    t_start = time.perf_counter()
+    first: dict[str, float] = {}
 
     def on_tokens(s: Sequence_, new: list[int]) -> None:
+        first.setdefault(s.seq_id, time.perf_counter() - t_start)
         if stop_strs and tok is not None:
             text = tok.decode(s.output, skip_special_tokens=True)
             if any(x in text for x in stop_strs):
                 s.finished, s.finish_reason = True, "stop"
 
-    run_to_completion(engine, seqs, plan, on_tokens if stop_strs else None)
+    run_to_completion(engine, seqs, plan, on_tokens)
     results = []
     total: dict[str, LevelStats] = {}
     for s in seqs:
@@ -180,5 +184,6 @@ def generate(
         stats = {engine.levels[i].name: st for i, st in sorted(s.stats.items())}
         for name, st in stats.items():
             total.setdefault(name, LevelStats()).merge(st)
-        results.append(GenerationResult(s.output, text, s.finish_reason or "length", s.rounds, stats))
+        results.append(GenerationResult(s.output, text, s.finish_reason or "length", s.rounds, stats,
+                                        first.get(s.seq_id)))
     return Batch(results, total)

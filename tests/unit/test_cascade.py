@@ -50,6 +50,7 @@ def test_greedy_equals_plain_greedy_for_every_cascade():
         batch = generate(levels, PROMPTS, max_tokens=25, ignore_eos=True)
         outs[name] = [r.token_ids for r in batch.results]
         assert all(len(t) == 25 for t in outs[name])
+        assert all(r.ttft_s is not None and r.ttft_s > 0 for r in batch.results)
         for lvl in levels:
             if lvl.worker is not None:
                 assert lvl.worker.stats().live_sequences == 0  # everything freed
