@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every configuration this many times per concurrency (order rotated each time) and pool "
                          "them: differences between configurations below ~15%% are run-to-run noise on 2 shared cores")
+    ap.add_argument("--trace", action="store_true", help="print every adaptive round (batch, ms, plan groups)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -184,12 +185,15 @@ def main() -> None:
                 if _pl is not None:  # rounds per plan, per point
                     for plan in groups:
                         plans_seen.setdefault(_c, Counter())[_e.plan_name(plan)] += 1
+                if args.trace and _pl is not None:
+                    print(f"        round b={batch} {1e3 * seconds:6.0f} ms " + " + ".join(
+                        f"{_e.plan_name(p)} x{n}" for p, n in groups.items()), file=sys.stderr)
                 if len(groups) == 1:  # measured seconds of single-plan rounds, per (plan, batch)
                     key = f"{_e.plan_name(next(iter(groups)))}@{batch}"
                     acc = round_secs.setdefault(_c, {}).setdefault(key, [0, 0.0])
                     acc[0] += 1
                     acc[1] += seconds
-            scheds[cfg] = Scheduler(engine, None, max_batch_size=64, planner=pl.plan if pl else None,
+            scheds[cfg] = Scheduler(engine, None, max_batch_size=64, planner=pl,
                                     on_round=on_round)
         # warm up every path (and give the planner its first measurements at batch 1 and 4)
         for cfg in args.configs:
@@ -234,7 +238,8 @@ def main() -> None:
                     plans.update(r.get("plans", {}))
                 tokens, wall = sum(r["tokens"] for r in reps), sum(r["wall"] for r in reps)
                 per_c[c] = {"requests": len(lat), "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
-                            "p50": sorted(lat)[len(lat) // 2], "p90": p90(lat),
+                            "p50": sorted(lat)[len(lat) // 2] if lat else float("nan"),
+                            "p90": p90(lat) if lat else float("nan"),
                             "repeats_tok_s": [round(r["tok_s"], 3) for r in reps]}
                 if plans:
                     per_c[c]["plans"] = dict(plans.most_common())

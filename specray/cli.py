@@ -45,6 +45,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--overlap", action="store_true",
                    help="draft the next round on a second thread while the target verifies this one")
+    p.add_argument("--confidence", type=float, default=0.0,
+                   help="draft models end a draft after a token they gave a probability below this (0: off)")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -68,7 +70,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                   prompt_lookup_occurrence=args.prompt_lookup_occurrence))
     for i, d in enumerate(args.draft):
         levels.append(LevelConfig(kind="hf", model=d, num_speculative_tokens=ks[i + (1 if args.ngram else 0)],
-                                  **common))
+                                  draft_confidence=args.confidence, **common))
     levels.append(LevelConfig(kind="hf", model=args.model, **common))
     cfg = CascadeConfig(levels=levels)
     t0 = time.perf_counter()

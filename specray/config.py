@@ -76,6 +76,13 @@ class LevelConfig(_Strict):
         "requests. Set it to the largest K proposed to this level. 0: prompt scoring. Rows at temperature > 0 "
         "always go through prompt scoring (exact keyed sampling). A native n-gram level does this by itself.",
     )
+    draft_confidence: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="A model level below the target: end a draft after a token this level gave a probability below "
+        "this (its own confidence; greedy rows: the softmax of its logits). Unsure tokens are often rejected and "
+        "what is drafted after them is wasted work. 0 (default): always draft K. Exact at any value. hf levels; "
+        "vllm levels draft K regardless.",
+    )
     native_speculation: dict[str, Any] | None = Field(
         None,
         description="vllm target only: the engine's own speculative decoding (vLLM's `speculative_config`), e.g. "

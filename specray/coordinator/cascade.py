@@ -53,6 +53,9 @@ class Level:
     vllm worker's live requests); such calls are timed apart. Defaults to the worker's `live_decode`.
     engine_verify: the level verifies drafts of up to this many tokens per step on that path (inside a vLLM
     engine); 0: by a forward pass over the draft. Defaults to the worker's `engine_verify`.
+    confidence: a model level below the target ends a row's draft after a token it gave a probability below
+    this (0: off; HF's assisted generation uses 0.4): the target rejects such tokens often, and tokens drafted
+    after them are mostly wasted work. Exact at any value: the draft's length depends only on the drafter.
     """
 
     name: str
@@ -63,8 +66,11 @@ class Level:
     native_k: int = 0
     live_decode: bool = False
     engine_verify: int = 0
+    confidence: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.confidence < 1.0:
+            raise ValueError(f"level {self.name!r}: confidence must be in [0, 1)")
         if (self.worker is None) == (self.ngram is None):
             raise ValueError(f"level {self.name!r}: give exactly one of worker or ngram")
         if not self.native_k and self.worker is not None:
@@ -379,8 +385,7 @@ class CascadeEngine(LookAhead):
             committed = self._commit(s, toks)
             new_by_id[s.seq_id] = committed
             s.stats.setdefault(self.top, LevelStats()).record(n, nacc, len(toks))
-            self._keep_lookahead(s, plan, ahead.get(b) if ahead else None, len(drafts[b]), want[b], nacc, toks,
-                                 committed)
+            self._keep_lookahead(s, plan, ahead.get(b) if ahead else None, len(drafts[b]), nacc, toks, committed)
         return new_by_id
 
     def _commit(self, s: Sequence_, toks: list[int]) -> list[int]:
@@ -436,9 +441,10 @@ class CascadeEngine(LookAhead):
         if ci == 0:
             syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
             t0 = time.perf_counter()
+            extra = {"stop_below": lvl.confidence} if lvl.confidence > 0 else {}  # optional: only when used
             prop = self._call(
                 i, lvl.worker.propose, [s.seq_id for s in seqs], want, [s.sampling for s in seqs],
-                mode=DraftMode.for_method(self._method(chain[ci + 1], i, override)), salt=i, sync=syncs,
+                mode=DraftMode.for_method(self._method(chain[ci + 1], i, override)), salt=i, sync=syncs, **extra,
             )
             for ob in self.observers:
                 ob.on_call(i, "propose", len(seqs), max(want, default=0), time.perf_counter() - t0)
@@ -449,8 +455,9 @@ class CascadeEngine(LookAhead):
         need_probs = self._method(chain[ci + 1], i, override) == VerifyMethod.REJECTION
         outs: list[list[int]] = [[] for _ in seqs]
         prob_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        stopped = [False] * len(seqs)  # the level was unsure of a token it drafted for the row (`confidence`)
         while True:
-            rows = [b for b in range(len(seqs)) if len(outs[b]) < want[b]]
+            rows = [b for b in range(len(seqs)) if len(outs[b]) < want[b] and not stopped[b]]
             if not rows:
                 break
             sub = [seqs[b] for b in rows]
@@ -460,12 +467,16 @@ class CascadeEngine(LookAhead):
                 d, dp = self._produce(chain, ci - 1, sub, sub_bases, sub_want, ks, override)
             else:
                 d, dp = [[] for _ in rows], None
-            res = self._verify(i, chain[ci - 1], sub, sub_bases, d, dp, need_probs, override)
+            res = self._verify(i, chain[ci - 1], sub, sub_bases, d, dp, need_probs, override, lvl.confidence > 0)
             native = _native_lens(res, d)
             for j, b in enumerate(rows):
                 toks = res.token_ids[j]
-                outs[b].extend(toks)
                 seqs[b].stats.setdefault(i, LevelStats()).record(native[j], res.num_accepted[j], len(toks))
+                if res.confidence is not None:  # keep up to the first unsure token, then stop the row
+                    unsure = next((n for n, c in enumerate(res.confidence[j]) if c < lvl.confidence), None)
+                    if unsure is not None:
+                        toks, stopped[b] = toks[: unsure + 1], True
+                outs[b].extend(toks)
                 if res.probs is not None:
                     prob_rows[b].append(res.probs[j, : len(toks)])
         outs = [o[:w] for o, w in zip(outs, want)]
@@ -489,16 +500,17 @@ class CascadeEngine(LookAhead):
     def _verify(
         self, i: int, lower: int | None, seqs: list[Sequence_], bases: list[list[int]],
         drafts: list[list[int]], probs: torch.Tensor | None, return_probs: bool,
-        override: VerifyMethod | None = None,
+        override: VerifyMethod | None = None, confidence: bool = False,
     ):
         worker = self.levels[i].worker
         assert worker is not None
         syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
         method = self._method(i, lower, override)
+        extra = {"confidence": True} if confidence else {}  # an optional protocol argument: only when used
         t0 = time.perf_counter()
         res = self._call(
             i, worker.verify, [s.seq_id for s in seqs], drafts, probs if method == VerifyMethod.REJECTION else None,
-            [s.sampling for s in seqs], method, salt=i, sync=syncs, return_probs=return_probs,
+            [s.sampling for s in seqs], method, salt=i, sync=syncs, return_probs=return_probs, **extra,
         )
         dt = time.perf_counter() - t0
         for s, toks in zip(seqs, res.token_ids):

@@ -77,7 +77,7 @@ def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
         return Level(cfg.display_name, ngram=ng, k=cfg.num_speculative_tokens, method=cfg.method)
     # native_k (a native vLLM target's own K) comes from the worker (`Level.__post_init__`)
     return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
-                 method=cfg.method)
+                 method=cfg.method, confidence=cfg.draft_confidence)
 
 
 def build_levels(cfg: CascadeConfig) -> list[Level]:

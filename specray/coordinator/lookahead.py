@@ -105,11 +105,12 @@ class LookAhead:
 
         k = ks[chain[-2]]
         # after this round a row has remaining - want - 1 tokens to go; a look-ahead of 1 token is only the bonus
+        # (a draft may be shorter than asked where its drafter grew unsure: still a prefix to look beyond)
         rows = [b for b, s in enumerate(active)
-                if (b in cold or (drafts[b] and len(drafts[b]) == want[b])) and s.remaining - want[b] - 1 >= 2]
+                if (b in cold or drafts[b]) and s.remaining - len(drafts[b]) - 1 >= 2]
         if not rows:
             return None
-        ahead_want = [min(k + 1, active[b].remaining - want[b] - 1) for b in rows]
+        ahead_want = [min(k + 1, active[b].remaining - len(drafts[b]) - 1) for b in rows]
         try:
             made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in rows],
                                     [bases[b] + drafts[b] for b in rows], ahead_want, ks, method)
@@ -121,12 +122,12 @@ class LookAhead:
 
     @staticmethod
     def _keep_lookahead(
-        s: Sequence_, plan: Plan, look: list[int] | None, draft_len: int, want: int, accepted: int,
-        toks: list[int], committed: list[int],
+        s: Sequence_, plan: Plan, look: list[int] | None, draft_len: int, accepted: int, toks: list[int],
+        committed: list[int],
     ) -> None:
         """After the target's verdict on a row: keep its look-ahead as the next draft if it continues exactly
         the committed text (the target took the whole draft, and its bonus token is the look-ahead's first)."""
         s.ahead = None
-        if (look and len(look) > 1 and not s.finished and accepted == draft_len == want
+        if (look and len(look) > 1 and not s.finished and accepted == draft_len
                 and len(committed) == len(toks) == accepted + 1 and toks[-1] == look[0]):
             s.ahead = (plan, len(s.tokens), look[1:])

@@ -29,6 +29,20 @@ class SeqState:
     kv_len: int = 0
 
 
+def token_confidence(
+    logits: torch.Tensor,  # [N, V] raw logits
+    p: torch.Tensor,  # [N, V] the processed distributions the tokens were drawn from (one-hot for greedy rows)
+    tokens: torch.Tensor,  # [N] long
+    sb: SamplingBatch,  # N rows
+) -> torch.Tensor:  # [N] float32
+    """How sure a level was of each token: its probability under the row's sampling distribution, or for a
+    greedy row (whose distribution is a one-hot) under the softmax of the raw logits."""
+    idx = tokens.view(-1, 1)
+    raw = torch.exp(logits.float().gather(1, idx)[:, 0] - torch.logsumexp(logits.float(), dim=-1))
+    drawn = p.gather(1, idx)[:, 0]
+    return torch.where(sb.temperature.to(raw.device) == 0, raw, drawn)
+
+
 class LogitsWorker(abc.ABC):
     """Implements the worker protocol on top of `_forward`; see `specray.engine.protocol.Worker`."""
 
@@ -125,29 +139,38 @@ class LogitsWorker(abc.ABC):
         mode: str = DraftMode.GREEDY,
         salt: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
+        stop_below: float = 0.0,
     ) -> DraftProposal:
-        """Draft k[b] tokens per sequence, one batched forward per step; keep them as tentative tokens."""
+        """Draft k[b] tokens per sequence, one batched forward per step; keep them as tentative tokens (a row
+        stops early after a token it gave less than `stop_below`)."""
         seqs = self._prepare(seq_ids, sync)
         sb_all = SamplingBatch.from_params(sampling)
         kmax = max(k, default=0)
         out: list[list[int]] = [[] for _ in seqs]
+        stopped = [False] * len(seqs)
         probs = None
         if mode == DraftMode.RANDOM and kmax > 0:
             probs = torch.zeros(len(seqs), kmax, self.vocab_size, dtype=torch.float32)
         for t in range(kmax):
-            rows = [b for b in range(len(seqs)) if k[b] > t]
+            rows = [b for b in range(len(seqs)) if k[b] > t and not stopped[b]]
+            if not rows:
+                break
             batch = [seqs[b] for b in rows]
             logits = self._forward(batch, [s.tokens[s.kv_len :] for s in batch], [1] * len(batch))  # [B_t, V]
             sb = sb_all.select(rows)
             p = processed_probs(logits[:, None, :], sb)[:, 0]  # [B_t, V]
             positions = torch.tensor([len(s.tokens) for s in batch], dtype=torch.long)
-            toks = sample_tokens(p, sb, positions, mode, salt).tolist()
+            sampled = sample_tokens(p, sb, positions, mode, salt)  # [B_t]
+            conf = token_confidence(logits, p, sampled, sb).tolist() if stop_below > 0 else None
+            toks = sampled.tolist()
             for i, (b, s) in enumerate(zip(rows, batch)):
                 s.kv_len = len(s.tokens)
                 s.tokens.append(int(toks[i]))
                 out[b].append(int(toks[i]))
                 if probs is not None:
                     probs[b, t] = p[i]
+                if conf is not None and conf[i] < stop_below:
+                    stopped[b] = True
         return DraftProposal(out, probs)
 
     def verify(
@@ -160,6 +183,7 @@ class LogitsWorker(abc.ABC):
         salt: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
         return_probs: bool = False,
+        confidence: bool = False,
     ) -> VerifyResult:
         """Score every draft in one forward, accept a prefix, append it and one correction/bonus token."""
         method = VerifyMethod(method)
@@ -193,4 +217,12 @@ class LogitsWorker(abc.ABC):
             s.tokens.extend(toks)
             emitted.append(toks)
         out_probs = p[:, : max(len(e) for e in emitted)].clone() if return_probs else None
-        return VerifyResult(emitted, n_acc, out_probs)
+        conf = None
+        if confidence:
+            n = max(len(e) for e in emitted)
+            ids = torch.tensor([e + [e[-1]] * (n - len(e)) for e in emitted], dtype=torch.long)  # [B, n]
+            c = token_confidence(logits[:, :n].reshape(-1, logits.shape[-1]), p[:, :n].reshape(-1, p.shape[-1]),
+                                 ids.reshape(-1), sb.select([b for b in range(len(seqs)) for _ in range(n)]))
+            c = c.view(len(seqs), n).tolist()
+            conf = [row[: len(e)] for row, e in zip(c, emitted)]
+        return VerifyResult(emitted, n_acc, out_probs, confidence=conf)

@@ -72,6 +72,9 @@ class VerifyResult:
     #: every row was served by steps of requests kept alive in the verifier's engine (its decode path, with
     #: the drafts verified inside the engine): the call is timed apart from verification by a forward pass
     stepped: bool = False
+    #: per sequence, the probability this level gave each emitted token (`verify(..., confidence=True)`; None
+    #: where the worker does not report it): a middle level's drafting stops after an unsure token
+    confidence: list[list[float]] | None = None
 
 
 @dataclass
@@ -108,8 +111,13 @@ class Worker(Protocol):
         mode: str = DraftMode.GREEDY,
         salt: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
+        stop_below: float = 0.0,
     ) -> DraftProposal:
-        """Draft k[b] tokens for each sequence autoregressively and keep them tentatively."""
+        """Draft k[b] tokens for each sequence autoregressively and keep them tentatively.
+
+        `stop_below` > 0: a row's draft ends after a token to which this worker gave a probability below it
+        (its own confidence; for greedy rows the softmax of its raw logits). Optional: the coordinator only
+        passes it when a level asks for it, and a worker may draft all k[b] anyway (any draft is valid)."""
 
     def verify(
         self,
@@ -121,8 +129,11 @@ class Worker(Protocol):
         salt: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
         return_probs: bool = False,
+        confidence: bool = False,
     ) -> VerifyResult:
-        """Score the drafts in one forward pass, accept a prefix, append it plus one correction/bonus token."""
+        """Score the drafts in one forward pass, accept a prefix, append it plus one correction/bonus token.
+
+        `confidence`: also report `VerifyResult.confidence` (optional like `propose`'s `stop_below`)."""
 
     def stats(self) -> WorkerStats:
         """Live sequences and cache usage."""

@@ -317,11 +317,13 @@ class VLLMWorker(LiveRequests, PromptScoring):
         mode: str = DraftMode.GREEDY,
         salt: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
+        stop_below: float = 0.0,
     ) -> DraftProposal:
         """Draft k[b] tokens per sequence and keep them as tentative tokens.
 
         GREEDY: one temperature-0 generation of k tokens. RANDOM / COUPLED: one engine call per step, each
-        returning the support of the processed distribution; the token is drawn here with the keyed noise."""
+        returning the support of the processed distribution; the token is drawn here with the keyed noise.
+        `stop_below` is not applied (every row drafts k[b]: the protocol allows it)."""
         seqs = self._prepare(seq_ids, sync)
         kmax = max(k, default=0)
         out: list[list[int]] = [[] for _ in seqs]
@@ -364,10 +366,11 @@ class VLLMWorker(LiveRequests, PromptScoring):
         salt: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
         return_probs: bool = False,
+        confidence: bool = False,
     ) -> VerifyResult:
         """Live rows (empty draft, temperature 0): one step of their live engine request. Other rows: every draft
         scored in one engine call (prompt logprobs), a prefix accepted, one correction/bonus token appended.
-        Exact for every method and temperature (`specray.engine.vllm_scoring`)."""
+        Exact for every method and temperature (`specray.engine.vllm_scoring`). `confidence` is not reported."""
         method = VerifyMethod(method)
         for sp in sampling:
             self._width(sp)  # refuse unsupported rows before any work

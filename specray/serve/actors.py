@@ -112,16 +112,19 @@ class LevelActor:
     def propose(
         self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
         mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
+        stop_below: float = 0.0,
     ) -> DraftProposal:
-        return self.worker.propose(seq_ids, k, sampling, mode=mode, salt=salt, sync=sync)
+        extra = {"stop_below": stop_below} if stop_below > 0 else {}  # optional protocol arguments: only if used
+        return self.worker.propose(seq_ids, k, sampling, mode=mode, salt=salt, sync=sync, **extra)
 
     def verify(
         self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
         sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
-        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False,
+        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
+        extra = {"confidence": True} if confidence else {}
         return self.worker.verify(seq_ids, draft_ids, draft_probs, sampling, method, salt=salt, sync=sync,
-                                  return_probs=return_probs)
+                                  return_probs=return_probs, **extra)
 
     def stats(self) -> WorkerStats:
         return self.worker.stats()
@@ -278,17 +281,19 @@ class ActorWorker:
     def propose(
         self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
         mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
+        stop_below: float = 0.0,
     ) -> DraftProposal:
-        return self._get(self._propose.remote(list(seq_ids), list(k), list(sampling), mode, salt, _opt(sync)))
+        return self._get(self._propose.remote(list(seq_ids), list(k), list(sampling), mode, salt, _opt(sync),
+                                              stop_below))
 
     def verify(
         self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
         sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
-        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False,
+        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
         return self._get(self._verify.remote(
             list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method, salt, _opt(sync),
-            return_probs,
+            return_probs, confidence,
         ))
 
     def stats(self) -> WorkerStats:
@@ -311,17 +316,19 @@ class ActorWorker:
     async def propose_async(
         self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
         mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
+        stop_below: float = 0.0,
     ) -> DraftProposal:
-        return await self._aget(self._propose.remote(list(seq_ids), list(k), list(sampling), mode, salt, _opt(sync)))
+        return await self._aget(self._propose.remote(list(seq_ids), list(k), list(sampling), mode, salt, _opt(sync),
+                                                     stop_below))
 
     async def verify_async(
         self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
         sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
-        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False,
+        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
         return await self._aget(self._verify.remote(
             list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method, salt, _opt(sync),
-            return_probs,
+            return_probs, confidence,
         ))
 
     async def stats_async(self) -> WorkerStats:

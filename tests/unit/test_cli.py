@@ -25,6 +25,12 @@ def test_generate_json_plain_equals_speculative(tiny, capsys):
     spec = json.loads(capsys.readouterr().out)
     assert plain["results"][0]["token_ids"] == spec["results"][0]["token_ids"]
     assert spec["tokens_per_s"] > 0
+    assert spec["results"][0]["ttft_s"] > 0
+    # confidence-stopped drafts of a real (tiny) transformers model, under an n-gram and drafting ahead
+    main([*base, "--ngram", "--draft", str(tiny.draft_dirs["mid"]), "--k", "3", "--k", "6", "--confidence", "0.6",
+          "--overlap", "Hello world"])
+    sure = json.loads(capsys.readouterr().out)
+    assert plain["results"][0]["token_ids"] == sure["results"][0]["token_ids"]
 
 
 def test_models_list(capsys):
