@@ -6,6 +6,13 @@ Every configuration runs on the same loaded models (Qwen2.5-Coder 0.5B draft, 1.
 default), same prompts (chat template), same max tokens, greedy, side by side in one run, so the ratios are
 comparable even on a noisy machine. Writes benchmarks/results/core-*.json and prints a markdown table.
 
+Configurations (--configs): plain, ngram[:K], draft[:K], cascade[:K0:K1] (n-gram -> 0.5B -> 1.5B), adaptive[:KMAX]
+(the live planner over those three levels), hf_plain, hf_assisted, hf_lookup[:K]; suffixes: @earliest (the
+n-gram drafts from the earliest occurrence, as vLLM), +overlap (draft ahead on a second thread), ~C (the 0.5B
+ends a draft after a token it gives less than C), e.g. cascade:6:8@earliest+overlap~0.6. Besides end-to-end
+tokens/s the table gives the first-token time and the decode phase's tokens/s (tokens after the first one
+over the time after it).
+
 Theoretical bound: the speedup if drafting cost nothing and verifying K+1 tokens cost one step, i.e. the
 expected accepted length E[L] = 1 + sum_i prod_{j<=i} alpha_j from the measured per-position acceptance at
 the target (ARCHITECTURE.md section 4). "of bound" = achieved speedup / E[L].
@@ -138,29 +145,32 @@ def main() -> None:
     from specray.coordinator.cascade import CascadeEngine
     from specray.policy.planner import Planner
 
-    def levels_for(base: str, ks: list[int], occ: str) -> list[Level]:
-        """plain | ngram[:K] | draft[:K] | cascade[:K0:K1], the n-gram drafting from occurrence `occ`."""
+    def levels_for(base: str, ks: list[int], occ: str, conf: float = 0.0) -> list[Level]:
+        """plain | ngram[:K] | draft[:K] | cascade[:K0:K1], the n-gram drafting from occurrence `occ`, the 0.5B
+        ending drafts after tokens it gives less than `conf`."""
         if base == "plain":
             return [Level("target", worker=target, method=M)]
         if base == "ngram":
             return [Level("ngram", ngram=NgramConfig(ks[0] if ks else args.k_ngram, 1, 4, occ)),
                     Level("target", worker=target, method=M)]
         if base == "draft":
-            return [Level("draft", worker=draft, k=ks[0] if ks else args.k_draft),
+            return [Level("draft", worker=draft, k=ks[0] if ks else args.k_draft, confidence=conf),
                     Level("target", worker=target, method=M)]
         if base == "cascade":
             k0, k1 = ks if len(ks) == 2 else args.k_cascade
-            return [Level("ngram", ngram=NgramConfig(k0, 1, 4, occ)), Level("draft", worker=draft, k=k1, method=M),
+            return [Level("ngram", ngram=NgramConfig(k0, 1, 4, occ)),
+                    Level("draft", worker=draft, k=k1, method=M, confidence=conf),
                     Level("target", worker=target, method=M)]
         raise SystemExit(f"unknown configuration {base!r}")
 
-    adaptive: dict[tuple[int, str, bool], tuple[CascadeEngine, Planner]] = {}  # one live planner per variant
+    adaptive: dict[tuple[int, str, bool, float], tuple[CascadeEngine, Planner]] = {}  # one live planner per variant
 
-    def parse(cfg: str) -> tuple[str, list[int], str, bool]:
+    def parse(cfg: str) -> tuple[str, list[int], str, bool, float]:
+        cfg, _, conf = cfg.partition("~")
         cfg, overlap = (cfg[: -len("+overlap")], True) if cfg.endswith("+overlap") else (cfg, False)
         name, _, occ = cfg.partition("@")
         base, *ks = name.split(":")
-        return base, [int(k) for k in ks], occ or args.ngram_occurrence, overlap
+        return base, [int(k) for k in ks], occ or args.ngram_occurrence, overlap, float(conf or 0.0)
 
     # warm up both models and the code paths
     warm = chat_ids(tok, "Say hi.")
@@ -168,16 +178,17 @@ def main() -> None:
     run_hf(target.model, [warm], 4, eos)
 
     def run_one(cfg: str, ids: list[int]) -> tuple[int, float, dict[str, LevelStats] | None, float]:
-        base, ks, occ, overlap = parse(cfg)
+        base, ks, occ, overlap, conf = parse(cfg)
         if base == "adaptive":  # the live goodput planner picks levels and K every round (cascade levels)
-            key = (ks[0] if ks else args.k_max, occ, overlap)
+            key = (ks[0] if ks else args.k_max, occ, overlap, conf)
             if key not in adaptive:
-                lv = levels_for("cascade", [], occ)
+                lv = levels_for("cascade", [], occ, conf)
                 eng = CascadeEngine(lv, overlap=overlap)
                 adaptive[key] = (eng, Planner(lv, k_max=key[0]).attach(eng))
             return run_specray(adaptive[key][0], [ids], args.max_tokens, adaptive[key][1])
         if not base.startswith("hf_"):
-            return run_specray(CascadeEngine(levels_for(base, ks, occ), overlap=overlap), [ids], args.max_tokens)
+            return run_specray(CascadeEngine(levels_for(base, ks, occ, conf), overlap=overlap), [ids],
+                               args.max_tokens)
         kw = {}
         if base == "hf_assisted":
             kw = {"assistant_model": draft.model}
@@ -207,8 +218,8 @@ def main() -> None:
                         a["stats"].setdefault(k, LevelStats()).merge(v)
                 print(f"[{set_name} #{i}] {cfg:12s} {n:4d} tok {dt:7.1f}s {n / dt:6.2f} tok/s  first token "
                       f"{ttft:5.2f}s, then {(n - 1) / max(dt - ttft, 1e-9):6.2f} tok/s", file=sys.stderr)
-        for (kmax, occ, ov), (_, pl) in adaptive.items():
-            tag = f"k_max {kmax}, {occ}" + (", overlap" if ov else "")
+        for (kmax, occ, ov, conf), (_, pl) in adaptive.items():
+            tag = f"k_max {kmax}, {occ}" + (", overlap" if ov else "") + (f", confidence {conf}" if conf else "")
             print(f"  adaptive ({tag}) planner now holds {pl.plan_name(pl.current)}", file=sys.stderr)
         rows = {}
         for cfg, a in acc.items():
