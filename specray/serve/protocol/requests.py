@@ -1,55 +1,28 @@
-"""OpenAI-compatible request/response schemas (pydantic v2) for /v1/completions, /v1/chat/completions and
-/v1/models, plus error bodies and SSE framing.
+"""Request schemas of /v1/completions and /v1/chat/completions (pydantic v2, strict).
 
 Requests forbid unknown fields: the official clients only send fields the user set, so an unknown field is
 a typo or an unsupported feature and deserves a clear 400 rather than being silently ignored. OpenAI
 parameters that specray cannot honour (n > 1, echo, logprobs, penalties, logit_bias, tools, ...) are
 declared and accepted only at their neutral value, with a message that says so. The ignored fields are
 exactly `user`, and for chat `metadata` and `store`: they carry no generation semantics.
-
-Extensions (all optional, so plain OpenAI clients work unchanged; send them with ``extra_body=``):
-`speculation` (SpeculationOptions), `top_k`, `ignore_eos` on requests, and `usage.speculation` (per-level
-acceptance stats) and `ModelCard.max_model_len` on responses.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import time
-import uuid
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
-    ValidationError,
     ValidationInfo,
     field_validator,
-    model_serializer,
 )
 
+from specray.serve.protocol.errors import InvalidRequest
 from specray.spec.params import SamplingParams, VerifyMethod
 
-if TYPE_CHECKING:  # cascade imports torch; the schemas only need the attributes
-    from specray.coordinator.cascade import LevelStats
-
 MAX_STOP_STRINGS = 4
-FinishReason = Literal["stop", "length"]
-
-
-class InvalidRequest(ValueError):
-    """A request that parsed but cannot be served (e.g. prompt longer than the context): HTTP 400."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return error_response_body(str(self), param=self.param)
 
 
 class _Request(BaseModel):
@@ -66,25 +39,6 @@ def _text(v: str) -> str:
     except UnicodeEncodeError as exc:
         raise ValueError(f"must be valid Unicode text (lone surrogate at character {exc.start})") from None
     return v
-
-
-class _Response(BaseModel):
-    """Fields listed in `_omit_if_none` are left out of the JSON when None (OpenAI omits them; nulls there
-    would confuse strict clients), every other None is written as null like OpenAI does."""
-
-    model_config = ConfigDict(protected_namespaces=())
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
-        for name in self._omit_if_none:
-            if data.get(name, 0) is None:
-                del data[name]
-        return data
-
-
-# ------------------------------------------------------------------------------------------- requests
 
 
 class SpeculationOptions(_Request):
@@ -356,289 +310,3 @@ class ChatCompletionRequest(_SamplingFields):
     def resolve_max_tokens(self, prompt_tokens: int, max_context: int) -> int:
         """Tokens to generate (default: up to the context); raises InvalidRequest (400) when too many."""
         return self._resolve(self.max_new_tokens, "max_completion_tokens", prompt_tokens, max_context)
-
-
-# ------------------------------------------------------------------------------------------ responses
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class SpeculationLevelUsage(_Response):
-    """Per-level acceptance stats of one request (extension); a level counts the drafts proposed to it."""
-
-    num_drafts: int
-    draft_tokens: int
-    accepted_tokens: int
-    acceptance_rate: float = Field(description="accepted_tokens / draft_tokens (0 when nothing was drafted).")
-    mean_acceptance_length: float = Field(description="Tokens emitted per verification call (accepted + 1).")
-
-
-class Usage(_Response):
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"speculation"})
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    speculation: dict[str, SpeculationLevelUsage] | None = Field(
-        None, description="Extension: acceptance stats keyed by level name, smallest level first."
-    )
-
-
-def usage_from_stats(
-    prompt_tokens: int, completion_tokens: int, stats: Mapping[str, LevelStats] | None = None
-) -> Usage:
-    """Usage with the per-level speculation stats of one request (omitted when there are none)."""
-    spec = {
-        name: SpeculationLevelUsage(
-            num_drafts=s.num_drafts,
-            draft_tokens=s.draft_tokens,
-            accepted_tokens=s.accepted_tokens,
-            acceptance_rate=s.acceptance_rate,
-            mean_acceptance_length=s.mean_acceptance_length,
-        )
-        for name, s in (stats or {}).items()
-    }
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        speculation=spec or None,
-    )
-
-
-class CompletionChoice(_Response):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: FinishReason
-
-
-class CompletionResponse(_Response):
-    id: str = Field(default_factory=lambda: new_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionStreamChoice(_Response):
-    index: int = 0
-    text: str = ""
-    logprobs: None = None
-    finish_reason: FinishReason | None = None
-
-
-class CompletionStreamChunk(_Response):
-    """One SSE event of a streamed completion; the usage chunk (stream_options) has no choices."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionStreamChoice] = Field(default_factory=list)
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class ChatResponseMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: None = None
-
-
-class ChatChoice(_Response):
-    index: int = 0
-    message: ChatResponseMessage
-    logprobs: None = None
-    finish_reason: FinishReason
-
-
-class ChatCompletionResponse(_Response):
-    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class ChatDelta(_Response):
-    """The role comes in the first chunk only, content in the following ones (as OpenAI streams)."""
-
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content"})
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(_Response):
-    index: int = 0
-    delta: ChatDelta = Field(default_factory=ChatDelta)
-    logprobs: None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(_Response):
-    """One SSE event of a streamed chat completion; the usage chunk (stream_options) has no choices."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChunkChoice] = Field(default_factory=list)
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(_Response):
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"max_model_len"})
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "specray"
-    max_model_len: int | None = Field(None, description="Extension: context length of the target.")
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# ---------------------------------------------------------------------------------------------- errors
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error envelope: {"error": {"message", "type", "param", "code"}}."""
-
-    error: ErrorDetail
-
-
-def error_response_body(
-    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return ErrorBody(error=ErrorDetail(message=message, type=type, param=param, code=code)).model_dump()
-
-
-def model_not_found_body(model: str) -> dict[str, Any]:
-    """Body of the 404 for an unknown model (OpenAI's wording and code)."""
-    return error_response_body(
-        f"The model `{model}` does not exist or you do not have access to it.", param="model", code="model_not_found"
-    )
-
-
-_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
-
-
-def _param(loc: tuple[int | str, ...]) -> str | None:
-    """Dotted field path ("messages[0].content"), without pydantic's union/validator tags."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in _TYPE_NAMES or any(c in part for c in "[]-"):
-            continue
-        else:
-            out += f".{part}" if out else part
-    return out or None
-
-
-def _num(x: Any) -> str:
-    if isinstance(x, float) and x.is_integer() and math.isfinite(x):
-        return str(int(x))
-    return str(x)
-
-
-def _got(value: Any) -> str:
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    if isinstance(value, (int, float)):
-        return _num(value)
-    if isinstance(value, str):
-        return repr(value if len(value) <= 40 else value[:40] + "...")
-    if isinstance(value, (list, dict)):
-        return f"a {type(value).__name__} of {len(value)} item{'' if len(value) == 1 else 's'}"
-    return type(value).__name__
-
-
-_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-
-
-def _describe(err: Mapping[str, Any]) -> str:
-    kind, ctx = err["type"], err.get("ctx") or {}
-    if kind in _BOUNDS:
-        bound = ctx[{"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt"}.get(kind, "le")]
-        text = f"must be {_BOUNDS[kind]} {_num(bound)}"
-    elif kind == "missing":
-        return "field required"
-    elif kind == "extra_forbidden":
-        return "unknown field (not supported by this API)"
-    elif kind == "json_invalid":
-        return f"invalid JSON body: {ctx.get('error', err['msg'])}"
-    elif kind in ("model_type", "model_attributes_type") and not err["loc"]:
-        return "the request body must be a JSON object"
-    elif kind in ("too_short", "too_long"):
-        n = ctx.get("min_length" if kind == "too_short" else "max_length")
-        return f"must have at {'least' if kind == 'too_short' else 'most'} {n} item{'' if n == 1 else 's'}"
-    elif kind == "literal_error":
-        text = f"must be one of {ctx.get('expected')}"
-    elif kind == "finite_number":
-        text = "must be a finite number"
-    elif kind in ("value_error", "assertion_error"):
-        text = str(ctx.get("error") or err["msg"].split(", ", 1)[-1])
-    else:
-        text = err["msg"].replace("Input should be", "must be").replace("Input", "value")
-        text = text[:1].lower() + text[1:]
-    if "(got" not in text and "input" in err and err["loc"]:
-        text += f" (got {_got(err['input'])})"
-    return text
-
-
-def validation_error_to_openai(exc: ValidationError | Any) -> tuple[int, dict[str, Any]]:
-    """400 and an OpenAI error body whose message names the field and what is allowed, e.g.
-    "temperature: must be <= 2 (got 5)". Up to three problems are listed; `param` is the first field.
-
-    Also takes FastAPI's RequestValidationError (same error dicts, locations prefixed with "body")."""
-    raw = exc.errors(include_url=False) if isinstance(exc, ValidationError) else exc.errors()
-    errors = []
-    for err in raw:
-        loc = tuple(err.get("loc", ()))
-        errors.append({**err, "loc": loc[1:] if loc[:1] == ("body",) else loc})
-    parts = []
-    for err in errors[:3]:
-        param = _param(err["loc"])
-        parts.append(f"{param}: {_describe(err)}" if param else _describe(err))
-    if len(errors) > 3:
-        parts.append(f"and {len(errors) - 3} more")
-    first = _param(errors[0]["loc"]) if errors else None
-    return 400, error_response_body("; ".join(parts) or "invalid request", param=first)
-
-
-# ------------------------------------------------------------------------------------------------- SSE
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_event(obj: BaseModel | Mapping[str, Any]) -> str:
-    """One server-sent event: "data: {json}\\n\\n" (compact JSON, UTF-8 kept as is)."""
-    if isinstance(obj, BaseModel):
-        payload = obj.model_dump_json()
-    else:
-        payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {payload}\n\n"
