@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specray.coordinator.lookahead import LookAhead
+from specray.coordinator.lookahead import LookAhead, Until
 from specray.engine.protocol import DraftMode, SeqSync, Worker
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -369,14 +369,17 @@ class CascadeEngine(LookAhead):
             if overlap:  # rows the drafters have never seen: they prefill beside the target (lookahead.py)
                 cold = self._cold_rows(chain, active, want, method)
                 want = [0 if b in cold else w for b, w in enumerate(want)]
-            drafts, probs = self._drafts(chain, active, bases, want, ks, method, plan if overlap else None)
+            until = self._until(chain, active, method) if overlap else None
+            drafts, probs = self._drafts(chain, active, bases, want, ks, method, plan if overlap else None, until)
         else:
-            want, drafts, probs = [0] * len(active), [[] for _ in active], None
-        future = self._pool().submit(self._draft_ahead, chain, active, bases, drafts, want, ks, method, cold) \
-            if overlap else None
+            want, drafts, probs, until = [0] * len(active), [[] for _ in active], None, None
+        future = self._pool().submit(self._draft_ahead, chain, active, bases, drafts, want, ks, method, cold,
+                                     until) if overlap else None
         try:
             res = self._verify(self.top, lower, active, bases, drafts, probs, False, method)
         finally:
+            if until is not None:
+                until.set()  # bounded rows of the look-ahead stop at their next step
             ahead = future.result() if future is not None else None  # never leave it running past the round
         native = _native_lens(res, drafts)
         new_by_id: dict[str, list[int]] = {}
@@ -429,9 +432,13 @@ class CascadeEngine(LookAhead):
 
     def _produce(
         self, chain: list[int], ci: int, seqs: list[Sequence_], bases: list[list[int]], want: list[int],
-        ks: dict[int, int], override: VerifyMethod | None = None,
+        ks: dict[int, int], override: VerifyMethod | None = None, until: Until | None = None,
     ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Level chain[ci] proposes want[b] tokens beyond bases[b] to level chain[ci + 1]."""
+        """Level chain[ci] proposes want[b] tokens beyond bases[b] to level chain[ci + 1].
+
+        `until` (a bounded draft, `specray.coordinator.lookahead`): once it is set, the rows it marks stop at
+        the next step boundary with the tokens they have (fewer than want[b]; at least one step runs); no
+        probabilities then."""
         i = chain[ci]
         lvl = self.levels[i]
         if lvl.is_ngram:
@@ -439,17 +446,9 @@ class CascadeEngine(LookAhead):
             return [lvl.ngram.propose(base, w) if w > 0 else [] for base, w in zip(bases, want)], None
         assert lvl.worker is not None
         if ci == 0:
-            syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
-            t0 = time.perf_counter()
-            extra = {"stop_below": lvl.confidence} if lvl.confidence > 0 else {}  # optional: only when used
-            prop = self._call(
-                i, lvl.worker.propose, [s.seq_id for s in seqs], want, [s.sampling for s in seqs],
-                mode=DraftMode.for_method(self._method(chain[ci + 1], i, override)), salt=i, sync=syncs, **extra,
-            )
-            for ob in self.observers:
-                ob.on_call(i, "propose", len(seqs), max(want, default=0), time.perf_counter() - t0)
-            for s, toks in zip(seqs, prop.token_ids):
-                s.mirror[i].extend(toks)
+            if until is not None and any(until.rows):
+                return self._propose_bounded(chain, seqs, bases, want, override, until), None
+            prop = self._propose(chain, seqs, bases, want, override)
             return prop.token_ids, prop.probs
         # a middle level: inner rounds until each row has want[b] tokens
         need_probs = self._method(chain[ci + 1], i, override) == VerifyMethod.REJECTION
@@ -479,6 +478,8 @@ class CascadeEngine(LookAhead):
                 outs[b].extend(toks)
                 if res.probs is not None:
                     prob_rows[b].append(res.probs[j, : len(toks)])
+            if until is not None and until.is_set():  # bounded rows stop after this inner round
+                stopped = [x or r for x, r in zip(stopped, until.rows)]
         outs = [o[:w] for o, w in zip(outs, want)]
         probs = None
         if need_probs:
@@ -488,6 +489,49 @@ class CascadeEngine(LookAhead):
                     cat = torch.cat(chunks)[: want[b]]
                     probs[b, : cat.shape[0]] = cat
         return outs, probs
+
+    def _propose(
+        self, chain: list[int], seqs: list[Sequence_], bases: list[list[int]], want: list[int],
+        override: VerifyMethod | None,
+    ):
+        """The first (smallest) model level of the chain drafts want[b] tokens beyond bases[b] in one call."""
+        i = chain[0]
+        lvl = self.levels[i]
+        syncs = [self._sync(i, s, base) for s, base in zip(seqs, bases)]
+        t0 = time.perf_counter()
+        extra = {"stop_below": lvl.confidence} if lvl.confidence > 0 else {}  # optional: only when used
+        prop = self._call(
+            i, lvl.worker.propose, [s.seq_id for s in seqs], want, [s.sampling for s in seqs],
+            mode=DraftMode.for_method(self._method(chain[1], i, override)), salt=i, sync=syncs, **extra,
+        )
+        for ob in self.observers:
+            ob.on_call(i, "propose", len(seqs), max(want, default=0), time.perf_counter() - t0)
+        for s, toks in zip(seqs, prop.token_ids):
+            s.mirror[i].extend(toks)
+        return prop
+
+    def _propose_bounded(
+        self, chain: list[int], seqs: list[Sequence_], bases: list[list[int]], want: list[int],
+        override: VerifyMethod | None, until: Until,
+    ) -> list[list[int]]:
+        """`_propose` in calls of `ahead_chunk` steps, so that the rows `until` marks can stop between calls
+        once it is set (the other rows draft the rest of want[b] in one more call); the first call always runs.
+        A row that got fewer tokens than it asked for stopped by itself (`confidence`). Drafts are keyed by
+        position: chunking does not change them."""
+        outs: list[list[int]] = [[] for _ in seqs]
+        done = [w <= 0 for w in want]
+        first = True
+        while True:
+            late, first = until.is_set() and not first, False
+            rows = [b for b in range(len(seqs)) if not done[b] and not (late and until.rows[b])]
+            if not rows:
+                return outs
+            ask = [want[b] - len(outs[b]) if late or not until.rows[b] else
+                   min(self.ahead_chunk, want[b] - len(outs[b])) for b in rows]
+            prop = self._propose(chain, [seqs[b] for b in rows], [bases[b] + outs[b] for b in rows], ask, override)
+            for b, a, toks in zip(rows, ask, prop.token_ids):
+                outs[b].extend(toks)
+                done[b] = len(toks) < a or len(outs[b]) >= want[b]
 
     def _method(self, level: int, lower: int | None, override: VerifyMethod | None = None) -> VerifyMethod:
         """The verification method of `level` over drafts from `lower`; rejection over a deterministic

@@ -10,6 +10,17 @@ Exactness is untouched: the target verifies every draft as usual, and a look-ahe
 of exactly the prefix it was made from. Not with rejection verification (its drafts carry probabilities tied
 to their sampling), and not when only the n-gram drafts (it costs nothing to overlap).
 
+Bounded look-ahead (`ahead_bounded`, on by default): the look-ahead stops at the drafter's next step boundary once
+the target has its verdict, with the tokens it has (K + 1 at most), and the round goes on without waiting for it; a
+row whose look-ahead missed drafts one step before the target verifies (not K tokens with the target idle), and the
+look-ahead beside that verification makes the rest. Where the drafter is fast (an n-gram feeding the middle level
+on copied text) it still reaches K + 1; where it is slow (the small model drafting alone) the next round's draft is
+what it made in the target's time, so a round costs the target's verification and the draft length follows the
+speed of the two levels instead of a fixed K. Only for rows whose output for a seed cannot depend on a draft's
+length: greedy rows, and coupled verification; with deterministic verification at T > 0 a shorter draft draws other
+tokens (same law), so those rows draft K + 1 as before and seeded outputs stay reproducible. The law is the
+target's either way: when a look-ahead stops depends on timing, never on the verification's random draws.
+
 A new sequence's first round is the same idea with an empty draft: the target prefills the prompt and emits
 one token while the drafters prefill it on the other thread and draft K + 1 tokens beyond it, instead of
 prefilling first and the target after them (a 0.5B draft's prefill of a 300-token prompt is about half the
@@ -18,7 +29,9 @@ prefilling first and the target after them (a 0.5B draft's prefill of a 300-toke
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -29,7 +42,25 @@ from specray.spec.params import VerifyMethod
 if TYPE_CHECKING:
     from specray.coordinator.cascade import Plan, Sequence_
 
-__all__ = ["LookAhead"]
+__all__ = ["LookAhead", "Until"]
+
+
+class Until:
+    """Set when the target has verified this round: the rows marked in `rows` stop drafting ahead then."""
+
+    def __init__(self, rows: Sequence[bool], event: threading.Event | None = None) -> None:
+        self.rows = list(rows)
+        self._event = event or threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def select(self, idx: Sequence[int]) -> Until:
+        """The same signal over a subset of the rows."""
+        return Until([self.rows[b] for b in idx], self._event)
 
 
 class LookAhead:
@@ -41,6 +72,10 @@ class LookAhead:
         #: rows drafted ahead, and rows whose next round used that draft
         self.ahead_rows = 0
         self.ahead_hits = 0
+        #: stop a look-ahead once the target has verified (module docstring); steps per drafter call when the
+        #: first model level drafts ahead alone (its calls are the boundaries where it can stop)
+        self.ahead_bounded = True
+        self.ahead_chunk = 2
         self._ahead_pool: ThreadPoolExecutor | None = None
 
     def _pool(self) -> ThreadPoolExecutor:
@@ -59,10 +94,13 @@ class LookAhead:
 
     def _drafts(
         self, chain: list[int], active: list[Sequence_], bases: list[list[int]], want: list[int],
-        ks: dict[int, int], method: VerifyMethod | None, plan: Plan | None,
+        ks: dict[int, int], method: VerifyMethod | None, plan: Plan | None, until: Until | None = None,
     ) -> tuple[list[list[int]], torch.Tensor | None]:
         """This round's drafts for the target: drafted ahead last round where that still holds (`plan` given:
-        overlap), else produced now by the levels below (only for the rows that need it)."""
+        overlap), else produced now by the levels below (only for the rows that need it). With a bounded
+        look-ahead (`until`), a row without one drafts a single step now (one inner round of a middle level:
+        on copied text the n-gram's whole proposal; one call of `ahead_chunk` steps of a first model level),
+        not K tokens with the target idle: the look-ahead beside the target's verification makes the rest."""
         if plan is None:
             return self._produce(chain, len(chain) - 2, active, bases, want, ks, method)
         drafts: list[list[int] | None] = [None] * len(active)
@@ -73,11 +111,23 @@ class LookAhead:
             s.ahead = None
         missing = [b for b, d in enumerate(drafts) if d is None and want[b] > 0]
         if missing:
+            short = until.select(missing) if until is not None else None
+            if short is not None:
+                short = Until(short.rows)
+                short.set()  # one step, then the look-ahead
             made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in missing],
-                                    [bases[b] for b in missing], [want[b] for b in missing], ks, method)
+                                    [bases[b] for b in missing], [want[b] for b in missing], ks, method, short)
             for b, d in zip(missing, made):
                 drafts[b] = d
         return [d or [] for d in drafts], None
+
+    def _until(self, chain: list[int], active: list[Sequence_], method: VerifyMethod | None) -> Until | None:
+        """The stop signal of this round's look-ahead: rows whose output for a seed does not depend on their
+        draft's length stop when the target has verified (greedy rows, coupled verification)."""
+        if not self.ahead_bounded:
+            return None
+        coupled = self._method(chain[-1], chain[-2], method) == VerifyMethod.COUPLED
+        return Until([coupled or s.sampling.greedy for s in active])
 
     def _cold_rows(
         self, chain: list[int], active: list[Sequence_], want: list[int], method: VerifyMethod | None,
@@ -97,10 +147,12 @@ class LookAhead:
     def _draft_ahead(
         self, chain: list[int], active: list[Sequence_], bases: list[list[int]], drafts: list[list[int]],
         want: list[int], ks: dict[int, int], method: VerifyMethod | None, cold: set[int] = frozenset(),
+        until: Until | None = None,
     ) -> dict[int, list[int]] | None:
         """The levels below the target draft K + 1 tokens beyond base + d for every row with a full draft d,
         and for the `cold` rows (no draft: the target decodes one token) beyond the base (runs beside the
-        target's verification; a level failing here is dropped as in a round)."""
+        target's verification; a level failing here is dropped as in a round). Rows `until` marks stop early
+        once it is set."""
         from specray.coordinator.cascade import LevelCallError
 
         k = ks[chain[-2]]
@@ -113,7 +165,8 @@ class LookAhead:
         ahead_want = [min(k + 1, active[b].remaining - len(drafts[b]) - 1) for b in rows]
         try:
             made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in rows],
-                                    [bases[b] + drafts[b] for b in rows], ahead_want, ks, method)
+                                    [bases[b] + drafts[b] for b in rows], ahead_want, ks, method,
+                                    until.select(rows) if until is not None else None)
         except LevelCallError as exc:  # only levels below the target are called here
             self._mark_down(exc.level, exc)
             return None

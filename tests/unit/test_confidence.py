@@ -77,12 +77,18 @@ def test_confidence_cascades_are_exact_greedy_and_draft_less(overlap):
         return [Level("d1", worker=draft(1.0, "d1", 3), k=4, confidence=conf),
                 Level("target", worker=target(), method=VerifyMethod.GREEDY)]
 
+    def run(lv: list[Level], bounded: bool):
+        eng = CascadeEngine(lv, overlap=overlap)
+        eng.ahead_bounded = bounded
+        return generate(eng, PROMPTS, max_tokens=30, ignore_eos=True)
+
     for make in (levels, models):
-        loose = generate(CascadeEngine(make(0.0), overlap=overlap), PROMPTS, max_tokens=30, ignore_eos=True)
-        sure = generate(CascadeEngine(make(0.5), overlap=overlap), PROMPTS, max_tokens=30, ignore_eos=True)
-        assert [r.token_ids for r in sure.results] == [r.token_ids for r in plain.results]
-        assert [r.token_ids for r in loose.results] == [r.token_ids for r in plain.results]
+        for bounded in (True, False):  # bounded look-aheads: draft lengths follow timing as well
+            loose, sure = run(make(0.0), bounded), run(make(0.5), bounded)
+            assert [r.token_ids for r in sure.results] == [r.token_ids for r in plain.results]
+            assert [r.token_ids for r in loose.results] == [r.token_ids for r in plain.results]
         # unsure drafts were cut: fewer draft tokens reached the target, and a larger share was accepted
+        # (K-token look-aheads, so that draft lengths depend on the confidence alone)
         lo, hi = loose.stats["target"], sure.stats["target"]
         assert hi.draft_tokens < lo.draft_tokens
         assert hi.acceptance_rate > lo.acceptance_rate

@@ -44,6 +44,7 @@ def test_overlap_saves_draft_calls_when_the_draft_is_the_target():
 
     exact = Counting("d", vocab=16, order=2, table_seed=0)
     eng = CascadeEngine([Level("d", worker=exact, k=3), Level("target", worker=target())], overlap=True)
+    eng.ahead_bounded = False  # K + 1 tokens ahead whatever the timing (the bounded look-ahead: tests below)
     out = generate(eng, PROMPTS, max_tokens=41, ignore_eos=True)
     rounds = out.rounds
     assert rounds == 4 * 11  # round 1 decodes one token (the drafter prefills beside it), then 4 per round
@@ -78,6 +79,7 @@ def test_overlap_first_round_prefills_the_drafter_beside_the_target():
     exact = Recording("d", vocab=16, order=2, table_seed=0)
     tgt = Recording("target", vocab=16, order=2, table_seed=0)
     eng = CascadeEngine([Level("d", worker=exact, k=3), Level("target", worker=tgt)], overlap=True)
+    eng.ahead_bounded = False  # K + 1 tokens ahead whatever the timing
     seqs = [eng.new_sequence(p, SamplingParams(), 20) for p in PROMPTS]
     first = eng.step(seqs)
     assert [len(t) for t in first] == [1] * len(seqs)  # plain step: prefill + one token
@@ -198,3 +200,118 @@ def test_overlap_sampled_law_is_the_targets():
     batch = generate(eng, [prompt] * n_draws, max_tokens=n_tok, sampling=sps, ignore_eos=True)
     assert eng.ahead_hits > 0  # later rounds drafted from look-aheads
     assert_target_law(batch, levels[-1].worker, prompt, sp, n_tok)
+
+
+# ----- bounded look-ahead: it stops once the target has verified ------------------------------------------
+class Gated(FakeWorker):
+    """A drafter whose calls on the look-ahead thread wait until the round's stop signal is set, so the target's
+    verdict always arrives while the look-ahead is at its first step (a slow drafter, made deterministic)."""
+
+    def __init__(self, *a, gate: threading.Event, **kw):
+        super().__init__(*a, **kw)
+        self.gate = gate
+        self.ahead_lens: list[int] = []  # tokens asked per look-ahead call
+
+    def _wait(self):
+        if threading.current_thread().name.startswith("specray-ahead"):
+            assert self.gate.wait(10), "the round never signalled the look-ahead to stop"
+
+    def propose(self, seq_ids, k, *a, **kw):
+        self._wait()
+        if threading.current_thread().name.startswith("specray-ahead"):
+            self.ahead_lens.extend(k)
+        return super().propose(seq_ids, k, *a, **kw)
+
+    def verify(self, *a, **kw):
+        self._wait()
+        return super().verify(*a, **kw)
+
+
+def gated_engine(levels, gate: threading.Event) -> CascadeEngine:
+    """An engine whose stop signal also opens the drafters' gate (and closes it for the next round)."""
+    from specray.coordinator.lookahead import Until
+
+    class GatedUntil(Until):
+        def set(self):
+            super().set()
+            gate.set()
+
+    class Engine(CascadeEngine):
+        def _until(self, chain, active, method):
+            gate.clear()
+            u = super()._until(chain, active, method)
+            return GatedUntil(u.rows) if u is not None else None
+
+    return Engine(levels, overlap=True)
+
+
+def test_bounded_lookahead_stops_when_the_target_has_verified():
+    """The first model level drafts ahead in calls of `ahead_chunk` steps and stops after the call in flight
+    when the target's verdict arrives: the next draft is what it made by then (here 1 token + the bonus guess),
+    not K + 1 tokens; greedy output is still plain greedy, and every round after the first drafts ahead."""
+    gate = threading.Event()
+    d = Gated("d", vocab=16, order=2, table_seed=0, gate=gate)  # exact drafter: every look-ahead holds
+    eng = gated_engine([Level("d", worker=d, k=6), Level("target", worker=target())], gate)
+    out = generate(eng, PROMPTS, max_tokens=30, ignore_eos=True)
+    plain = generate(cascades(VerifyMethod.GREEDY)["plain"], PROMPTS, max_tokens=30, ignore_eos=True)
+    assert [r.token_ids for r in out.results] == [r.token_ids for r in plain.results]
+    assert d.ahead_lens and set(d.ahead_lens) == {eng.ahead_chunk}  # one chunk per look-ahead, never K + 1
+    assert eng.ahead_hits > 0
+    # round 1 decodes 1 token, every later round verifies the 1-token draft the look-ahead left: 2 tokens each
+    assert out.rounds == len(PROMPTS) * (1 + 29 // 2 + 29 % 2)
+    unbounded = CascadeEngine([Level("d", worker=FakeWorker("d", vocab=16, order=2, table_seed=0), k=6),
+                               Level("target", worker=target())], overlap=True)
+    unbounded.ahead_bounded = False
+    assert generate(unbounded, PROMPTS, max_tokens=30, ignore_eos=True).rounds < out.rounds  # K + 1 ahead
+
+
+def test_bounded_lookahead_of_a_middle_level_stops_between_inner_rounds():
+    """d1 -> d2 -> target: the middle level's inner rounds stop at the first boundary after the verdict."""
+    gate = threading.Event()
+    d1 = FakeWorker("d1", vocab=16, order=2, table_seed=0)  # exact drafters: every inner round emits K0 + 1
+    d2 = Gated("d2", vocab=16, order=2, table_seed=0, gate=gate)
+    levels = [Level("d1", worker=d1, k=2), Level("d2", worker=d2, k=6, method=VerifyMethod.GREEDY),
+              Level("target", worker=target(), method=VerifyMethod.GREEDY)]
+    eng = gated_engine(levels, gate)
+    drafts: list[int] = []
+    orig = eng._verify
+
+    def spy(i, lower, seqs, bases, ds, *a, **kw):
+        if i == eng.top:
+            drafts.extend(len(x) for x in ds)
+        return orig(i, lower, seqs, bases, ds, *a, **kw)
+
+    eng._verify = spy
+    out = generate(eng, PROMPTS, max_tokens=30, ignore_eos=True)
+    plain = generate(cascades(VerifyMethod.GREEDY)["plain"], PROMPTS, max_tokens=30, ignore_eos=True)
+    assert [r.token_ids for r in out.results] == [r.token_ids for r in plain.results]
+    assert eng.ahead_hits > 0
+    # a look-ahead is one inner round: K0 + 1 = 3 tokens, so a draft taken from it has 2 (not K = 6)
+    assert max(drafts) == 2 and eng.ahead_hits > 0  # (drafts near the end are cut by max_tokens)
+
+
+def test_bounded_lookahead_marks_only_rows_whose_seeded_output_cannot_change():
+    """Greedy rows and coupled verification stop early; deterministic verification at T > 0 drafts K + 1
+    (a shorter draft would draw other tokens for the same seed), so seeded outputs stay those without overlap."""
+    levels = cascades(VerifyMethod.DETERMINISTIC)["cascade3_models"]
+    eng = CascadeEngine(levels, overlap=True)
+    seqs = [eng.new_sequence(PROMPTS[0], SamplingParams(), 5),
+            eng.new_sequence(PROMPTS[1], SamplingParams(temperature=0.8, seed=3), 5)]
+    chain = [0, 1, 2]
+    assert eng._until(chain, seqs, None).rows == [True, False]
+    assert eng._until(chain, seqs, VerifyMethod.COUPLED).rows == [True, True]
+    eng.ahead_bounded = False
+    assert eng._until(chain, seqs, None) is None
+
+    gate = threading.Event()
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(4)]
+    mixed = [SamplingParams(), sp[1], SamplingParams(), sp[3]]
+    ref = generate(cascades(VerifyMethod.DETERMINISTIC)["cascade3_models"], PROMPTS, max_tokens=24,
+                   sampling=mixed, ignore_eos=True)
+    lv = cascades(VerifyMethod.DETERMINISTIC)["cascade3_models"]
+    lv[1].worker = Gated("d2", vocab=16, order=2, table_seed=0, noise=0.4, noise_seed=4, gate=gate)
+    ref2 = generate(cascades(VerifyMethod.DETERMINISTIC)["cascade3_models"], PROMPTS, max_tokens=24,
+                    sampling=mixed, ignore_eos=True)
+    assert [r.token_ids for r in ref.results] == [r.token_ids for r in ref2.results]
+    out = generate(gated_engine(lv, gate), PROMPTS, max_tokens=24, sampling=mixed, ignore_eos=True)
+    assert [r.token_ids for r in out.results] == [r.token_ids for r in ref.results]
