@@ -111,10 +111,9 @@ class LookAhead:
             s.ahead = None
         missing = [b for b, d in enumerate(drafts) if d is None and want[b] > 0]
         if missing:
-            short = until.select(missing) if until is not None else None
+            short = Until([until.rows[b] for b in missing]) if until is not None else None
             if short is not None:
-                short = Until(short.rows)
-                short.set()  # one step, then the look-ahead
+                short.set()  # already set: one step, then the look-ahead beside the target makes the rest
             made, _ = self._produce(chain, len(chain) - 2, [active[b] for b in missing],
                                     [bases[b] for b in missing], [want[b] for b in missing], ks, method, short)
             for b, d in zip(missing, made):
