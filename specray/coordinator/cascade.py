@@ -510,29 +510,6 @@ class CascadeEngine(LookAhead):
             s.mirror[i].extend(toks)
         return prop
 
-    def _propose_bounded(
-        self, chain: list[int], seqs: list[Sequence_], bases: list[list[int]], want: list[int],
-        override: VerifyMethod | None, until: Until,
-    ) -> list[list[int]]:
-        """`_propose` in calls of `ahead_chunk` steps, so that the rows `until` marks can stop between calls
-        once it is set (the other rows draft the rest of want[b] in one more call); the first call always runs.
-        A row that got fewer tokens than it asked for stopped by itself (`confidence`). Drafts are keyed by
-        position: chunking does not change them."""
-        outs: list[list[int]] = [[] for _ in seqs]
-        done = [w <= 0 for w in want]
-        first = True
-        while True:
-            late, first = until.is_set() and not first, False
-            rows = [b for b in range(len(seqs)) if not done[b] and not (late and until.rows[b])]
-            if not rows:
-                return outs
-            ask = [want[b] - len(outs[b]) if late or not until.rows[b] else
-                   min(self.ahead_chunk, want[b] - len(outs[b])) for b in rows]
-            prop = self._propose(chain, [seqs[b] for b in rows], [bases[b] + outs[b] for b in rows], ask, override)
-            for b, a, toks in zip(rows, ask, prop.token_ids):
-                outs[b].extend(toks)
-                done[b] = len(toks) < a or len(outs[b]) >= want[b]
-
     def _method(self, level: int, lower: int | None, override: VerifyMethod | None = None) -> VerifyMethod:
         """The verification method of `level` over drafts from `lower`; rejection over a deterministic
         drafter (n-gram) is the deterministic method (q = delta_x), so it is resolved to it."""

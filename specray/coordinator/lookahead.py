@@ -64,7 +64,7 @@ class Until:
 
 
 class LookAhead:
-    """Mixin of `CascadeEngine` (uses its levels, `_produce`, `_method`, `_mark_down` and `_lock`)."""
+    """Mixin of `CascadeEngine` (uses its levels, `_produce`, `_propose`, `_method`, `_mark_down` and `_lock`)."""
 
     def _init_lookahead(self, overlap: bool) -> None:
         #: draft the next round while the target verifies this one (module docstring)
@@ -119,6 +119,29 @@ class LookAhead:
             for b, d in zip(missing, made):
                 drafts[b] = d
         return [d or [] for d in drafts], None
+
+    def _propose_bounded(
+        self, chain: list[int], seqs: list[Sequence_], bases: list[list[int]], want: list[int],
+        override: VerifyMethod | None, until: Until,
+    ) -> list[list[int]]:
+        """`_propose` in calls of `ahead_chunk` steps, so that the rows `until` marks can stop between calls
+        once it is set (the other rows draft the rest of want[b] in one more call); the first call always runs.
+        A row that got fewer tokens than it asked for stopped by itself (`confidence`). Drafts are keyed by
+        position: chunking does not change them."""
+        outs: list[list[int]] = [[] for _ in seqs]
+        done = [w <= 0 for w in want]
+        first = True
+        while True:
+            late, first = until.is_set() and not first, False
+            rows = [b for b in range(len(seqs)) if not done[b] and not (late and until.rows[b])]
+            if not rows:
+                return outs
+            ask = [want[b] - len(outs[b]) if late or not until.rows[b] else
+                   min(self.ahead_chunk, want[b] - len(outs[b])) for b in rows]
+            prop = self._propose(chain, [seqs[b] for b in rows], [bases[b] + outs[b] for b in rows], ask, override)
+            for b, a, toks in zip(rows, ask, prop.token_ids):
+                outs[b].extend(toks)
+                done[b] = len(toks) < a or len(outs[b]) >= want[b]
 
     def _until(self, chain: list[int], active: list[Sequence_], method: VerifyMethod | None) -> Until | None:
         """The stop signal of this round's look-ahead: rows whose output for a seed does not depend on their
