@@ -23,6 +23,11 @@ requests kept alive in its scheduler) gets the same separate curve: T_round(plai
 A target that verifies drafts inside its engine (`engine_verify` = E tokens per step) prices the verification
 of K drafted tokens on that curve too: ceil(K / E) * N_t(B, min(K, E) + 1).
 
+Overlap (an engine drafting the next round while the target verifies, `specray.coordinator.lookahead`): a
+bounded look-ahead is priced as a hit/miss renewal chain (`Planner._bounded`): a miss drafts one drafter step
+before the verification, a hit verifies what the drafter made during the previous verification; unbounded:
+T_round = (1 - hit) * P(K) + max(T_t(B, K+1), P(K+1)), hit = prod alpha_1..K+1.
+
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
 (cascade at small B, one drafter at medium, none at large) fall out of the measurements.
@@ -122,8 +127,12 @@ class Planner:
         if self.is_ngram[-1] or any(self.is_ngram[1:]):
             raise ValueError("only level 0 may be an n-gram, and the target must be a model")
         self.top = len(levels) - 1
-        #: the engine drafts the next round while the target verifies (set by attach; round_time prices it)
+        #: the engine drafts the next round while the target verifies (set by attach; round_time prices it), its
+        #: look-ahead stops once the target has verified (`bounded`), a first model level stopping every
+        #: `ahead_chunk` steps (CascadeEngine.ahead_bounded / ahead_chunk)
         self.overlap = False
+        self.bounded = False
+        self.ahead_chunk = 2
         self._rejection_top = getattr(levels[-1], "method", None) == VerifyMethod.REJECTION
         self.k_choices = tuple(sorted(set(k_choices))) if k_choices else tuple(range(1, k_max + 1))
         if any(k < 1 for k in self.k_choices):
@@ -186,6 +195,8 @@ class Planner:
         if self not in engine.observers:
             engine.observers.append(self)
         self.overlap = bool(getattr(engine, "overlap", False))
+        self.bounded = bool(getattr(engine, "ahead_bounded", False))
+        self.ahead_chunk = max(1, int(getattr(engine, "ahead_chunk", 2)))
         self._memo.clear()
         return self
 
@@ -305,16 +316,86 @@ class Planner:
                 return t + self.overhead
             return self.step_time(self.top, batch, 1) + self.overhead
         k = plan.k[-1]
-        produce = self._produce(plan, len(plan.levels) - 2, batch, k)
-        verify = self._verify_time(batch, k)
-        eff = _effective(plan)
-        if self.overlap and not self._rejection_top and any(not self.is_ngram[plan.levels[j]] for j in eff[:-1]):
-            # overlap (CascadeEngine): the levels below draft K + 1 ahead while the target verifies; the next
+        if self._overlapped(plan):
+            if self.bounded:
+                return self._bounded(plan, batch)[1] + self.overhead
+            # unbounded overlap: the levels below draft K + 1 ahead while the target verifies; the next
             # round skips drafting when all K and the bonus token match (probability ~ prod alpha_1..K+1)
+            produce = self._produce(plan, len(plan.levels) - 2, batch, k)
+            verify = self._verify_time(batch, k)
             ahead = self._produce(plan, len(plan.levels) - 2, batch, k + 1)
             hit = math.prod(self.alphas(self.top, plan.levels[-2], k + 1))
             return (1.0 - hit) * produce + max(verify, ahead) + self.overhead
-        return produce + verify + self.overhead
+        return self._produce(plan, len(plan.levels) - 2, batch, k) + self._verify_time(batch, k) + self.overhead
+
+    def _overlapped(self, plan: Plan) -> bool:
+        """Whether the engine drafts this plan's next round while the target verifies (lookahead.py)."""
+        eff = _effective(plan)
+        return (self.overlap and not self._rejection_top and len(eff) > 1
+                and any(not self.is_ngram[plan.levels[j]] for j in eff[:-1]))
+
+    def _bounded(self, plan: Plan, batch: int) -> tuple[float, float]:
+        """(E[L], T) per round of an overlapped plan whose look-ahead stops once the target has verified.
+
+        The drafter d (the level below the target) works in steps: a first model level in calls of
+        `ahead_chunk` proposals, a middle level in inner rounds (its drafter's K_low tokens, then its check,
+        yielding E_in = E[L](alpha(d | low), K_low)). A round whose look-ahead missed drafts one step (D_M tokens)
+        before the target verifies; a round after a hit drafts nothing and uses the look-ahead made beside the
+        previous verification: the steps d started within that verification's time V(D), at most K + 1 tokens,
+        so D' = min(K, made - 1). Each round's look-ahead runs beside the target and is waited for only to
+        the end of its step in progress. A hit (probability prod alpha_1..D+1: all D drafts and the bonus
+        token match) moves the row to D', a miss back to D_M: a renewal chain D_M -> f(D_M) -> f(f(D_M)) ...
+        (f converges in a few rounds), whose stationary law gives E[L] and T. At batch B the one-step draft is
+        paid when any row missed: 1 - P(hit)^B (verification padding is not priced). Rows whose draft length
+        changes their output for a seed (deterministic verification at T > 0) are not bounded by the engine;
+        they are priced as bounded too (the planner does not see sampling per row)."""
+        key = ("b", plan, batch)
+        got = self._memo.get(key)
+        if got is not None:
+            return got
+        k, top = plan.k[-1], self.top
+        i = len(plan.levels) - 2
+        d = plan.levels[i]
+        if i == 0:  # the first model level: a step is one call of ahead_chunk proposals
+            step_tokens = float(self.ahead_chunk)
+            step_time = self.ahead_chunk * self.step_time(d, batch, 1)
+        else:
+            k_low = plan.k[i - 1]
+            step_tokens = self._elen(d, plan.levels[i - 1], k_low)
+            step_time = self._produce(plan, i - 1, batch, k_low) + self.step_time(d, batch, k_low + 1)
+        alphas = self.alphas(top, d, k + 1)
+        prefix = list(itertools.accumulate(alphas, lambda a, b: a * b))  # prod alpha_1..j, j = 1..K+1
+        full_steps = math.ceil((k + 1) / step_tokens - 1e-9)
+
+        def state(n: int, drafted: bool) -> tuple[float, float, int]:
+            """(E[L], seconds, next draft length on a hit) of a round verifying an n-token draft."""
+            verify = self._verify_time(batch, n)
+            steps = min(full_steps, max(1, math.ceil(verify / step_time - 1e-9))) if step_time > 0 else full_steps
+            made = min(k + 1, int(steps * step_tokens + 1e-9))
+            wait = max(verify, steps * step_time)  # its step in progress ends; a full look-ahead may end sooner
+            elen = 1.0 + sum(prefix[:n])
+            return elen, (step_time if drafted else 0.0) + wait, min(k, made - 1)
+
+        n = min(k, max(1, round(step_tokens)))  # a miss: one step's tokens
+        reach, rounds, tokens, seconds, hits = 1.0, 0.0, 0.0, 0.0, 0.0
+        drafted = True
+        for _ in range(64):
+            elen, t, nxt = state(n, drafted)
+            h = min(prefix[n], 0.999) if nxt >= 1 else 0.0
+            if not drafted and nxt == n:  # the chain's fixed point: the rest of the cycle is geometric
+                reach /= 1.0 - h
+            rounds += reach
+            tokens += reach * elen
+            seconds += reach * (t - (step_time if drafted else 0.0))
+            hits += reach * h
+            if not drafted and nxt == n:
+                break
+            reach *= h
+            n, drafted = nxt, False
+        p_hit = hits / rounds
+        got = (tokens / rounds, seconds / rounds + step_time * (1.0 - p_hit**batch))
+        self._memo[key] = got
+        return got
 
     def _verify_time(self, batch: int, k: int) -> float:
         """The target verifying k drafted tokens per sequence: a forward pass, or engine steps (each verifying
@@ -328,16 +409,19 @@ class Planner:
             t = self._memo[key] = steps * self.native_cost.predict(batch, min(k, self.engine_verify) + 1)
         return t
 
-    def expected_length(self, plan: Plan) -> float:
-        """Expected tokens committed per sequence per round."""
+    def expected_length(self, plan: Plan, batch: int = 1) -> float:
+        """Expected tokens committed per sequence per round (a bounded look-ahead's draft length, hence this,
+        depends on the batch through the levels' speeds)."""
         if len(plan.levels) == 1 or plan.k[-1] == 0:
             return self._elen(self.top, self.top, self.native_k) if self.native_k else 1.0
+        if self.bounded and self._overlapped(plan):
+            return self._bounded(plan, max(1, batch))[0]
         return self._elen(self.top, plan.levels[-2], plan.k[-1])
 
     def goodput(self, plan: Plan, batch: int) -> float:
         """Expected committed tokens per second: E[L] * B / T_round."""
         t = self.round_time(plan, batch)
-        return self.expected_length(plan) * batch / t if t > 0 else math.inf
+        return self.expected_length(plan, batch) * batch / t if t > 0 else math.inf
 
     def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
         """Every candidate (and the current and default plans) with its predicted goodput, best first."""

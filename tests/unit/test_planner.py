@@ -193,8 +193,10 @@ def test_overlap_is_priced():
     from specray.coordinator.cascade import CascadeEngine
 
     levels = three_levels()
-    p = Planner(levels, decay=1.0).attach(CascadeEngine(levels, overlap=True))
-    assert p.overlap
+    engine = CascadeEngine(levels, overlap=True)
+    engine.ahead_bounded = False
+    p = Planner(levels, decay=1.0).attach(engine)
+    assert p.overlap and not p.bounded
     p.costs[2] = StepCost(prior=(1.0, 0.0, 0.0))
     p.costs[1] = StepCost(prior=(0.2, 0.0, 0.0))
     for pair, alpha in {(2, 1): 0.8, (1, 0): 0.5, (2, 0): 0.6}.items():
@@ -206,6 +208,84 @@ def test_overlap_is_priced():
     assert p.round_time(p.plain, 1) == pytest.approx(1.0)
     off = Planner(three_levels(), decay=1.0).attach(CascadeEngine(three_levels()))
     assert not off.overlap
+
+
+def _bounded_planner(alpha: float, target: tuple[float, float, float], t_mid: float, alpha_in: float = 1.0
+                     ) -> Planner:
+    levels = three_levels()
+    p = Planner(levels, decay=1.0).attach(CascadeEngine(levels, overlap=True))
+    assert p.overlap and p.bounded and p.ahead_chunk == 2
+    p.costs[2] = StepCost(prior=target)
+    p.costs[1] = StepCost(prior=(t_mid, 0.0, 0.0))
+    for pair, a in {(2, 1): alpha, (1, 0): alpha_in, (2, 0): 0.5}.items():
+        acc = p.acceptance[pair]
+        acc.prior_mean, acc.prior_strength, acc.pos_strength = a, 1.0, 1.0
+    return p
+
+
+def _simulate_bounded(k: int, alpha: float, verify: CostFn, step_tokens: int, step_time: float,
+                      rounds: int = 200_000, seed: int = 0) -> tuple[float, float]:
+    """Monte Carlo of the engine's bounded look-ahead at batch 1 (lookahead.py), iid acceptance: a row without
+    a usable look-ahead drafts one step (step_tokens in step_time); the target verifies while the drafter drafts
+    ahead K + 1 tokens, stopping at the end of its step in progress once the verification is done; the
+    look-ahead is the next draft (up to K) when every draft and the bonus token matched. (tokens/round, s/round)"""
+    rng = random.Random(seed)
+    full = -(-(k + 1) // step_tokens)
+    look, tokens, seconds = 0, 0, 0.0
+    for _ in range(rounds):
+        if look >= 2:
+            n, t = min(k, look - 1), 0.0
+        else:
+            n, t = min(k, step_tokens), step_time
+        v = verify(1, n + 1)
+        steps = min(full, max(1, -(-v // step_time)))
+        made = min(k + 1, int(steps * step_tokens))
+        a = 0
+        while a < n and rng.random() < alpha:
+            a += 1
+        bonus_match = a == n and rng.random() < alpha
+        look = made if bonus_match else 0
+        tokens += a + 1
+        seconds += t + max(v, steps * step_time)
+    return tokens / rounds, seconds / rounds
+
+
+@pytest.mark.parametrize("alpha,k,t_draft", [(0.8, 8, 0.15), (0.9, 16, 0.15), (0.6, 4, 0.4), (0.95, 16, 0.05)])
+def test_bounded_overlap_is_priced_as_the_engine_runs(alpha, k, t_draft):
+    """The bounded look-ahead (CascadeEngine.ahead_bounded): the planner's renewal chain (hit: the look-ahead
+    made in the verification's time; miss: one step drafted with the target idle) agrees with a Monte Carlo
+    of the engine's rules, for a first model level (steps of ahead_chunk proposals) and a middle level over
+    an n-gram (an inner round yields K_low + 1 tokens at alpha_in = 1)."""
+    p = _bounded_planner(alpha, (0.3, 0.03, 0.0), t_draft)
+    verify = linear_cost(0.3, 0.03)
+    plan = Plan((1, 2), (k,))
+    e_sim, t_sim = _simulate_bounded(k, alpha, verify, step_tokens=2, step_time=2 * t_draft)
+    assert p.expected_length(plan, 1) == pytest.approx(e_sim, rel=0.02)
+    assert p.round_time(plan, 1) == pytest.approx(t_sim, rel=0.02)
+    cascade = Plan((0, 1, 2), (3, k))  # the n-gram proposes 3, the middle level checks them: 4 tokens a step
+    e_sim, t_sim = _simulate_bounded(k, alpha, verify, step_tokens=4, step_time=t_draft)
+    assert p.expected_length(cascade, 1) == pytest.approx(e_sim, rel=0.02)
+    assert p.round_time(cascade, 1) == pytest.approx(t_sim, rel=0.02)
+
+
+def test_bounded_overlap_rates_a_slow_drafter_above_the_unbounded_price():
+    """What the bounded round changes for plan choice: with a drafter a third of the target's speed the
+    unbounded price pays (1 - hit) * K draft steps with the target idle, the bounded one a single step, so a
+    large K no longer looks worse than a small one; at a batch where any row misses the drafted step is paid
+    every round, and plain decoding still wins where verification grows with B * K."""
+    bounded = _bounded_planner(0.85, (0.35, 0.02, 0.0), 0.13)
+    unbounded = _bounded_planner(0.85, (0.35, 0.02, 0.0), 0.13)
+    unbounded.bounded = False
+    big, small = Plan((1, 2), (16,)), Plan((1, 2), (4,))
+    assert bounded.goodput(big, 1) > 1.5 * unbounded.goodput(big, 1)
+    assert bounded.goodput(big, 1) >= 0.95 * bounded.goodput(small, 1)
+    assert bounded.goodput(big, 1) > 1.5 * bounded.goodput(bounded.plain, 1)
+    # a miss by any row of the batch makes the round draft a step first (a flat target: same verification)
+    flat = _bounded_planner(0.85, (0.5, 0.0, 0.0), 0.13)
+    assert flat.expected_length(big, 8) == pytest.approx(flat.expected_length(big, 1))
+    assert flat.round_time(big, 8) > flat.round_time(big, 1) + 0.5 * 2 * 0.13
+    steep = _bounded_planner(0.85, (0.01, 0.004, 0.0), 0.001)  # verification grows with B * q
+    assert max(steep.explain(256), key=lambda x: x[1])[0] == steep.plain
 
 
 # ----- choices on synthetic curves -------------------------------------------------------------------------
