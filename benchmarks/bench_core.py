@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -164,6 +165,14 @@ def main() -> None:
         raise SystemExit(f"unknown configuration {base!r}")
 
     adaptive: dict[tuple[int, str, bool, float], tuple[CascadeEngine, Planner]] = {}  # one live planner per variant
+    chosen: dict[tuple[int, str, bool, float], Counter] = {}  # rounds per plan name, per variant
+
+    def counting(key, planner: Planner):
+        def plan(batch: int):
+            p = planner(batch)
+            chosen[key][planner.plan_name(p)] += 1
+            return p
+        return plan
 
     def parse(cfg: str) -> tuple[str, list[int], str, bool, float]:
         cfg, _, conf = cfg.partition("~")
@@ -185,7 +194,8 @@ def main() -> None:
                 lv = levels_for("cascade", [], occ, conf)
                 eng = CascadeEngine(lv, overlap=overlap)
                 adaptive[key] = (eng, Planner(lv, k_max=key[0]).attach(eng))
-            return run_specray(adaptive[key][0], [ids], args.max_tokens, adaptive[key][1])
+                chosen[key] = Counter()
+            return run_specray(adaptive[key][0], [ids], args.max_tokens, counting(key, adaptive[key][1]))
         if not base.startswith("hf_"):
             return run_specray(CascadeEngine(levels_for(base, ks, occ, conf), overlap=overlap), [ids],
                                args.max_tokens)
@@ -220,7 +230,9 @@ def main() -> None:
                       f"{ttft:5.2f}s, then {(n - 1) / max(dt - ttft, 1e-9):6.2f} tok/s", file=sys.stderr)
         for (kmax, occ, ov, conf), (_, pl) in adaptive.items():
             tag = f"k_max {kmax}, {occ}" + (", overlap" if ov else "") + (f", confidence {conf}" if conf else "")
-            print(f"  adaptive ({tag}) planner now holds {pl.plan_name(pl.current)}", file=sys.stderr)
+            top = ", ".join(f"{name} {n}" for name, n in chosen[(kmax, occ, ov, conf)].most_common(6))
+            print(f"  adaptive ({tag}) planner now holds {pl.plan_name(pl.current)}; rounds so far: {top}",
+                  file=sys.stderr)
         rows = {}
         for cfg, a in acc.items():
             # decode phase: the tokens after each request's first one, over the time after it (TPOT's inverse)
