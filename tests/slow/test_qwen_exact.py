@@ -35,8 +35,14 @@ def test_qwen_cascade_greedy_equals_plain_greedy(workers):
                     max_tokens=32, chat=True)
     cascade = generate([Level("ngram", ngram=NgramConfig(4, 1, 3)), Level("draft", worker=draft, k=4, method=g),
                         Level("target", worker=target, method=g)], PROMPTS, max_tokens=32, chat=True)
+    # the benchmark's headline configuration: n-gram (earliest) K 8 -> 0.5B K 16 with confidence stops -> 1.5B,
+    # drafting ahead beside the verification with the bounded look-ahead, three rows of different lengths
+    headline = generate([Level("ngram", ngram=NgramConfig(8, 1, 4, "earliest")),
+                         Level("draft", worker=draft, k=16, method=g, confidence=0.6),
+                         Level("target", worker=target, method=g)], PROMPTS, max_tokens=32, chat=True, overlap=True)
     ref = [r.token_ids for r in plain.results]
     assert [r.token_ids for r in spec.results] == ref
     assert [r.token_ids for r in cascade.results] == ref
+    assert [r.token_ids for r in headline.results] == ref
     assert spec.stats["target"].acceptance_rate > 0.5
     assert "def" in plain.results[0].text
