@@ -1,32 +1,8 @@
 """Choose the speculation plan (which levels run, and K for each) per round from live measurements.
 
-Goodput of a plan at batch B is E[L] * B / T_round (ARCHITECTURE.md section 4), extended to cascades:
-
-- plain decoding [target]: E[L] = 1, T_round = T_t(B, 1).
-- [d(K), target]: E[L] = 1 + sum_{i<=K} prod_{j<=i} alpha_j(target | d), T_round = P_d(K) + T_t(B, K+1), where
-  P_d(K), the cost for d to produce K tokens, is K * T_d(B, 1) for a model and ~0 for the n-gram.
-- N levels l_0 < ... < l_m (target l_m), K_i proposed by l_i to l_{i+1}: a middle level l_i (i >= 1)
-  produces K_i tokens in ceil(K_i / E_i) inner rounds with E_i = E[L](alpha(l_i | l_{i-1}), K_{i-1}), each
-  costing P_{l_{i-1}}(K_{i-1}) + T_{l_i}(B, K_{i-1}+1); so recursively
-  P_{l_i}(K_i) = ceil(K_i / E_i) * (P_{l_{i-1}}(K_{i-1}) + T_{l_i}(B, K_{i-1}+1)), and
-  T_round = P_{l_{m-1}}(K_{m-1}) + T_t(B, K_{m-1}+1) + overhead, E[L] = E[L](alpha(t | l_{m-1}), K_{m-1}).
-
-Native target (a vLLM engine with its own speculative_config, `specray.engine.vllm_native`): its plain plan
-is vLLM speculating by itself, so E[L] = E[L](alpha(t | t), K_native) with alpha measured from the engine's
-own per-step acceptance (`on_native`; a request's first step, a prefill that cannot draft, is left out), and
-T_round = N_t(B, q_native): N_t is a separate `StepCost` fitted on calls made only of native steps (the
-engine's own decode path costs far less than specray's verification through prompt scoring on the same
-engine), q_native the decayed mean of the tokens fed per row (1 + the longest native draft of the step).
-It competes with specray's drafters like any other plan; its regime is still 'none' (the target alone).
-A target with a live decode path but no speculation of its own (a `vllm` worker serving plain rows from
-requests kept alive in its scheduler) gets the same separate curve: T_round(plain) = N_t(B, 1), E[L] = 1.
-A target that verifies drafts inside its engine (`engine_verify` = E tokens per step) prices the verification
-of K drafted tokens on that curve too: ceil(K / E) * N_t(B, min(K, E) + 1).
-
-Overlap (an engine drafting the next round while the target verifies, `specray.coordinator.lookahead`): a
-bounded look-ahead is priced as a hit/miss renewal chain (`Planner._bounded`): a miss drafts one drafter step
-before the verification, a hit verifies what the drafter made during the previous verification; unbounded:
-T_round = (1 - hit) * P(K) + max(T_t(B, K+1), P(K+1)), hit = prod alpha_1..K+1.
+Each candidate is priced by `specray.policy.pricing` (goodput E[L] * B / T_round of plain decoding, one
+drafter, cascades, a native vLLM target, overlapped rounds); this module chooses among them: a static
+table, hysteresis, exploration of stale pairs, plain probes at new batch sizes.
 
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
@@ -43,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from specray.coordinator.cascade import Plan
 from specray.policy.cost import Acceptance, StepCost
+from specray.policy.pricing import Pricing, _effective
 from specray.spec.params import VerifyMethod
 
 if TYPE_CHECKING:
@@ -51,16 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["Planner", "regime_of"]
 
 REGIMES = ("cascade", "draft", "ngram", "none")
-
-
-def _effective(plan: Plan) -> list[int]:
-    """Indices into plan.levels that actually run: below a level with K = 0 nothing is asked to draft."""
-    eff = [len(plan.levels) - 1]
-    for i in range(len(plan.levels) - 2, -1, -1):
-        if plan.k[i] == 0:
-            break
-        eff.append(i)
-    return eff[::-1]
 
 
 def regime_of(plan: Plan, is_ngram: Sequence[bool]) -> str:
@@ -78,7 +45,7 @@ def _bucket(batch: int) -> int:
     return 1 << max(0, int(batch) - 1).bit_length()
 
 
-class Planner:
+class Planner(Pricing):
     """Picks a `Plan` per round for the best expected goodput; `planner(batch_size) -> Plan`.
 
     Only the levels' names, `is_ngram` and `k` (the default plan) are used. `attach(engine)` subscribes
@@ -269,159 +236,6 @@ class Planner:
             acc.observe(draft_lens, accepted, gap=gap, proposed=proposed)
             self._memo.clear()
             self._measured[(level, lower)] = self._clock
-
-    # ----- the model --------------------------------------------------------------------------------
-    def step_time(self, level: int, batch: int, tokens: int) -> float:
-        """Predicted seconds of one forward of `level` (memoised until the next measurement)."""
-        if self.is_ngram[level]:
-            return self.ngram_cost
-        key = ("t", level, batch, tokens)
-        t = self._memo.get(key)
-        if t is None:
-            t = self._memo[key] = self.costs[level].predict(batch, tokens)
-        return t
-
-    def _elen(self, level: int, lower: int, k: int) -> float:
-        key = ("e", level, lower, k)
-        e = self._memo.get(key)
-        if e is None:
-            e = self._memo[key] = self.acceptance[(level, lower)].expected_length(k)
-        return e
-
-    def alphas(self, level: int, lower: int, k: int) -> list[float]:
-        """Current per-position acceptance estimates of `lower`'s drafts by `level`."""
-        return self.acceptance[(level, lower)].alphas(k)
-
-    def _produce(self, plan: Plan, i: int, batch: int, want: int) -> float:
-        """Expected seconds for plan.levels[i] to produce `want` tokens for the level above it."""
-        if want <= 0:
-            return 0.0
-        lvl = plan.levels[i]
-        if i == 0:
-            return self.ngram_cost if self.is_ngram[lvl] else want * self.step_time(lvl, batch, 1)
-        k_low = plan.k[i - 1]
-        e = self._elen(lvl, plan.levels[i - 1], k_low)
-        inner = math.ceil(want / e - 1e-9)
-        return inner * (self._produce(plan, i - 1, batch, k_low) + self.step_time(lvl, batch, k_low + 1))
-
-    def round_time(self, plan: Plan, batch: int) -> float:
-        """Expected seconds of one round of `plan` over `batch` sequences (module docstring)."""
-        if len(plan.levels) == 1 or plan.k[-1] == 0:
-            if self.native_cost is not None:
-                q = max(1, round(self.native_q))
-                key = ("n", batch, q)
-                t = self._memo.get(key)
-                if t is None:
-                    t = self._memo[key] = self.native_cost.predict(batch, q)
-                return t + self.overhead
-            return self.step_time(self.top, batch, 1) + self.overhead
-        k = plan.k[-1]
-        if self._overlapped(plan):
-            if self.bounded:
-                return self._bounded(plan, batch)[1] + self.overhead
-            # unbounded overlap: the levels below draft K + 1 ahead while the target verifies; the next
-            # round skips drafting when all K and the bonus token match (probability ~ prod alpha_1..K+1)
-            produce = self._produce(plan, len(plan.levels) - 2, batch, k)
-            verify = self._verify_time(batch, k)
-            ahead = self._produce(plan, len(plan.levels) - 2, batch, k + 1)
-            hit = math.prod(self.alphas(self.top, plan.levels[-2], k + 1))
-            return (1.0 - hit) * produce + max(verify, ahead) + self.overhead
-        return self._produce(plan, len(plan.levels) - 2, batch, k) + self._verify_time(batch, k) + self.overhead
-
-    def _overlapped(self, plan: Plan) -> bool:
-        """Whether the engine drafts this plan's next round while the target verifies (lookahead.py)."""
-        eff = _effective(plan)
-        return (self.overlap and not self._rejection_top and len(eff) > 1
-                and any(not self.is_ngram[plan.levels[j]] for j in eff[:-1]))
-
-    def _bounded(self, plan: Plan, batch: int) -> tuple[float, float]:
-        """(E[L], T) per round of an overlapped plan whose look-ahead stops once the target has verified.
-
-        The drafter d (the level below the target) works in steps: a first model level in calls of
-        `ahead_chunk` proposals, a middle level in inner rounds (its drafter's K_low tokens, then its check,
-        yielding E_in = E[L](alpha(d | low), K_low)). A round whose look-ahead missed drafts one step (D_M tokens)
-        before the target verifies; a round after a hit drafts nothing and uses the look-ahead made beside the
-        previous verification: the steps d started within that verification's time V(D), at most K + 1 tokens,
-        so D' = min(K, made - 1). Each round's look-ahead runs beside the target and is waited for only to
-        the end of its step in progress. A hit (probability prod alpha_1..D+1: all D drafts and the bonus
-        token match) moves the row to D', a miss back to D_M: a renewal chain D_M -> f(D_M) -> f(f(D_M)) ...
-        (f converges in a few rounds), whose stationary law gives E[L] and T. At batch B the one-step draft is
-        paid when any row missed: 1 - P(hit)^B (verification padding is not priced). Rows whose draft length
-        changes their output for a seed (deterministic verification at T > 0) are not bounded by the engine;
-        they are priced as bounded too (the planner does not see sampling per row)."""
-        key = ("b", plan, batch)
-        got = self._memo.get(key)
-        if got is not None:
-            return got
-        k, top = plan.k[-1], self.top
-        i = len(plan.levels) - 2
-        d = plan.levels[i]
-        if i == 0:  # the first model level: a step is one call of ahead_chunk proposals
-            step_tokens = float(self.ahead_chunk)
-            step_time = self.ahead_chunk * self.step_time(d, batch, 1)
-        else:
-            k_low = plan.k[i - 1]
-            step_tokens = self._elen(d, plan.levels[i - 1], k_low)
-            step_time = self._produce(plan, i - 1, batch, k_low) + self.step_time(d, batch, k_low + 1)
-        alphas = self.alphas(top, d, k + 1)
-        prefix = list(itertools.accumulate(alphas, lambda a, b: a * b))  # prod alpha_1..j, j = 1..K+1
-        full_steps = math.ceil((k + 1) / step_tokens - 1e-9)
-
-        def state(n: int, drafted: bool) -> tuple[float, float, int]:
-            """(E[L], seconds, next draft length on a hit) of a round verifying an n-token draft."""
-            verify = self._verify_time(batch, n)
-            steps = min(full_steps, max(1, math.ceil(verify / step_time - 1e-9))) if step_time > 0 else full_steps
-            made = min(k + 1, int(steps * step_tokens + 1e-9))
-            wait = max(verify, steps * step_time)  # its step in progress ends; a full look-ahead may end sooner
-            elen = 1.0 + sum(prefix[:n])
-            return elen, (step_time if drafted else 0.0) + wait, min(k, made - 1)
-
-        n = min(k, max(1, round(step_tokens)))  # a miss: one step's tokens
-        reach, rounds, tokens, seconds, hits = 1.0, 0.0, 0.0, 0.0, 0.0
-        drafted = True
-        for _ in range(64):
-            elen, t, nxt = state(n, drafted)
-            h = min(prefix[n], 0.999) if nxt >= 1 else 0.0
-            if not drafted and nxt == n:  # the chain's fixed point: the rest of the cycle is geometric
-                reach /= 1.0 - h
-            rounds += reach
-            tokens += reach * elen
-            seconds += reach * (t - (step_time if drafted else 0.0))
-            hits += reach * h
-            if not drafted and nxt == n:
-                break
-            reach *= h
-            n, drafted = nxt, False
-        p_hit = hits / rounds
-        got = (tokens / rounds, seconds / rounds + step_time * (1.0 - p_hit**batch))
-        self._memo[key] = got
-        return got
-
-    def _verify_time(self, batch: int, k: int) -> float:
-        """The target verifying k drafted tokens per sequence: a forward pass, or engine steps (each verifying
-        up to `engine_verify` tokens) on the engine's decode path."""
-        if self.native_cost is None or not self.engine_verify:
-            return self.step_time(self.top, batch, k + 1)
-        key = ("v", batch, k)
-        t = self._memo.get(key)
-        if t is None:
-            steps = math.ceil(k / self.engine_verify)
-            t = self._memo[key] = steps * self.native_cost.predict(batch, min(k, self.engine_verify) + 1)
-        return t
-
-    def expected_length(self, plan: Plan, batch: int = 1) -> float:
-        """Expected tokens committed per sequence per round (a bounded look-ahead's draft length, hence this,
-        depends on the batch through the levels' speeds)."""
-        if len(plan.levels) == 1 or plan.k[-1] == 0:
-            return self._elen(self.top, self.top, self.native_k) if self.native_k else 1.0
-        if self.bounded and self._overlapped(plan):
-            return self._bounded(plan, max(1, batch))[0]
-        return self._elen(self.top, plan.levels[-2], plan.k[-1])
-
-    def goodput(self, plan: Plan, batch: int) -> float:
-        """Expected committed tokens per second: E[L] * B / T_round."""
-        t = self.round_time(plan, batch)
-        return self.expected_length(plan, batch) * batch / t if t > 0 else math.inf
 
     def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
         """Every candidate (and the current and default plans) with its predicted goodput, best first."""
