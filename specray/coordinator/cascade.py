@@ -284,6 +284,10 @@ class CascadeEngine(LookAhead):
         active = [s for s in seqs if not s.finished]
         if not active:
             return [[] for _ in seqs]
+        if method is None and all(s.sampling.greedy for s in active):
+            # at temperature 0 every method verifies greedily (same tokens); saying so lets a greedy batch draft
+            # ahead (overlap) and skip draft probabilities under a configured rejection method
+            method = VerifyMethod.GREEDY
         for _ in range(len(self.levels)):
             try:
                 new_by_id = self._round(active, self._available(plan), method)

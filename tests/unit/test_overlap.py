@@ -147,6 +147,22 @@ def test_overlap_is_off_for_rejection_and_ngram_only_plans():
     assert ng.ahead_rows == 0 and ng._ahead_pool is None  # an n-gram costs nothing to overlap
 
 
+@pytest.mark.parametrize("setup", ["draft", "cascade3_models"])
+def test_greedy_batches_overlap_under_a_configured_rejection_method(setup):
+    """Temperature 0 verifies greedily under every method, so a batch of greedy rows drafts ahead even where the
+    levels are configured for rejection (the CLI's and LevelConfig's default): greedy == plain; a batch with a
+    sampled row does not (rejection drafts carry their probabilities)."""
+    plain = generate(cascades(VerifyMethod.REJECTION)["plain"], PROMPTS, max_tokens=40, ignore_eos=True)
+    eng = CascadeEngine(cascades(VerifyMethod.REJECTION)[setup], overlap=True)
+    out = generate(eng, PROMPTS, max_tokens=40, ignore_eos=True)
+    assert [r.token_ids for r in out.results] == [r.token_ids for r in plain.results]
+    assert eng.ahead_rows > 0 and eng.ahead_hits > 0
+    mixed = [SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(), SamplingParams()]
+    eng = CascadeEngine(cascades(VerifyMethod.REJECTION)[setup], overlap=True)
+    generate(eng, PROMPTS, max_tokens=10, sampling=mixed, ignore_eos=True)
+    assert eng.ahead_rows == 0
+
+
 def test_overlap_lookahead_is_dropped_when_the_plan_changes():
     """A look-ahead drafted for one plan is not the draft of another (different K or levels)."""
     levels = cascades(VerifyMethod.GREEDY)["cascade3"]
