@@ -8,7 +8,8 @@ is the next round's draft and that round skips drafting; otherwise it is dropped
 back on their next sync). A round then costs max(draft, verify) instead of their sum where the guess holds.
 Exactness is untouched: the target verifies every draft as usual, and a look-ahead is only used as the draft
 of exactly the prefix it was made from. Not with rejection verification (its drafts carry probabilities tied
-to their sampling), and not when only the n-gram drafts (it costs nothing to overlap).
+to their sampling; a batch of greedy rows is verified greedily whatever the configured method,
+`CascadeEngine.step`), and not when only the n-gram drafts (it costs nothing to overlap).
 
 Bounded look-ahead (`ahead_bounded`, on by default): the look-ahead stops at the drafter's next step boundary once
 the target has its verdict, with the tokens it has (K + 1 at most), and the round goes on without waiting for it; a
