@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prompts import SETS
 
-from specray.coordinator.cascade import Level, LevelStats
+from specray.coordinator.cascade import Level
 from specray.coordinator.generate import generate
+from specray.coordinator.stats import LevelStats
 from specray.engine.hf import HFWorker
 from specray.engine.models import check_tokenizers
 from specray.spec.bound import expected_accepted_length

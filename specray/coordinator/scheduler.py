@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specray.coordinator.cascade import CascadeEngine, LevelStats, Plan, Sequence_
+from specray.coordinator.cascade import CascadeEngine, Plan, Sequence_
+from specray.coordinator.stats import LevelStats
 from specray.coordinator.stream import IncrementalDetokenizer, StopChecker
 from specray.spec.params import SamplingParams, VerifyMethod
 

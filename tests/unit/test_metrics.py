@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specray.coordinator.cascade import LevelStats
+from specray.coordinator.stats import LevelStats
 from specray.metrics import SpecMetrics
 
 ROOT = Path(__file__).resolve().parents[2]

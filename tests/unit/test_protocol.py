@@ -11,7 +11,7 @@ import openai.types.chat as oai_chat
 import pytest
 from pydantic import ValidationError
 
-from specray.coordinator.cascade import LevelStats
+from specray.coordinator.stats import LevelStats
 from specray.serve.protocol import (
     SSE_DONE,
     ChatChoice,

@@ -12,8 +12,9 @@ import pytest
 from pydantic import ValidationError
 
 from specray.config import CascadeConfig, LevelConfig
-from specray.coordinator.cascade import CascadeEngine, Level, LevelStats, Plan
+from specray.coordinator.cascade import CascadeEngine, Level, Plan
 from specray.coordinator.generate import generate
+from specray.coordinator.stats import LevelStats
 from specray.engine.protocol import SeqSync
 from specray.engine.vllm_native import check_native_speculation
 from specray.metrics import SpecMetrics

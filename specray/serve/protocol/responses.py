@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 if TYPE_CHECKING:  # cascade imports torch; the schemas only need the attributes
-    from specray.coordinator.cascade import LevelStats
+    from specray.coordinator.stats import LevelStats
 
 FinishReason = Literal["stop", "length"]
 
