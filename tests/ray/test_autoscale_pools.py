@@ -41,7 +41,9 @@ def replica_counts(app: str = APP, names: tuple[str, ...] = ("SpeculativePool", 
 
 
 class Watcher:
-    """Polls `serve.status()` in the background and keeps every observation."""
+    """Polls `serve.status()` in the background and keeps every observation. A context manager: the thread
+    must never outlive its test, since a `serve.status()` after `ray.shutdown()` would start a stray local Ray
+    that later tests' `ray.init` collides with (and it only polls while Ray is initialized, for that reason)."""
 
     def __init__(self, app: str = APP, names: tuple[str, ...] = ("SpeculativePool", "TargetPool")) -> None:
         self.app, self.names = app, names
@@ -51,22 +53,54 @@ class Watcher:
         self._thread.start()
 
     def _run(self) -> None:
+        import ray
+
         while not self._stop.is_set():
-            try:
-                self.seen.append((time.monotonic(), replica_counts(self.app, self.names)))
-            except Exception:
-                pass
-            time.sleep(0.25)
+            if ray.is_initialized():
+                try:
+                    self.seen.append((time.monotonic(), replica_counts(self.app, self.names)))
+                except Exception:
+                    pass
+            self._stop.wait(0.25)
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(10)
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def max(self, name: str) -> int:
-        return max(c[name] for _, c in self.seen)
+        return max((c[name] for _, c in self.seen), default=0)
 
     def min(self, name: str) -> int:
         return min(c[name] for _, c in self.seen)
+
+
+async def sustained(request, workers: int, min_each: int, until, max_s: float) -> list:
+    """Closed-loop load: `workers` clients each send `request(w, j)` one after another, at least `min_each`
+    times, and go on until `until()` holds or `max_s` passes. Autoscaling reacts to load that lasts, so a
+    fixed number of requests would test this box's speed (finished in 0.7 s here, before any metrics push)."""
+    stop = asyncio.Event()
+
+    async def worker(w: int) -> list:
+        outs, j = [], 0
+        while j < min_each or not stop.is_set():
+            outs.append(await request(w, j))
+            j += 1
+        return outs
+
+    async def monitor() -> None:
+        deadline = time.monotonic() + max_s
+        while not until() and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+        stop.set()
+
+    res = await asyncio.gather(monitor(), *[worker(w) for w in range(workers)])
+    return [o for outs in res[1:] for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -120,49 +154,47 @@ def test_load_grows_the_target_pool_and_idle_speculation_shrinks_the_draft_pool(
     assert code.startswith(str(Path(__file__).resolve().parents[2])), code  # replicas run this tree
     assert replica_counts() == {"SpeculativePool": 1, "TargetPool": 1}
 
-    watcher = Watcher()
-    workers, per_worker, max_tokens = 12, 3, 48
+    workers, max_tokens = 12, 48
+    with Watcher() as watcher:
+        def grown() -> bool:
+            return watcher.max("TargetPool") > 1 and watcher.max("SpeculativePool") == 2
 
-    async def load():
-        async with httpx.AsyncClient(base_url=url, timeout=240) as client:
-            async def worker(w: int) -> list[tuple[str, dict]]:  # closed loop: a new request when one ends
-                outs = []
-                for j in range(per_worker):
+        async def load():
+            async with httpx.AsyncClient(base_url=url, timeout=240) as client:
+                async def request(w: int, j: int) -> tuple[str, dict]:
                     p = PROMPTS[(w + j) % len(PROMPTS)]
                     r = await client.post("/v1/completions", json={
                         "model": "tiny", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
                         "ignore_eos": True})
                     assert r.status_code == 200, r.text
-                    outs.append((p, r.json()))
-                return outs
-            return [o for outs in await asyncio.gather(*[worker(w) for w in range(workers)]) for o in outs]
+                    return p, r.json()
+                return await sustained(request, workers, 3, grown, max_s=90)
 
-    t0 = time.monotonic()
-    outs = asyncio.run(load())
-    t_load = time.monotonic() - t0
-    during = [c for t, c in watcher.seen if t <= t0 + t_load]
-    counts = routed(url)
-    # plain references, served by the target pool (speculation "none")
-    plain = {p: handle.generate.remote(p, max_tokens=max_tokens, ignore_eos=True,
-                                       speculation={"method": "none"}).result()["text"] for p in PROMPTS}
-    served = {"speculative": 0, "target": 0}
-    for i, (p, out) in enumerate(outs):
-        assert out["choices"][0]["text"] == plain[p], f"request {i} ({p!r}) differs from plain decoding"
-        drafted = sum(st["draft_tokens"] for st in (out["usage"].get("speculation") or {}).values())
-        served["speculative" if drafted else "target"] += 1
-    print(f"\nload of {len(outs)} requests in {t_load:.1f}s; routed {counts}; served {served}; replicas during "
-          f"load {sorted({tuple(c.values()) for c in during})}")
-    assert served["speculative"] >= 2 and served["target"] >= 2, served  # both pools answered, identically
-    assert counts.get("speculative", 0) == served["speculative"] and counts.get("target", 0) == served["target"]
-    assert watcher.max("TargetPool") > 1, "the target pool did not grow past 1 replica under load"
-    assert watcher.max("SpeculativePool") == 2, "the saturated, speculating draft pool did not grow"
+        t0 = time.monotonic()
+        outs = asyncio.run(load())
+        t_load = time.monotonic() - t0
+        during = [c for t, c in watcher.seen if t <= t0 + t_load]
+        counts = routed(url)
+        # plain references, served by the target pool (speculation "none")
+        plain = {p: handle.generate.remote(p, max_tokens=max_tokens, ignore_eos=True,
+                                           speculation={"method": "none"}).result()["text"] for p in PROMPTS}
+        served = {"speculative": 0, "target": 0}
+        for i, (p, out) in enumerate(outs):
+            assert out["choices"][0]["text"] == plain[p], f"request {i} ({p!r}) differs from plain decoding"
+            drafted = sum(st["draft_tokens"] for st in (out["usage"].get("speculation") or {}).values())
+            served["speculative" if drafted else "target"] += 1
+        print(f"\nload of {len(outs)} requests in {t_load:.1f}s; routed {counts}; served {served}; replicas "
+              f"during load {sorted({tuple(c.values()) for c in during})}")
+        assert served["speculative"] >= 2 and served["target"] >= 2, served  # both pools answered, identically
+        assert counts.get("speculative", 0) == served["speculative"] and counts.get("target", 0) == served["target"]
+        assert watcher.max("TargetPool") > 1, "the target pool did not grow past 1 replica under 90 s of load"
+        assert watcher.max("SpeculativePool") == 2, "the saturated, speculating draft pool did not grow in 90 s"
 
-    # idle: no speculative rounds in the window -> the draft pool shrinks to min; the target pool too
-    deadline = time.monotonic() + 40
-    while replica_counts() != {"SpeculativePool": 1, "TargetPool": 1}:
-        assert time.monotonic() < deadline, f"pools did not shrink back: {replica_counts()}"
-        time.sleep(0.5)
-    watcher.stop()
+        # idle: no speculative rounds in the window -> the draft pool shrinks to min; the target pool too
+        deadline = time.monotonic() + 40
+        while replica_counts() != {"SpeculativePool": 1, "TargetPool": 1}:
+            assert time.monotonic() < deadline, f"pools did not shrink back: {replica_counts()}"
+            time.sleep(0.5)
     print(f"shrunk back to {replica_counts()} {time.monotonic() - t0 - t_load:.1f}s after the load")
 
 
@@ -219,26 +251,22 @@ def test_coordinator_policy_scales_cascade_replicas_by_break_even(pools_app, tin
                            autoscaling_config=auto)(serve.ingress()(Coordinator))
     h = serve.run(dep.bind(cfg.model_dump(mode="json")), name="coord", route_prefix="/coord")
     try:
-        watcher = Watcher("coord", ("Coordinator",))
+        with Watcher("coord", ("Coordinator",)) as watcher:
+            async def request(w: int, j: int) -> tuple[str, dict]:
+                p = PROMPTS[(w + j) % len(PROMPTS)]
+                return p, await h.generate.remote(p, max_tokens=48, ignore_eos=True)
 
-        async def load():
-            async def worker(w: int) -> list[tuple[str, dict]]:
-                return [(p, await h.generate.remote(p, max_tokens=48, ignore_eos=True))
-                        for p in (PROMPTS[(w + j) % len(PROMPTS)] for j in range(3))]
-            return [o for outs in await asyncio.gather(*[worker(w) for w in range(8)]) for o in outs]
-
-        t0 = time.monotonic()
-        outs = asyncio.run(load())
-        print(f"\ncoordinator app: {len(outs)} requests in {time.monotonic() - t0:.1f}s, replicas seen "
-              f"{sorted({c['Coordinator'] for _, c in watcher.seen})}")
-        plain = {p: h.generate.remote(p, max_tokens=48, ignore_eos=True, speculation={"method": "none"}).result()
-                 for p in PROMPTS}
-        assert all(out["token_ids"] == plain[p]["token_ids"] for p, out in outs)
-        assert watcher.max("Coordinator") == 2, "CoordinatorPolicy did not scale out past break-even"
-        deadline = time.monotonic() + 30
-        while replica_counts("coord", ("Coordinator",))["Coordinator"] != 1:
-            assert time.monotonic() < deadline, "the coordinator did not scale back in"
-            time.sleep(0.5)
-        watcher.stop()
+            t0 = time.monotonic()
+            outs = asyncio.run(sustained(request, 8, 3, lambda: watcher.max("Coordinator") == 2, max_s=90))
+            print(f"\ncoordinator app: {len(outs)} requests in {time.monotonic() - t0:.1f}s, replicas seen "
+                  f"{sorted({c['Coordinator'] for _, c in watcher.seen})}")
+            plain = {p: h.generate.remote(p, max_tokens=48, ignore_eos=True, speculation={"method": "none"}).result()
+                     for p in PROMPTS}
+            assert all(out["token_ids"] == plain[p]["token_ids"] for p, out in outs)
+            assert watcher.max("Coordinator") == 2, "CoordinatorPolicy did not scale out past break-even in 90 s"
+            deadline = time.monotonic() + 30
+            while replica_counts("coord", ("Coordinator",))["Coordinator"] != 1:
+                assert time.monotonic() < deadline, "the coordinator did not scale back in"
+                time.sleep(0.5)
     finally:
         serve.delete("coord")
