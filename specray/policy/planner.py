@@ -247,6 +247,17 @@ class Planner(Pricing):
             scored = [(p, self.goodput(p, max(1, batch_size))) for p in plans]
         return sorted(scored, key=lambda x: (-x[1], len(x[0].levels), sum(x[0].k)))
 
+    def describe(self, batch_size: int, top: int = 5) -> dict[str, Any]:
+        """The planner's view for `/health`: the plan it holds and its best-ranked candidates at `batch_size`,
+        each with predicted goodput (tokens/s), tokens per round E[L] and round time -- what to look at when
+        a deployment speculates less (or more) than expected."""
+        batch = max(1, int(batch_size))
+        with self._lock:
+            ranked = [{"plan": self.plan_name(p), "goodput": round(g, 3),
+                       "tokens_per_round": round(self.expected_length(p, batch), 3),
+                       "round_s": round(self.round_time(p, batch), 4)} for p, g in self.explain(batch)[:top]]
+            return {"batch": batch, "current": self.plan_name(self._current), "ranked": ranked}
+
     # ----- choosing ---------------------------------------------------------------------------------
     def regime_of(self, plan: Plan) -> str:
         return regime_of(plan, self.is_ngram)

@@ -242,6 +242,8 @@ class Coordinator:
                     out["status"] = "unavailable"
         out["active"] = self.scheduler.num_active
         out["cascade"] = self.engine.level_status()  # "down": dropped until it answers again
+        if self.planner is not None:  # at the running batch (1 when idle)
+            out["planner"] = self.planner.describe(self.scheduler.num_active)
         out["pid"] = os.getpid()
         return out
 

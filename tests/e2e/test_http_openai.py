@@ -33,6 +33,9 @@ def test_models_and_health(client, server):
     assert [m.id for m in models.data] == [MODEL]
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and set(h["levels"]) == {"ngram", "mid", "target"}
+    plan = h["planner"]  # the live planner's view: held plan and best candidates at the running batch
+    assert plan["batch"] >= 1 and plan["current"].endswith("target") and plan["ranked"]
+    assert all(r["plan"].endswith("target") and r["goodput"] > 0 for r in plan["ranked"])
 
 
 def test_completion_non_stream_greedy_equals_plain(client, server):

@@ -298,6 +298,21 @@ def test_batch_one_speculates_with_cheap_accurate_drafter():
     assert p.alphas(1, 0, 1)[0] == pytest.approx(0.8, abs=0.15)
 
 
+def test_describe_reports_the_held_plan_and_the_ranking_it_comes_from():
+    """/health shows this: the held plan, and the best candidates with goodput = E[L] x batch / round time."""
+    p = Planner(two_levels())
+    sim = Sim(p, {1: linear_cost(0.02, 0.0), 0: linear_cost(0.004, 0.0)}, {(1, 0): 0.8})
+    sim.run(1, 100)
+    view = p.describe(0, top=3)  # idle: described at batch 1
+    assert view["batch"] == 1 and view["current"] == p.plan_name(p.current)
+    assert [r["plan"] for r in view["ranked"]] == [p.plan_name(x) for x, _ in p.explain(1)[:3]]
+    goodputs = [r["goodput"] for r in view["ranked"]]
+    assert goodputs == sorted(goodputs, reverse=True) and len(goodputs) == 3
+    for r in view["ranked"]:
+        assert r["goodput"] == pytest.approx(r["tokens_per_round"] / r["round_s"], rel=1e-2)
+    assert p.describe(16)["batch"] == 16
+
+
 def test_large_compute_bound_batch_decodes_plainly():
     p = Planner(two_levels())
     sim = Sim(p, {1: linear_cost(0.01, 0.002), 0: linear_cost(0.001, 0.0002)}, {(1, 0): 0.8})

@@ -1,0 +1,134 @@
+"""The served application, end to end: `serve run CONFIG.yaml`, then batch-1 chat requests over HTTP.
+
+    RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/bench_serve.py serve_config.yaml --sets code extraction chat
+
+For each config file (one after another, each in its own `serve run` process and Ray), every prompt of the
+chosen sets is sent twice, one request at a time to /v1/chat/completions (greedy, --max-tokens): once with the
+served plan and once with `"speculation": {"method": "none"}` (plain decoding through the same actors), in
+alternating order. Reported per set: tokens/s of both, their ratio, and the target's acceptance from the
+responses' `usage.speculation`. This is what a user of the deployment sees, Ray actors and HTTP included,
+unlike bench_core (one process, no Serve). Writes benchmarks/results/serve-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from prompts import SETS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def served(config: Path) -> tuple[str, str]:
+    """(base URL, model id) from a Serve config file."""
+    cfg = yaml.safe_load(config.read_text())
+    http = cfg.get("http_options", {})
+    app = cfg["applications"][0]
+    url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}{app.get('route_prefix', '/').rstrip('/')}"
+    return url, app["args"]["config"]["server"]["model_name"]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`serve run` exited with {proc.returncode} before the app was ready")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s")
+
+
+def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: bool) -> tuple[int, float, dict]:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0}
+    if plain:
+        body["speculation"] = {"method": "none"}
+    t0 = time.perf_counter()
+    r = client.post("/v1/chat/completions", json=body)
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    usage = r.json()["usage"]
+    return usage["completion_tokens"], dt, usage.get("speculation") or {}
+
+
+def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: float) -> dict:
+    url, model = served(config)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    print(f"== {config}: starting `serve run` (models load in the level actors) ...", flush=True)
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    out: dict = {}
+    try:
+        t0 = time.monotonic()
+        wait_ready(url, proc, startup_s)
+        print(f"   ready in {time.monotonic() - t0:.0f}s", flush=True)
+        with httpx.Client(base_url=url, timeout=600) as client:
+            ask(client, model, "Say hi.", 8, plain=False)  # warm-up
+            for name in sets:
+                acc = {"plain": [0, 0.0], "served": [0, 0.0]}
+                drafted = accepted = 0
+                for i, text in enumerate(SETS[name]):
+                    order = (True, False) if i % 2 == 0 else (False, True)
+                    for plain in order:
+                        n, dt, spec = ask(client, model, text, max_tokens, plain)
+                        key = "plain" if plain else "served"
+                        acc[key][0] += n
+                        acc[key][1] += dt
+                        if not plain and spec:  # per level, small to large: the last is the target
+                            target = list(spec.values())[-1]
+                            drafted += target.get("draft_tokens", 0)
+                            accepted += target.get("accepted_tokens", 0)
+                        print(f"   {name} #{i} {key:6s} {n:3d} tok {dt:6.1f}s {n / dt:5.2f} tok/s", flush=True)
+                res = {k: {"tokens": v[0], "seconds": v[1], "tok_s": v[0] / v[1]} for k, v in acc.items()}
+                res["speedup"] = res["served"]["tok_s"] / res["plain"]["tok_s"]
+                res["target_acceptance"] = accepted / drafted if drafted else None
+                out[name] = res
+                print(f"   {name}: served {res['served']['tok_s']:.2f} tok/s, plain {res['plain']['tok_s']:.2f} "
+                      f"tok/s, {res['speedup']:.2f}x", flush=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # `serve run` shuts the app and its Ray down on Ctrl-C
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("configs", nargs="+", type=Path, help="Serve config files, benchmarked one after another")
+    ap.add_argument("--sets", nargs="+", default=["code", "extraction", "chat"], choices=list(SETS))
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--startup-s", type=float, default=900, help="wait this long for the app (first start converts)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    results = {str(c): bench_config(c, args.sets, args.max_tokens, args.startup_s) for c in args.configs}
+    print("\nconfig".ljust(40) + "".join(f"{s:>22s}" for s in args.sets))
+    for c, res in results.items():
+        print(c[-39:].ljust(39) + "".join(
+            f"{res[s]['served']['tok_s']:8.2f} vs {res[s]['plain']['tok_s']:5.2f} {res[s]['speedup']:4.2f}x"
+            for s in args.sets))
+    out = args.out or ROOT / "benchmarks" / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
