@@ -18,7 +18,7 @@ from specray.coordinator.cascade import (
     Level,
     LevelStats,
     Plan,
-    Sequence_,
+    Seq,
     run_to_completion,
 )
 from specray.engine.protocol import Worker
@@ -144,7 +144,7 @@ def generate(
     if len(params) != len(prompts):
         raise ValueError("one SamplingParams per prompt, or one for all")
     stop_ids = set() if ignore_eos else _stop_ids(engine.levels, tok)
-    seqs: list[Sequence_] = []
+    seqs: list[Seq] = []
     for p, sp in zip(prompts, params):
         if isinstance(p, str):
             if tok is None:
@@ -163,7 +163,7 @@ def generate(
     t_start = time.perf_counter()
     first: dict[str, float] = {}
 
-    def on_tokens(s: Sequence_, new: list[int]) -> None:
+    def on_tokens(s: Seq, new: list[int]) -> None:
         first.setdefault(s.seq_id, time.perf_counter() - t_start)
         if stop_strs and tok is not None:
             text = tok.decode(s.output, skip_special_tokens=True)

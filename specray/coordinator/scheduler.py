@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specray.coordinator.cascade import CascadeEngine, Plan, Sequence_
+from specray.coordinator.cascade import CascadeEngine, Plan, Seq
 from specray.coordinator.stats import LevelStats
 from specray.coordinator.stream import IncrementalDetokenizer, StopChecker
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -85,7 +85,7 @@ class Event:
 @dataclass
 class _Live:
     req: Request
-    seq: Sequence_
+    seq: Seq
     plan: Plan | None
     method: VerifyMethod | None
     queue: asyncio.Queue

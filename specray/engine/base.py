@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerStats
+from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerCaps, WorkerStats
 from specray.spec.params import PLACEHOLDER_TOKEN_ID, SamplingParams, VerifyMethod
 from specray.spec.sampling import SamplingBatch, processed_probs, sample_tokens
 from specray.spec.verify import verify as verify_batch
@@ -49,6 +49,11 @@ class LogitsWorker(abc.ABC):
     name: str
     vocab_size: int
     max_context: int
+    eos_token_ids: tuple[int, ...] = ()
+    #: declared abilities (`WorkerCaps`); a backend or test double that has them sets these
+    native_k: int = 0
+    live_decode: bool = False
+    engine_verify: int = 0
     #: pending spans longer than this are prefilled alone, so a batched decode step stays short
     prefill_threshold: int = 8
     prefill_chunk: int = 512
@@ -70,6 +75,11 @@ class LogitsWorker(abc.ABC):
 
     def _cache_bytes(self) -> int:
         return 0
+
+    def capabilities(self) -> WorkerCaps:
+        return WorkerCaps(self.name, int(self.vocab_size), self.max_context, tuple(int(t) for t in self.eos_token_ids),
+                          native_k=int(self.native_k), live_decode=bool(self.live_decode),
+                          engine_verify=int(self.engine_verify), draft_confidence=True)
 
     # ----- sequence state -----------------------------------------------------------------------
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:

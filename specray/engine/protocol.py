@@ -17,7 +17,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specray.engine.caps import WorkerCaps
 from specray.spec.params import SamplingParams, VerifyMethod
+
+__all__ = ["DraftMode", "DraftProposal", "SeqSync", "VerifyResult", "Worker", "WorkerCaps", "WorkerStats"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class Worker(Protocol):
     name: str
     vocab_size: int
 
+    def capabilities(self) -> WorkerCaps:
+        """The worker's static facts and optional abilities, read once when its level is built."""
+
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
         """Register a sequence with its prompt. The prompt is prefilled lazily on the first call."""
 
@@ -116,8 +122,8 @@ class Worker(Protocol):
         """Draft k[b] tokens for each sequence autoregressively and keep them tentatively.
 
         `stop_below` > 0: a row's draft ends after a token to which this worker gave a probability below it
-        (its own confidence; for greedy rows the softmax of its raw logits). Optional: the coordinator only
-        passes it when a level asks for it, and a worker may draft all k[b] anyway (any draft is valid)."""
+        (its own confidence; for greedy rows the softmax of its raw logits). A worker without
+        `WorkerCaps.draft_confidence` drafts all k[b] (any draft is valid)."""
 
     def verify(
         self,
@@ -133,7 +139,8 @@ class Worker(Protocol):
     ) -> VerifyResult:
         """Score the drafts in one forward pass, accept a prefix, append it plus one correction/bonus token.
 
-        `confidence`: also report `VerifyResult.confidence` (optional like `propose`'s `stop_below`)."""
+        `confidence`: also report `VerifyResult.confidence` (None from a worker without
+        `WorkerCaps.draft_confidence`)."""
 
     def stats(self) -> WorkerStats:
         """Live sequences and cache usage."""

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerStats
+from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerCaps, WorkerStats
 from specray.engine.vllm_live import LiveRequests, _Live
 from specray.engine.vllm_scoring import FULL, PromptScoring, UnsupportedSamplingError
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -84,6 +84,9 @@ class VLLMWorker(LiveRequests, PromptScoring):
     engine_verify: verify greedy drafts of up to this many tokens per engine step inside the engine, on the
     live requests (`specray.engine.vllm_live`, "Engine verification"); 0: by prompt scoring.
     """
+
+    #: K of the engine's own speculation on rows without a draft (a native level sets it)
+    native_k: int = 0
 
     def __init__(
         self,
@@ -221,6 +224,12 @@ class VLLMWorker(LiveRequests, PromptScoring):
 
     def tokens(self, seq_id: str) -> list[int]:
         return list(self._get(seq_id))
+
+    def capabilities(self) -> WorkerCaps:
+        """Live decoding and engine verification as configured; `native_k` set by a native level; no draft
+        confidence (drafts run their full length)."""
+        return WorkerCaps(self.name, self.vocab_size, self.max_context, tuple(self.eos_token_ids),
+                          native_k=self.native_k, live_decode=self.live_decode, engine_verify=self.engine_verify)
 
     def stats(self) -> WorkerStats:
         return WorkerStats(

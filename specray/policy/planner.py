@@ -17,13 +17,14 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from specray.coordinator.cascade import Plan
+from specray.coordinator.state import Plan
 from specray.policy.cost import Acceptance, StepCost
 from specray.policy.pricing import Pricing, _effective
 from specray.spec.params import VerifyMethod
 
 if TYPE_CHECKING:
-    from specray.coordinator.cascade import CascadeEngine, Level
+    from specray.coordinator.cascade import CascadeEngine
+    from specray.coordinator.state import Level
 
 __all__ = ["Planner", "regime_of"]
 
@@ -100,7 +101,7 @@ class Planner(Pricing):
         self.overlap = False
         self.bounded = False
         self.ahead_chunk = 2
-        self._rejection_top = getattr(levels[-1], "method", None) == VerifyMethod.REJECTION
+        self._rejection_top = levels[-1].method == VerifyMethod.REJECTION
         self.k_choices = tuple(sorted(set(k_choices))) if k_choices else tuple(range(1, k_max + 1))
         if any(k < 1 for k in self.k_choices):
             raise ValueError("k_choices must be >= 1 (plain decoding is always a candidate)")
@@ -112,7 +113,7 @@ class Planner(Pricing):
         self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
         self.plain = Plan((self.top,), ())
         #: K of the target's own (native vLLM) speculation on plain rounds; 0: plain decoding is one token
-        self.native_k = int(getattr(levels[-1], "native_k", 0) or 0)
+        self.native_k = int(levels[-1].native_k or 0)
         self.native_q = float(self.native_k + 1)  # decayed mean tokens fed per row in a native step
         self._native_decay = decay
 
@@ -128,12 +129,12 @@ class Planner(Pricing):
             for lo, up in itertools.combinations(range(self.top + 1), 2)
         }
         #: the target verifies drafts of up to this many tokens inside its engine, on its decode path
-        self.engine_verify = int(getattr(levels[-1], "engine_verify", 0) or 0)
+        self.engine_verify = int(levels[-1].engine_verify or 0)
         self.native_cost: StepCost | None = None
         if self.native_k:
             self.acceptance[(self.top, self.top)] = Acceptance(prior_alpha_ngram, decay=decay,
                                                                k_max=max(32, self.native_k + 1))
-        if self.native_k or self.engine_verify or getattr(levels[-1], "live_decode", False):
+        if self.native_k or self.engine_verify or levels[-1].live_decode:
             self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
         self.candidates = self._enumerate()
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
@@ -161,9 +162,9 @@ class Planner(Pricing):
             raise ValueError("the engine's levels differ from the planner's")
         if self not in engine.observers:
             engine.observers.append(self)
-        self.overlap = bool(getattr(engine, "overlap", False))
-        self.bounded = bool(getattr(engine, "ahead_bounded", False))
-        self.ahead_chunk = max(1, int(getattr(engine, "ahead_chunk", 2)))
+        self.overlap = engine.overlap
+        self.bounded = engine.ahead_bounded
+        self.ahead_chunk = max(1, engine.ahead_chunk)
         self._memo.clear()
         return self
 

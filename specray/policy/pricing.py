@@ -40,7 +40,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING
 
-from specray.coordinator.cascade import Plan
+from specray.coordinator.state import Plan
 
 if TYPE_CHECKING:
     from specray.policy.cost import Acceptance, StepCost

@@ -33,9 +33,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from specray.config import CascadeConfig, LevelConfig
-from specray.coordinator.cascade import Level
+from specray.coordinator.state import Level
 from specray.engine.models import TokenizerMismatchError
-from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, Worker, WorkerStats
+from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, Worker, WorkerCaps, WorkerStats
 from specray.serve.placement import actor_options, bundle_nodes, in_bundle, level_bundle, reserve
 from specray.spec.params import SamplingParams, VerifyMethod
 
@@ -75,20 +75,19 @@ class LevelActor:
             torch.set_num_threads(num_threads)  # before the model is built, so every op uses it
         self.worker = factory()
         self.incarnation = uuid.uuid4().hex  # changes on every (re)start; lets clients detect restarts
-        tok = getattr(self.worker, "tokenizer", None)
+        self.caps = self.worker.capabilities()
+        tok = getattr(self.worker, "tokenizer", None)  # backends without text (test fakes) have None
         fingerprint = eos_id = None
         if tok is not None:
             from specray.engine.models import tokenizer_fingerprint
 
             fingerprint, eos_id = tokenizer_fingerprint(tok), getattr(tok, "eos_token_id", None)
         self._static = {
-            "name": self.worker.name,
-            "vocab_size": int(self.worker.vocab_size),
-            "max_context": getattr(self.worker, "max_context", None),
-            "native_k": int(getattr(self.worker, "native_k", 0) or 0),
-            "live_decode": bool(getattr(self.worker, "live_decode", False)),
-            "engine_verify": int(getattr(self.worker, "engine_verify", 0) or 0),
-            "eos_token_ids": [int(t) for t in getattr(self.worker, "eos_token_ids", ()) or ()],
+            "caps": self.caps,
+            "name": self.caps.name,
+            "vocab_size": self.caps.vocab_size,
+            "max_context": self.caps.max_context,
+            "eos_token_ids": list(self.caps.eos_token_ids),
             "tokenizer_fingerprint": fingerprint,
             "tokenizer_eos_id": eos_id,
             "has_tokenizer": tok is not None,
@@ -114,17 +113,15 @@ class LevelActor:
         mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
-        extra = {"stop_below": stop_below} if stop_below > 0 else {}  # optional protocol arguments: only if used
-        return self.worker.propose(seq_ids, k, sampling, mode=mode, salt=salt, sync=sync, **extra)
+        return self.worker.propose(seq_ids, k, sampling, mode=mode, salt=salt, sync=sync, stop_below=stop_below)
 
     def verify(
         self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
         sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
         sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
-        extra = {"confidence": True} if confidence else {}
         return self.worker.verify(seq_ids, draft_ids, draft_probs, sampling, method, salt=salt, sync=sync,
-                                  return_probs=return_probs, **extra)
+                                  return_probs=return_probs, confidence=confidence)
 
     def stats(self) -> WorkerStats:
         return self.worker.stats()
@@ -207,15 +204,16 @@ class ActorWorker:
         i = self._info_cache
         self.name = i["name"]
         self.level = level or self.name  # the cascade's name for this level (in errors)
-        self.vocab_size: int = i["vocab_size"]
-        self.max_context: int | None = i["max_context"]
-        self.native_k: int = int(i.get("native_k", 0) or 0)
-        self.live_decode: bool = bool(i.get("live_decode", False))
-        self.engine_verify: int = int(i.get("engine_verify", 0) or 0)
-        self.eos_token_ids: tuple[int, ...] = tuple(i["eos_token_ids"])
+        self.caps: WorkerCaps = i["caps"]
+        self.vocab_size: int = self.caps.vocab_size
+        self.max_context: int | None = self.caps.max_context
+        self.eos_token_ids: tuple[int, ...] = self.caps.eos_token_ids
         self.tokenizer_fingerprint: str | None = i["tokenizer_fingerprint"]
         self.incarnation: str = i["incarnation"]
         self._tokenizer: Any = None
+
+    def capabilities(self) -> WorkerCaps:
+        return self.caps
 
     @property
     def tokenizer(self) -> Any:

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from specray.coordinator.cascade import CascadeEngine, Level, Plan
+from specray.coordinator.drafting import RoundState
 from specray.coordinator.generate import generate
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -144,7 +145,7 @@ def test_overlap_is_off_for_rejection_and_ngram_only_plans():
     assert eng.ahead_rows == 0  # its drafts carry probabilities: no look-ahead
     ng = CascadeEngine([Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("target", worker=target())], overlap=True)
     generate(ng, PROMPTS, max_tokens=10, ignore_eos=True)
-    assert ng.ahead_rows == 0 and ng._ahead_pool is None  # an n-gram costs nothing to overlap
+    assert ng.ahead_rows == 0 and ng.lookahead.pool is None  # an n-gram costs nothing to overlap
 
 
 @pytest.mark.parametrize("setup", ["draft", "cascade3_models"])
@@ -245,20 +246,23 @@ class Gated(FakeWorker):
 
 def gated_engine(levels, gate: threading.Event) -> CascadeEngine:
     """An engine whose stop signal also opens the drafters' gate (and closes it for the next round)."""
-    from specray.coordinator.lookahead import Until
+    from specray.coordinator.drafting import Until
 
     class GatedUntil(Until):
         def set(self):
             super().set()
             gate.set()
 
-    class Engine(CascadeEngine):
-        def _until(self, chain, active, method):
-            gate.clear()
-            u = super()._until(chain, active, method)
-            return GatedUntil(u.rows) if u is not None else None
+    eng = CascadeEngine(levels, overlap=True)
+    until = eng.lookahead.until
 
-    return Engine(levels, overlap=True)
+    def gated_until(r):
+        gate.clear()
+        u = until(r)
+        return GatedUntil(u.rows) if u is not None else None
+
+    eng.lookahead.until = gated_until
+    return eng
 
 
 def test_bounded_lookahead_stops_when_the_target_has_verified():
@@ -290,14 +294,14 @@ def test_bounded_lookahead_of_a_middle_level_stops_between_inner_rounds():
               Level("target", worker=target(), method=VerifyMethod.GREEDY)]
     eng = gated_engine(levels, gate)
     drafts: list[int] = []
-    orig = eng._verify
+    orig = eng.calls.verify
 
-    def spy(i, lower, seqs, bases, ds, *a, **kw):
+    def spy(i, lower, seqs, tails, ds, *a, **kw):
         if i == eng.top:
             drafts.extend(len(x) for x in ds)
-        return orig(i, lower, seqs, bases, ds, *a, **kw)
+        return orig(i, lower, seqs, tails, ds, *a, **kw)
 
-    eng._verify = spy
+    eng.calls.verify = spy
     out = generate(eng, PROMPTS, max_tokens=30, ignore_eos=True)
     plain = generate(cascades(VerifyMethod.GREEDY)["plain"], PROMPTS, max_tokens=30, ignore_eos=True)
     assert [r.token_ids for r in out.results] == [r.token_ids for r in plain.results]
@@ -313,11 +317,13 @@ def test_bounded_lookahead_marks_only_rows_whose_seeded_output_cannot_change():
     eng = CascadeEngine(levels, overlap=True)
     seqs = [eng.new_sequence(PROMPTS[0], SamplingParams(), 5),
             eng.new_sequence(PROMPTS[1], SamplingParams(temperature=0.8, seed=3), 5)]
-    chain = [0, 1, 2]
-    assert eng._until(chain, seqs, None).rows == [True, False]
-    assert eng._until(chain, seqs, VerifyMethod.COUPLED).rows == [True, True]
+    def until(method):
+        return eng.lookahead.until(RoundState(seqs, eng.default_plan, method, eng.lookahead, [4, 4]))
+
+    assert until(None).rows == [True, False]
+    assert until(VerifyMethod.COUPLED).rows == [True, True]
     eng.ahead_bounded = False
-    assert eng._until(chain, seqs, None) is None
+    assert until(None) is None
 
     gate = threading.Event()
     sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(4)]

@@ -77,7 +77,8 @@ class NativeFake(FakeWorker):
 
     native_k = 3
 
-    def verify(self, seq_ids, draft_ids, draft_probs, sampling, method, salt=0, sync=None, return_probs=False):
+    def verify(self, seq_ids, draft_ids, draft_probs, sampling, method, salt=0, sync=None, return_probs=False,
+               confidence=False):
         seqs = self._prepare(seq_ids, sync)
         lens = [len(s.tokens) for s in seqs]
         drafts = [list(d) for d in draft_ids]

@@ -1,0 +1,130 @@
+"""Every worker call of a round goes through `LevelCalls`: it brings the worker's copy of each sequence in line
+(a `SeqSync`: keep n tokens, append the rest; rollback is a shorter keep), makes one batched call, maps a
+failure to `LevelCallError` (the engine's failover acts on it), and reports the call's timing to the planner
+feed.
+
+A row's context is always the sequence's canonical tokens plus a short `tail` (drafted tokens not committed
+yet), so a sync compares and sends only what changed since the worker last agreed with the canonical text:
+the coordinator's work per call grows with the batch, not with the sequences' lengths.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from specray.coordinator.failover import Failover, LevelCallError
+from specray.coordinator.feed import PlannerFeed, Verified
+from specray.coordinator.state import Level, Seq
+from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult
+from specray.spec.params import VerifyMethod
+
+__all__ = ["LevelCalls"]
+
+
+class LevelCalls:
+    """Sync, call, map failures, time: the only place that talks to workers during a round."""
+
+    def __init__(self, levels: Sequence[Level], failover: Failover, feed: PlannerFeed) -> None:
+        self.levels = list(levels)
+        self.failover = failover
+        self.feed = feed
+
+    def method(self, level: int, lower: int | None, override: VerifyMethod | None = None) -> VerifyMethod:
+        """How `level` verifies drafts from `lower`: the request's override or the level's configured method;
+        rejection over a deterministic drafter (the n-gram) is the deterministic method (q = delta_x)."""
+        method = override if override is not None else self.levels[level].method
+        if method is VerifyMethod.REJECTION and lower is not None and self.levels[lower].is_ngram:
+            return VerifyMethod.DETERMINISTIC
+        return method
+
+    def propose(
+        self, i: int, upper: int, rows: Sequence[Seq], tails: Sequence[Sequence[int]], want: Sequence[int],
+        override: VerifyMethod | None,
+    ) -> DraftProposal:
+        """Model level `i` drafts want[b] tokens beyond each row's context, for level `upper`, in one call."""
+        lvl = self.levels[i]
+        syncs = [self.sync(i, s, t) for s, t in zip(rows, tails)]
+        mode = DraftMode.for_method(self.method(upper, i, override))
+        t0 = time.perf_counter()
+        prop = self.call(i, lvl.worker.propose, [s.seq_id for s in rows], list(want), [s.sampling for s in rows],
+                         mode=mode, salt=i, sync=syncs, stop_below=lvl.confidence)
+        self.feed.proposed(i, len(rows), max(want, default=0), time.perf_counter() - t0)
+        for s, toks in zip(rows, prop.token_ids):
+            s.mirror[i].extend(toks)
+        return prop
+
+    def verify(
+        self, i: int, lower: int | None, rows: Sequence[Seq], tails: Sequence[Sequence[int]],
+        drafts: Sequence[Sequence[int]], probs: torch.Tensor | None,  # probs: [B, K, V] (rejection only)
+        override: VerifyMethod | None, return_probs: bool = False, confidence: bool = False,
+    ) -> VerifyResult:
+        """Level `i` verifies each row's draft (from `lower`; None: plain decoding) in one call."""
+        worker = self.levels[i].worker
+        syncs = [self.sync(i, s, t) for s, t in zip(rows, tails)]
+        method = self.method(i, lower, override)
+        t0 = time.perf_counter()
+        res = self.call(i, worker.verify, [s.seq_id for s in rows], drafts,
+                        probs if method is VerifyMethod.REJECTION else None, [s.sampling for s in rows], method,
+                        salt=i, sync=syncs, return_probs=return_probs, confidence=confidence)
+        seconds = time.perf_counter() - t0
+        for s, toks in zip(rows, res.token_ids):
+            s.mirror[i].extend(toks)
+        self.feed.verified(Verified(i, lower, drafts, res, seconds))
+        return res
+
+    def sync(self, i: int, s: Seq, tail: Sequence[int]) -> SeqSync:
+        """What level `i` must do to hold `s.tokens + tail`; updates the mirror of what it holds."""
+        mirror = s.mirror.get(i)
+        if mirror is None or s.epoch.get(i) != self.failover.epoch[i]:
+            worker = self.levels[i].worker
+            if mirror is not None:  # the level failed since: it may or may not still hold the sequence
+                self.call(i, _free_quietly, worker, s.seq_id)
+            self.call(i, worker.add, s.seq_id, s.tokens[: s.prompt_len])
+            mirror = s.mirror[i] = s.tokens[: s.prompt_len]
+            s.agreed[i] = s.prompt_len
+            s.epoch[i] = self.failover.epoch[i]
+        base = s.tokens
+        n, m = len(base), len(mirror)
+        keep, lim = s.agreed.get(i, 0), min(m, n)
+        while keep < lim and mirror[keep] == base[keep]:
+            keep += 1
+        if keep == n:  # the worker holds the whole canonical text: compare the tail
+            j = 0
+            while keep < m and j < len(tail) and mirror[keep] == tail[j]:
+                keep += 1
+                j += 1
+            append = list(tail[j:])
+        else:
+            append = base[keep:]
+            append.extend(tail)
+        del mirror[keep:]
+        mirror.extend(append)
+        s.agreed[i] = n
+        return SeqSync(keep, tuple(append))
+
+    def call(self, i: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LevelCallError:
+            raise
+        except Exception as exc:
+            raise LevelCallError(i, self.levels[i].name, exc) from exc
+
+    def release(self, s: Seq) -> None:
+        """Free the sequence on every level that has seen it (idempotent; a dead level lost it anyway)."""
+        for i in list(s.mirror):
+            worker = self.levels[i].worker
+            if worker is not None:
+                _free_quietly(worker, s.seq_id)
+            del s.mirror[i]
+
+
+def _free_quietly(worker: Any, seq_id: str) -> None:
+    try:
+        worker.free(seq_id)
+    except Exception:
+        pass

@@ -1,0 +1,233 @@
+"""Drafting: the levels below the target make each row's draft (`Drafter.produce`), and the round asks a
+`DraftSource` for them: `Immediate` drafts now, before the target verifies; `specray.coordinator.lookahead`
+drafts the next round while the target verifies this one.
+
+The first level of a chain drafts in one call (a model) or by lookup (the n-gram). A middle level runs inner
+rounds until each row has what the level above asked for: its drafter proposes, it verifies, and what it
+emitted (accepted tokens plus one correction or bonus token) is its draft. Each level's accepted stream is an
+exact sample from that level, so the target's is an exact sample from the target.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from specray.coordinator.calls import LevelCalls
+from specray.coordinator.feed import fed_lengths
+from specray.coordinator.state import Plan, Seq
+from specray.coordinator.stats import LevelStats
+from specray.spec.params import VerifyMethod
+
+if TYPE_CHECKING:
+    from specray.engine.protocol import VerifyResult
+
+__all__ = ["DraftSource", "Drafter", "Drafts", "Immediate", "RoundState", "Until"]
+
+
+class Until:
+    """Set when the target has verified this round: the rows marked in `rows` stop drafting then (a bounded
+    look-ahead, `specray.coordinator.lookahead`)."""
+
+    def __init__(self, rows: Sequence[bool], event: threading.Event | None = None) -> None:
+        self.rows = list(rows)
+        self._event = event or threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def select(self, idx: Sequence[int]) -> Until:
+        """The same signal over a subset of the rows."""
+        return Until([self.rows[b] for b in idx], self._event)
+
+
+@dataclass
+class Drafts:
+    """Each row's draft for the level above (ragged), and q when the drafter sampled (rejection)."""
+
+    tokens: list[list[int]]
+    probs: torch.Tensor | None = None  # [B, K, V] float32; rows padded past len(tokens[b])
+
+
+@dataclass
+class RoundState:
+    """What one round works on, built once per round instead of threading its values through every call.
+
+    chain: plan.levels; ks: K asked of each non-target level of the chain; override: the request's verification
+    method (None: each level's own); want: draft tokens the target gets per row this round; cold: rows no model
+    level below the target holds yet (they get no draft, see lookahead.py); until: the bounded look-ahead's stop
+    signal (None: unbounded, or no look-ahead).
+    """
+
+    rows: list[Seq]
+    plan: Plan
+    override: VerifyMethod | None
+    source: DraftSource
+    want: list[int]
+    cold: set[int] = field(default_factory=set)
+    until: Until | None = None
+
+    @property
+    def chain(self) -> tuple[int, ...]:
+        return self.plan.levels
+
+    @property
+    def top(self) -> int:
+        return self.plan.levels[-1]
+
+    @property
+    def lower(self) -> int | None:
+        """The level that drafts for the target (None: plain decoding)."""
+        return self.plan.levels[-2] if len(self.plan.levels) > 1 else None
+
+    @property
+    def speculative(self) -> bool:
+        return self.lower is not None and self.plan.k[-1] > 0
+
+    def k(self, level: int) -> int:
+        return self.plan.k[self.plan.levels.index(level)]
+
+
+class DraftSource(Protocol):
+    """Where a round's drafts come from (`Immediate`, or `LookAhead`)."""
+
+    def drafts(self, r: RoundState) -> Drafts:
+        """This round's drafts for the target."""
+
+    def start_ahead(self, r: RoundState, drafts: Drafts) -> object | None:
+        """Start drafting the next round beside the target's verification (None: no look-ahead)."""
+
+    def settle(self, r: RoundState, ahead: object | None) -> dict[int, list[int]]:
+        """The target has verified: stop the look-ahead at its next step and collect it (row -> tokens)."""
+
+    def keep(self, r: RoundState, b: int, s: Seq, look: list[int] | None, draft_len: int, res: VerifyResult,
+             committed: list[int]) -> None:
+        """After the target's verdict on row b: keep what was drafted ahead if it continues the committed text."""
+
+
+class Drafter:
+    """Makes drafts with the levels below the target (`produce`)."""
+
+    def __init__(self, calls: LevelCalls) -> None:
+        self.calls = calls
+        self.levels = calls.levels
+        #: steps per call when a bounded first model level drafts (its calls are where it can stop)
+        self.chunk = 2
+
+    def produce(
+        self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int],
+        until: Until | None = None,
+    ) -> Drafts:
+        """Level r.chain[ci] drafts want[b] tokens beyond each row's context (its tokens + tails[b]) for the
+        level above it. `until` (a bounded draft): once it is set, the rows it marks stop at the next step
+        boundary with what they have (at least one step runs); no probabilities then."""
+        i = r.chain[ci]
+        lvl = self.levels[i]
+        if lvl.is_ngram:
+            ng = lvl.ngram
+            return Drafts([ng.propose(s.tokens + t if t else s.tokens, w) if w > 0 else []
+                           for s, t, w in zip(rows, tails, want)])
+        if ci == 0:
+            if until is not None and any(until.rows):
+                return Drafts(self._propose_bounded(r, rows, tails, want, until))
+            prop = self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
+            return Drafts(prop.token_ids, prop.probs)
+        return self._inner_rounds(r, ci, rows, tails, want, until)
+
+    def _inner_rounds(
+        self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], until: Until | None,
+    ) -> Drafts:
+        """A middle level: inner rounds (its drafter proposes, it verifies) until each row has want[b] tokens, or
+        stopped (a token it was unsure of, `Level.confidence`; or `until` set after an inner round)."""
+        i, lower = r.chain[ci], r.chain[ci - 1]
+        lvl = self.levels[i]
+        k_low = r.k(lower)
+        need_probs = self.calls.method(r.chain[ci + 1], i, r.override) is VerifyMethod.REJECTION
+        outs: list[list[int]] = [[] for _ in rows]
+        prob_rows: list[list[torch.Tensor]] = [[] for _ in rows]
+        stopped = [False] * len(rows)
+        while True:
+            idx = [b for b in range(len(rows)) if len(outs[b]) < want[b] and not stopped[b]]
+            if not idx:
+                break
+            sub = [rows[b] for b in idx]
+            sub_tails = [tails[b] + outs[b] for b in idx]
+            sub_want = [max(0, min(k_low, want[b] - len(outs[b]) - 1)) for b in idx]
+            d = self.produce(r, ci - 1, sub, sub_tails, sub_want) if any(sub_want) else Drafts([[] for _ in idx])
+            res = self.calls.verify(i, lower, sub, sub_tails, d.tokens, d.probs, r.override,
+                                    return_probs=need_probs, confidence=lvl.confidence > 0)
+            fed = fed_lengths(res, d.tokens)
+            for j, b in enumerate(idx):
+                toks = res.token_ids[j]
+                rows[b].stats.setdefault(i, LevelStats()).record(fed[j], res.num_accepted[j], len(toks))
+                if res.confidence is not None:  # keep up to the first unsure token, then stop the row
+                    unsure = next((n for n, c in enumerate(res.confidence[j]) if c < lvl.confidence), None)
+                    if unsure is not None:
+                        toks, stopped[b] = toks[: unsure + 1], True
+                outs[b].extend(toks)
+                if res.probs is not None:
+                    prob_rows[b].append(res.probs[j, : len(toks)])
+            if until is not None and until.is_set():  # bounded rows stop after this inner round
+                stopped = [x or u for x, u in zip(stopped, until.rows)]
+        outs = [o[:w] for o, w in zip(outs, want)]
+        probs = None
+        if need_probs:
+            probs = torch.zeros(len(rows), max(want, default=0), lvl.caps.vocab_size)
+            for b, chunks in enumerate(prob_rows):
+                if chunks:
+                    cat = torch.cat(chunks)[: want[b]]
+                    probs[b, : cat.shape[0]] = cat
+        return Drafts(outs, probs)
+
+    def _propose_bounded(
+        self, r: RoundState, rows: list[Seq], tails: list[list[int]], want: list[int], until: Until,
+    ) -> list[list[int]]:
+        """The first model level drafts in calls of `chunk` steps, so that the rows `until` marks can stop between
+        calls once it is set (the other rows draft the rest of want[b] in one more call); the first call always
+        runs. A row that got fewer tokens than it asked for stopped by itself (`confidence`). Drafts are keyed by
+        position: chunking does not change them."""
+        i, upper = r.chain[0], r.chain[1]
+        outs: list[list[int]] = [[] for _ in rows]
+        done = [w <= 0 for w in want]
+        first = True
+        while True:
+            late, first = until.is_set() and not first, False
+            idx = [b for b in range(len(rows)) if not done[b] and not (late and until.rows[b])]
+            if not idx:
+                return outs
+            ask = [want[b] - len(outs[b]) if late or not until.rows[b] else
+                   min(self.chunk, want[b] - len(outs[b])) for b in idx]
+            prop = self.calls.propose(i, upper, [rows[b] for b in idx], [tails[b] + outs[b] for b in idx], ask,
+                                      r.override)
+            for b, a, toks in zip(idx, ask, prop.token_ids):
+                outs[b].extend(toks)
+                done[b] = len(toks) < a or len(outs[b]) >= want[b]
+
+
+class Immediate:
+    """Drafts made now, before the target verifies: the round costs draft + verify."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+
+    def drafts(self, r: RoundState) -> Drafts:
+        if not r.speculative:
+            return Drafts([[] for _ in r.rows])
+        return self.drafter.produce(r, len(r.chain) - 2, r.rows, [[] for _ in r.rows], r.want)
+
+    def start_ahead(self, r: RoundState, drafts: Drafts) -> None:
+        return None
+
+    def settle(self, r: RoundState, ahead: object | None) -> dict[int, list[int]]:
+        return {}
+
+    def keep(self, r: RoundState, b: int, s: Seq, look: list[int] | None, draft_len: int, res: VerifyResult,
+             committed: list[int]) -> None:
+        s.ahead = None

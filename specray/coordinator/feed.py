@@ -1,0 +1,93 @@
+"""The planner feed: every timed worker call of a round reaches the planner (and any other observer) here, as one
+typed event, and is classified here, not in the round.
+
+An observer implements `Observer` (the planner does): `on_call(level, kind, batch, tokens, seconds)` for a timed
+call, with kind "propose" (tokens = autoregressive steps), "verify" (tokens = the longest draft + 1, fed in one
+forward) or "native" (a call served by the level's own engine path: live decoding, or its own speculation;
+tokens = the longest fed span + 1); `on_verify(level, lower, draft_lens, accepted)` for the rows that verified a
+draft from `lower`; and optionally (`NativeObserver`) `on_native(level, draft_lens, accepted)` for the rows a
+native target speculated on by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from specray.coordinator.state import Level
+
+if TYPE_CHECKING:
+    from specray.engine.protocol import VerifyResult
+
+__all__ = ["NativeObserver", "Observer", "PlannerFeed", "Verified", "fed_lengths"]
+
+
+class Observer(Protocol):
+    def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None: ...
+
+    def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class NativeObserver(Protocol):
+    def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One verify call: `level` scored `drafts` (from `lower`; None for plain decoding) in `seconds`."""
+
+    level: int
+    lower: int | None
+    drafts: Sequence[Sequence[int]]
+    result: VerifyResult
+    seconds: float
+
+
+def fed_lengths(res: VerifyResult, drafts: Sequence[Sequence[int]]) -> list[int]:
+    """Draft tokens verified per row: the given draft, or for a row without one the verifier's own native
+    speculation (`VerifyResult.native_drafts`)."""
+    native = res.native_drafts
+    if native is None:
+        return [len(d) for d in drafts]
+    return [len(d) if d else int(n) for d, n in zip(drafts, native)]
+
+
+class PlannerFeed:
+    """Turns the round's calls into observer events. Costs nothing when nobody listens."""
+
+    def __init__(self, levels: Sequence[Level]) -> None:
+        self.levels = list(levels)
+        self.observers: list[Observer] = []
+
+    def proposed(self, level: int, batch: int, steps: int, seconds: float) -> None:
+        for ob in self.observers:
+            ob.on_call(level, "propose", batch, steps, seconds)
+
+    def verified(self, ev: Verified) -> None:
+        if not self.observers:
+            return
+        res, drafts = ev.result, ev.drafts
+        fed = fed_lengths(res, drafts)
+        tokens = max(fed, default=0) + 1
+        # rows without a draft that the verifier speculated on by itself (a native target); on a target without
+        # speculation of its own (live decoding) such a row is the drafter finding nothing, which counts against
+        # its acceptance like on any other target
+        own = res.native_drafts is not None and bool(self.levels[ev.level].native_k)
+        nat = {b for b, d in enumerate(drafts) if not d} if own else set()
+        cold = res.native_cold or [False] * len(drafts)
+        warm = [b for b in sorted(nat) if not cold[b]]
+        # a call made only of engine steps runs the engine's own (cheaper) path: timed apart
+        kind = "native" if res.stepped or (nat and len(nat) == len(drafts)) else "verify"
+        rows = [b for b in range(len(drafts)) if b not in nat]  # rows that verified a given draft
+        # a stepped call in which a row's engine request started ran that row's prefill: its time says nothing
+        # about a decode step (it would price plain decoding at a prefill's cost), so it is not timed
+        timed = not (res.stepped and any(cold))
+        for ob in self.observers:
+            if timed:
+                ob.on_call(ev.level, kind, len(drafts), tokens, ev.seconds)
+            if ev.lower is not None and rows:
+                ob.on_verify(ev.level, ev.lower, [len(drafts[b]) for b in rows], [res.num_accepted[b] for b in rows])
+            if warm and isinstance(ob, NativeObserver):
+                ob.on_native(ev.level, [fed[b] for b in warm], [res.num_accepted[b] for b in warm])

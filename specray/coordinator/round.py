@@ -1,0 +1,64 @@
+"""One round, top to bottom: the plan's levels draft, the target verifies every row in one batched call, the
+rows commit what it emitted, and the statistics are recorded.
+
+    r = new_round(rows, plan, override, sources)     # the round's state, built once
+    drafts = r.source.drafts(r)                      # made now (a middle level runs inner rounds), or drafted
+                                                     #   during the previous round's verification (overlap)
+    ahead = r.source.start_ahead(r, drafts)          # overlap: the next round's drafts beside the verification
+    result = calls.verify(target, rows, drafts)      # accept a prefix + one correction/bonus token per row
+    looks = r.source.settle(r, ahead)                # the look-ahead stops at its next step
+    commit, record, keep the look-ahead that continues the committed text
+
+Level i's accepted stream is an exact sample from level i, so the target's stream is an exact sample from the
+target (lossless); plain decoding is the same round with the target alone. Who talks to the workers and how:
+`specray.coordinator.calls`; the drafting levels: `specray.coordinator.drafting`; overlap:
+`specray.coordinator.lookahead`; a level failing: `specray.coordinator.failover` (the engine retries the round
+without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specray.coordinator.calls import LevelCalls
+from specray.coordinator.drafting import Immediate, RoundState
+from specray.coordinator.feed import fed_lengths
+from specray.coordinator.lookahead import LookAhead
+from specray.coordinator.state import Plan, Seq
+from specray.coordinator.stats import LevelStats
+from specray.spec.params import VerifyMethod
+
+__all__ = ["new_round", "run_round"]
+
+
+def new_round(
+    rows: Sequence[Seq], plan: Plan, override: VerifyMethod | None, immediate: Immediate, lookahead: LookAhead,
+) -> RoundState:
+    """The state of one round over the active `rows`: the draft length each row gets (its K, never past its
+    length limit) and where the drafts come from."""
+    k = plan.k[-1] if len(plan.levels) > 1 else 0
+    want = [max(0, min(k, s.remaining - 1)) for s in rows]
+    if lookahead.overlaps(plan, override):
+        r = RoundState(list(rows), plan, override, lookahead, want)
+        lookahead.prepare(r)  # cold rows and the look-ahead's stop signal
+        return r
+    return RoundState(list(rows), plan, override, immediate, want)
+
+
+def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
+    """Draft -> verify at the target -> commit -> record; returns the tokens newly committed to each row."""
+    drafts = r.source.drafts(r)
+    ahead = r.source.start_ahead(r, drafts)
+    try:
+        res = calls.verify(r.top, r.lower, r.rows, [[] for _ in r.rows], drafts.tokens, drafts.probs, r.override)
+    finally:
+        looks = r.source.settle(r, ahead)  # never leave a look-ahead running past the round
+    fed = fed_lengths(res, drafts.tokens)  # a native target's own drafts count on rows it got none
+    committed: dict[str, list[int]] = {}
+    for b, s in enumerate(r.rows):
+        toks = res.token_ids[b]
+        new = committed[s.seq_id] = s.commit(toks)
+        s.rounds += 1
+        s.stats.setdefault(r.top, LevelStats()).record(fed[b], res.num_accepted[b], len(toks))
+        r.source.keep(r, b, s, looks.get(b), len(drafts.tokens[b]), res, new)
+    return committed

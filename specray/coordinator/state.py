@@ -1,0 +1,127 @@
+"""What a round works on: the plan, the levels and the per-sequence state. Free of torch and Ray, so the planner
+(`specray.policy`) imports it cheaply and tests build it without a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from specray.coordinator.stats import LevelStats
+from specray.engine.caps import WorkerCaps
+from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams, VerifyMethod
+
+if TYPE_CHECKING:
+    from specray.engine.protocol import Worker
+
+__all__ = ["Level", "Plan", "Seq"]
+
+
+@dataclass
+class Level:
+    """One level of a cascade: an n-gram proposer (level 0 only) or a model worker.
+
+    k: tokens this level proposes to the level above per round (unused for the target).
+    method: how this level verifies the level below (unused for level 0).
+    native_k, live_decode, engine_verify: the worker's `WorkerCaps` unless given here (an override for tests and
+    benchmarks).
+    confidence: a model level below the target ends a row's draft after a token it gave a probability below
+    this (0: off; HF's assisted generation uses 0.4): the target rejects such tokens often, and tokens drafted
+    after them are mostly wasted work. Exact at any value: the draft's length depends only on the drafter.
+    """
+
+    name: str
+    worker: Worker | None = None
+    ngram: NgramConfig | None = None
+    k: int = 4
+    method: VerifyMethod = VerifyMethod.DETERMINISTIC
+    native_k: int | None = None
+    live_decode: bool | None = None
+    engine_verify: int | None = None
+    confidence: float = 0.0
+    #: the worker's declared capabilities (None for an n-gram level), read once here
+    caps: WorkerCaps | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.confidence < 1.0:
+            raise ValueError(f"level {self.name!r}: confidence must be in [0, 1)")
+        if (self.worker is None) == (self.ngram is None):
+            raise ValueError(f"level {self.name!r}: give exactly one of worker or ngram")
+        if self.worker is not None and self.caps is None:
+            self.caps = self.worker.capabilities()
+        caps = self.caps or WorkerCaps(self.name, 0)
+        self.native_k = int(self.native_k or caps.native_k)
+        self.live_decode = bool(self.live_decode or caps.live_decode)
+        self.engine_verify = int(self.engine_verify or caps.engine_verify)
+        if self.ngram is not None and self.k == 4:
+            self.k = self.ngram.num_speculative_tokens
+        self.method = VerifyMethod(self.method)
+
+    @property
+    def is_ngram(self) -> bool:
+        return self.ngram is not None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which levels run this round (indices, ascending, always ending with the target) and K for each
+    non-target active level. `Plan((top,), ())` is plain decoding."""
+
+    levels: tuple[int, ...]
+    k: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.k) != len(self.levels) - 1:
+            raise ValueError("a plan needs one K per non-target level")
+        if any(x < 0 for x in self.k) or list(self.levels) != sorted(set(self.levels)):
+            raise ValueError(f"invalid plan {self}")
+
+    @property
+    def speculative(self) -> bool:
+        return len(self.levels) > 1 and any(self.k)
+
+
+@dataclass
+class Seq:
+    """One sequence in the batch: its canonical tokens (the coordinator owns them) and per-level bookkeeping."""
+
+    seq_id: str
+    prompt_len: int
+    tokens: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: dict[int, LevelStats] = field(default_factory=dict)
+    rounds: int = 0
+    #: per level: mirror of the worker's tokens, a length known to agree with `tokens`, and the level's failover
+    #: epoch when the mirror was made (a newer epoch: the level may have lost the sequence, re-add it)
+    mirror: dict[int, list[int]] = field(default_factory=dict)
+    agreed: dict[int, int] = field(default_factory=dict)
+    epoch: dict[int, int] = field(default_factory=dict)
+    #: overlap: (plan it was drafted for, len(tokens) it continues, draft tokens) for the next round
+    ahead: tuple[Plan, int, list[int]] | None = None
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - (len(self.tokens) - self.prompt_len)
+
+    def commit(self, toks: list[int]) -> list[int]:
+        """Append a verifier's tokens up to a stop token or the length limit; returns those appended."""
+        out = []
+        for t in toks:
+            if self.remaining <= 0:
+                break
+            self.tokens.append(t)
+            out.append(t)
+            if t in self.stop_ids:
+                self.finished, self.finish_reason = True, "stop"
+                break
+        if not self.finished and self.remaining <= 0:
+            self.finished, self.finish_reason = True, "length"
+        return out
