@@ -177,6 +177,10 @@ class CascadeConfig(_Strict):
     start_timeout_s: float = Field(
         600.0, gt=0, description="How long the level actors have to load their models (Ray deployments)."
     )
+    transport: Literal["compiled", "call"] = Field(
+        "compiled", description="How the coordinator reaches its level actors each round: a Ray Compiled Graph per "
+        "level (a fraction of an actor call's cost), or plain actor calls.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> CascadeConfig:

@@ -1,7 +1,7 @@
 """Every worker call of a round goes through `LevelCalls`: it brings the worker's copy of each sequence in line
-(a `SeqSync`: keep n tokens, append the rest; rollback is a shorter keep), makes one batched call, maps a
-failure to `LevelCallError` (the engine's failover acts on it), and reports the call's timing to the planner
-feed.
+(a `SeqSync`: keep n tokens, append the rest; rollback is a shorter keep; keep 0 starts a sequence the level has
+not seen), makes one batched call, maps a failure to `LevelCallError` (the engine's failover acts on it), and
+reports the call's timing to the planner feed. One call per level per (inner) round, nothing else.
 
 A row's context is always the sequence's canonical tokens plus a short `tail` (drafted tokens not committed
 yet), so a sync compares and sends only what changed since the worker last agreed with the canonical text:
@@ -51,7 +51,7 @@ class LevelCalls:
         mode = DraftMode.for_method(self.method(upper, i, override))
         t0 = time.perf_counter()
         prop = self.call(i, lvl.worker.propose, [s.seq_id for s in rows], list(want), [s.sampling for s in rows],
-                         mode=mode, salt=i, sync=syncs, stop_below=lvl.confidence)
+                         mode=mode, level=i, sync=syncs, stop_below=lvl.confidence)
         self.feed.proposed(i, len(rows), max(want, default=0), time.perf_counter() - t0)
         for s, toks in zip(rows, prop.token_ids):
             s.mirror[i].extend(toks)
@@ -69,7 +69,7 @@ class LevelCalls:
         t0 = time.perf_counter()
         res = self.call(i, worker.verify, [s.seq_id for s in rows], drafts,
                         probs if method is VerifyMethod.REJECTION else None, [s.sampling for s in rows], method,
-                        salt=i, sync=syncs, return_probs=return_probs, confidence=confidence)
+                        level=i, sync=syncs, return_probs=return_probs, confidence=confidence)
         seconds = time.perf_counter() - t0
         for s, toks in zip(rows, res.token_ids):
             s.mirror[i].extend(toks)
@@ -80,12 +80,10 @@ class LevelCalls:
         """What level `i` must do to hold `s.tokens + tail`; updates the mirror of what it holds."""
         mirror = s.mirror.get(i)
         if mirror is None or s.epoch.get(i) != self.failover.epoch[i]:
-            worker = self.levels[i].worker
-            if mirror is not None:  # the level failed since: it may or may not still hold the sequence
-                self.call(i, _free_quietly, worker, s.seq_id)
-            self.call(i, worker.add, s.seq_id, s.tokens[: s.prompt_len])
-            mirror = s.mirror[i] = s.tokens[: s.prompt_len]
-            s.agreed[i] = s.prompt_len
+            # new to the level, or the level failed since (it may or may not still hold the sequence): keep 0
+            # (`SeqSync.start`) makes the call itself (re)start the sequence with its whole text
+            mirror = s.mirror[i] = []
+            s.agreed[i] = 0
             s.epoch[i] = self.failover.epoch[i]
         base = s.tokens
         n, m = len(base), len(mirror)

@@ -36,14 +36,6 @@ class RequestError(ValueError):
     """A request the cascade cannot serve as asked (maps to HTTP 400)."""
 
 
-class LevelFailure(RuntimeError):
-    """A level failed during a round; `level` names it. The target failing maps to HTTP 503."""
-
-    def __init__(self, level: str, cause: BaseException, is_target: bool) -> None:
-        super().__init__(f"level {level!r} failed: {cause}")
-        self.level, self.cause, self.is_target = level, cause, is_target
-
-
 @dataclass(frozen=True)
 class Speculation:
     """Per-request override of the server's speculation (the HTTP `speculation` extension field)."""

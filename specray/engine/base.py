@@ -125,12 +125,18 @@ class LogitsWorker(abc.ABC):
         seq.kv_len = min(seq.kv_len, sync.keep)  # rollback: a length, no copy
 
     def _prepare(self, seq_ids: Sequence[str], sync: Sequence[SeqSync | None] | None) -> list[SeqState]:
+        if sync is not None:
+            if len(sync) != len(seq_ids):
+                raise ValueError("sync must be aligned with seq_ids")
+            for sid, sy in zip(seq_ids, sync):
+                if sy is not None and sy.keep == 0:  # (re)start the sequence with this prompt
+                    self.free(sid)
+                    self.add(sid, sy.append)
         seqs = [self._get(s) for s in seq_ids]
         if sync is not None:
-            if len(sync) != len(seqs):
-                raise ValueError("sync must be aligned with seq_ids")
             for seq, sy in zip(seqs, sync):
-                self._apply_sync(seq, sy)
+                if sy is not None and sy.keep > 0:
+                    self._apply_sync(seq, sy)
         for seq in seqs:
             seq.kv_len = min(seq.kv_len, len(seq.tokens) - 1)  # keep one pending token
             while len(seq.tokens) - seq.kv_len > self.prefill_threshold:
@@ -147,7 +153,7 @@ class LogitsWorker(abc.ABC):
         k: Sequence[int],
         sampling: Sequence[SamplingParams],
         mode: str = DraftMode.GREEDY,
-        salt: int = 0,
+        level: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
@@ -170,7 +176,7 @@ class LogitsWorker(abc.ABC):
             sb = sb_all.select(rows)
             p = processed_probs(logits[:, None, :], sb)[:, 0]  # [B_t, V]
             positions = torch.tensor([len(s.tokens) for s in batch], dtype=torch.long)
-            sampled = sample_tokens(p, sb, positions, mode, salt)  # [B_t]
+            sampled = sample_tokens(p, sb, positions, mode, level)  # [B_t]
             conf = token_confidence(logits, p, sampled, sb).tolist() if stop_below > 0 else None
             toks = sampled.tolist()
             for i, (b, s) in enumerate(zip(rows, batch)):
@@ -190,7 +196,7 @@ class LogitsWorker(abc.ABC):
         draft_probs: torch.Tensor | None,
         sampling: Sequence[SamplingParams],
         method: VerifyMethod,
-        salt: int = 0,
+        level: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
         return_probs: bool = False,
         confidence: bool = False,
@@ -218,7 +224,7 @@ class LogitsWorker(abc.ABC):
             if draft_probs is None and kmax > 0:
                 raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
             q = p.new_zeros(len(seqs), 0, p.shape[-1]) if kmax == 0 else draft_probs[:, :kmax].to(torch.float32)
-        res = verify_batch(method, p, draft, q, sb, positions, salt)
+        res = verify_batch(method, p, draft, q, sb, positions, level)
         out_ids, n_acc = res.output_ids.tolist(), [int(n) for n in res.num_accepted.tolist()]
         emitted: list[list[int]] = []
         for b, s in enumerate(seqs):

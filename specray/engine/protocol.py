@@ -27,11 +27,18 @@ __all__ = ["DraftMode", "DraftProposal", "SeqSync", "VerifyResult", "Worker", "W
 class SeqSync:
     """Bring a worker's copy of a sequence in line: truncate to `keep` tokens, then append `append`.
 
-    Truncation is a rollback: the worker sets its length and never copies KV.
+    Truncation is a rollback: the worker sets its length and never copies KV. `keep == 0` (`SeqSync.start`)
+    starts the sequence with `append` as its prompt, replacing any copy the worker still holds: a level joins
+    a sequence (or rejoins it after a failure) inside the call that first uses it, without a call of its own.
     """
 
     keep: int
     append: tuple[int, ...] = ()
+
+    @staticmethod
+    def start(prompt_ids: Sequence[int]) -> SeqSync:
+        """(Re)start a sequence with this prompt."""
+        return SeqSync(0, tuple(prompt_ids))
 
 
 class DraftMode:
@@ -92,7 +99,9 @@ class WorkerStats:
 
 @runtime_checkable
 class Worker(Protocol):
-    """One model level. All batched methods take `seq_ids` and an optional aligned list of `SeqSync`."""
+    """One model level. All batched methods take `seq_ids` and an optional aligned list of `SeqSync`, and `level`,
+    the index of the level the worker serves in the cascade: its random draws (sampled drafts, accept/reject
+    coins, corrections) are keyed by it, so two levels never share a stream."""
 
     name: str
     vocab_size: int
@@ -106,16 +115,13 @@ class Worker(Protocol):
     def free(self, seq_id: str) -> None:
         """Forget a sequence and release its cache slot (idempotent)."""
 
-    def rollback(self, seq_id: str, length: int) -> None:
-        """Truncate a sequence to `length` tokens: sets a length, copies nothing."""
-
     def propose(
         self,
         seq_ids: Sequence[str],
         k: Sequence[int],
         sampling: Sequence[SamplingParams],
         mode: str = DraftMode.GREEDY,
-        salt: int = 0,
+        level: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
@@ -132,7 +138,7 @@ class Worker(Protocol):
         draft_probs: torch.Tensor | None,
         sampling: Sequence[SamplingParams],
         method: VerifyMethod,
-        salt: int = 0,
+        level: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
         return_probs: bool = False,
         confidence: bool = False,

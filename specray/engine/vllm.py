@@ -272,7 +272,11 @@ class VLLMWorker(LiveRequests, PromptScoring):
             if len(sync) != len(seq_ids):
                 raise ValueError("sync must be aligned with seq_ids")
             for s, sy in zip(seq_ids, sync):
-                self._apply_sync(s, sy)
+                if sy is not None and sy.keep == 0:  # (re)start the sequence with this prompt
+                    self.free(s)
+                    self.add(s, sy.append)
+                else:
+                    self._apply_sync(s, sy)
         return [self._get(s) for s in seq_ids]
 
     # ----- engine calls -------------------------------------------------------------------------
@@ -324,7 +328,7 @@ class VLLMWorker(LiveRequests, PromptScoring):
         k: Sequence[int],
         sampling: Sequence[SamplingParams],
         mode: str = DraftMode.GREEDY,
-        salt: int = 0,
+        level: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
@@ -357,7 +361,7 @@ class VLLMWorker(LiveRequests, PromptScoring):
             sb = sb_all.select(rows)
             p = processed_probs(self._dense(slots, 1), sb)[:, 0]  # [B_t, V]
             positions = torch.tensor([len(seqs[b]) for b in rows], dtype=torch.long)
-            toks = sample_tokens(p, sb, positions, mode, salt).tolist()
+            toks = sample_tokens(p, sb, positions, mode, level).tolist()
             for i, b in enumerate(rows):
                 seqs[b].append(int(toks[i]))
                 out[b].append(int(toks[i]))
@@ -372,7 +376,7 @@ class VLLMWorker(LiveRequests, PromptScoring):
         draft_probs: torch.Tensor | None,
         sampling: Sequence[SamplingParams],
         method: VerifyMethod,
-        salt: int = 0,
+        level: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
         return_probs: bool = False,
         confidence: bool = False,
@@ -387,8 +391,8 @@ class VLLMWorker(LiveRequests, PromptScoring):
         live = [b for b in range(len(seq_ids)) if self._live_row(draft_ids[b], sampling[b], return_probs)]
         if not live:
             self._abort(list(seq_ids))  # their text moves on without the live request
-            return self._verify_scored(seqs, draft_ids, draft_probs, sampling, method, salt, return_probs)
-        return self._verify_live(seq_ids, seqs, draft_ids, draft_probs, sampling, method, salt, live)
+            return self._verify_scored(seqs, draft_ids, draft_probs, sampling, method, level, return_probs)
+        return self._verify_live(seq_ids, seqs, draft_ids, draft_probs, sampling, method, level, live)
 
 
 def _shield_llvmlite() -> None:

@@ -1,13 +1,21 @@
 """Model levels as Ray actors: one actor per level, with that level's own resources.
 
 - `LevelActor` holds one worker (built inside the actor from a picklable zero-arg factory, so the
-  weights never travel) and exposes the worker protocol 1:1. It is a plain class; `ray.remote` is
-  applied only in `launch_levels`.
-- `ActorWorker` is the client side: it implements the same protocol over the actor handle, so
+  weights never travel) and serves it. It is a plain class; `ray.remote` is applied only in `launch_levels`.
+- `ActorWorker` is the client side: it implements the worker protocol over the actor handle, so
   `CascadeEngine` drives a remote level exactly like an in-process one. Ray failures become
-  `LevelUnavailable`, which the coordinator can act on (drop the level, or re-add its sequences).
+  `LevelUnavailable`, which the coordinator acts on (drop the level, or re-add its sequences).
 - `launch_levels` reserves one placement group for all model levels, starts the actors, checks that
   their tokenizers agree, and returns ready-to-use `Level`s. N-gram levels stay in the coordinator.
+
+Transport. A round's calls (`propose`, `verify`) travel as one `LevelRequest` each, over a Ray Compiled Graph
+of one node per level (`transport="compiled"`, the default): the request goes through a shared-memory channel
+to a loop already running in the actor, about a fifth of the cost of an actor call, which is what a round pays
+per level on GPUs, where a step takes a few milliseconds. `transport="call"` sends the same request as a plain
+actor call. Sequences finished by the coordinator are freed inside the level's next request (or before any
+other call), never by a call of their own, and a level joins a sequence inside the call that first uses it
+(`SeqSync.start`). Only token ids travel, plus q when a drafter sampled (rejection). The graph is rebuilt
+after the actor restarts; a call that finds it broken raises `LevelUnavailable` like a dead actor.
 
 Restart semantics: actors run with max_restarts=-1 and max_task_retries=0. A killed actor is restarted
 by Ray with a fresh, empty worker (every sequence is lost); calls in flight or made during the restart
@@ -19,8 +27,10 @@ on a half-updated worker would not be safe.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,7 +39,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from specray.config import CascadeConfig, LevelConfig
@@ -40,6 +50,11 @@ from specray.serve.placement import actor_options, bundle_nodes, in_bundle, leve
 from specray.spec.params import SamplingParams, VerifyMethod
 
 WorkerFactory = Callable[[], Worker]
+
+#: how a coordinator reaches its level actors (module docstring)
+TRANSPORTS = ("compiled", "call")
+
+log = logging.getLogger(__name__)
 
 _BUNDLE_RE = re.compile(r"_group_(\d+)_[0-9a-f]+$")
 
@@ -60,6 +75,54 @@ class LevelStartError(RuntimeError):
     """A level's actor could not be created or did not become ready."""
 
 
+# ------------------------------------------------------------------------------------------ the wire
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    """`Worker.propose` with its arguments."""
+
+    seq_ids: list[str]
+    k: list[int]
+    sampling: list[SamplingParams]
+    mode: str
+    level: int
+    sync: list[SeqSync | None] | None
+    stop_below: float
+
+    def run(self, worker: Worker) -> DraftProposal:
+        return worker.propose(self.seq_ids, self.k, self.sampling, mode=self.mode, level=self.level, sync=self.sync,
+                              stop_below=self.stop_below)
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """`Worker.verify` with its arguments."""
+
+    seq_ids: list[str]
+    draft_ids: list[list[int]]
+    draft_probs: torch.Tensor | None  # [B, K, V] (rejection only)
+    sampling: list[SamplingParams]
+    method: VerifyMethod
+    level: int
+    sync: list[SeqSync | None] | None
+    return_probs: bool
+    confidence: bool
+
+    def run(self, worker: Worker) -> VerifyResult:
+        return worker.verify(self.seq_ids, self.draft_ids, self.draft_probs, self.sampling, self.method,
+                             level=self.level, sync=self.sync, return_probs=self.return_probs,
+                             confidence=self.confidence)
+
+
+@dataclass(frozen=True)
+class LevelRequest:
+    """One message to a level actor: sequences the coordinator finished (freed first), then the call."""
+
+    frees: tuple[str, ...]
+    call: ProposeCall | VerifyCall
+
+
 # ------------------------------------------------------------------------------------------ server side
 
 
@@ -74,6 +137,7 @@ class LevelActor:
         if num_threads:
             torch.set_num_threads(num_threads)  # before the model is built, so every op uses it
         self.worker = factory()
+        self._lock = threading.Lock()
         self.incarnation = uuid.uuid4().hex  # changes on every (re)start; lets clients detect restarts
         self.caps = self.worker.capabilities()
         tok = getattr(self.worker, "tokenizer", None)  # backends without text (test fakes) have None
@@ -94,37 +158,28 @@ class LevelActor:
         }
 
     # ----- protocol -------------------------------------------------------------------------------
-    def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
-        self.worker.add(seq_id, prompt_ids)
+    # A compiled graph's loop runs beside the actor's ordinary calls (Ray runs it in a system concurrency group):
+    # the lock keeps the worker single-threaded.
+    def run(self, request: LevelRequest) -> DraftProposal | VerifyResult:
+        """A round's call (`ActorWorker`): free what the coordinator finished, then propose or verify."""
+        with self._lock:
+            for seq_id in request.frees:
+                self.worker.free(seq_id)
+            return request.call.run(self.worker)
 
-    def free(self, seq_id: str) -> None:
-        self.worker.free(seq_id)
+    def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        with self._lock:
+            self.worker.add(seq_id, prompt_ids)
 
     def free_many(self, seq_ids: Sequence[str]) -> None:
-        """Free several sequences in one call (finished sequences are freed together)."""
-        for s in seq_ids:
-            self.worker.free(s)
-
-    def rollback(self, seq_id: str, length: int) -> None:
-        self.worker.rollback(seq_id, length)
-
-    def propose(
-        self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
-        mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
-        stop_below: float = 0.0,
-    ) -> DraftProposal:
-        return self.worker.propose(seq_ids, k, sampling, mode=mode, salt=salt, sync=sync, stop_below=stop_below)
-
-    def verify(
-        self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
-        sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
-        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
-    ) -> VerifyResult:
-        return self.worker.verify(seq_ids, draft_ids, draft_probs, sampling, method, salt=salt, sync=sync,
-                                  return_probs=return_probs, confidence=confidence)
+        """Free several sequences in one call (idempotent)."""
+        with self._lock:
+            for s in seq_ids:
+                self.worker.free(s)
 
     def stats(self) -> WorkerStats:
-        return self.worker.stats()
+        with self._lock:
+            return self.worker.stats()
 
     # ----- introspection --------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -184,19 +239,23 @@ def _bundle_index(ctx: Any) -> int | None:
 
 
 class ActorWorker:
-    """The worker protocol over a `LevelActor` handle (blocking `ray.get`; `*_async` variants await).
+    """The worker protocol over a `LevelActor` handle (blocking; `*_async` variants await plain calls).
 
-    Static facts (name, vocab size, context, eos ids, tokenizer fingerprint) are read once from
-    `info()`. Remote methods are resolved once here, not looked up by name on every call.
+    Static facts (name, vocab size, context, eos ids, tokenizer fingerprint, capabilities) are read once from
+    `info()`. `propose` and `verify` go over `transport` (module docstring); `free` only queues the sequence,
+    which leaves with the level's next request, or before any other call.
     """
 
     def __init__(
-        self, handle: Any, timeout_s: float | None = None, info: dict[str, Any] | None = None, level: str | None = None
+        self, handle: Any, timeout_s: float | None = None, info: dict[str, Any] | None = None, level: str | None = None,
+        transport: str = "compiled",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.handle = handle
         self.timeout_s = timeout_s
-        self._add, self._free, self._free_many = handle.add, handle.free, handle.free_many
-        self._rollback, self._propose, self._verify = handle.rollback, handle.propose, handle.verify
+        self.transport = transport
+        self._run, self._add, self._free_many = handle.run, handle.add, handle.free_many
         self._stats, self._info, self._ping = handle.stats, handle.info, handle.ping
         self.level: str = level or "?"  # for error messages until info() answers
         self.name: str = self.level
@@ -211,6 +270,10 @@ class ActorWorker:
         self.tokenizer_fingerprint: str | None = i["tokenizer_fingerprint"]
         self.incarnation: str = i["incarnation"]
         self._tokenizer: Any = None
+        self._frees: list[str] = []  # finished sequences, freed with the next request
+        self._frees_lock = threading.Lock()
+        self._graph: Any = None  # the compiled graph, built on first use and after a failure
+        self._graph_lock = threading.Lock()  # one request in flight per level (the actor serves one at a time)
 
     def capabilities(self) -> WorkerCaps:
         return self.caps
@@ -225,9 +288,9 @@ class ActorWorker:
     # ----- error mapping --------------------------------------------------------------------------
     def _failed(self, exc: BaseException) -> BaseException:
         """Turn a Ray failure into the exception the coordinator should see."""
-        if isinstance(exc, RayActorError):
+        if isinstance(exc, RayActorError | RayChannelError):
             return LevelUnavailable(self.level, f"{type(exc).__name__}: {_first_line(exc)}")
-        if isinstance(exc, GetTimeoutError):
+        if isinstance(exc, GetTimeoutError | RayChannelTimeoutError):
             return LevelUnavailable(self.level, f"no answer within {self.timeout_s}s")
         if isinstance(exc, RayTaskError) and isinstance(exc.cause, KeyError) and self.check_restarted():
             return LevelRestarted(self.level, "its actor was restarted and lost every sequence; re-add them")
@@ -263,38 +326,95 @@ class ActorWorker:
                 raise
             raise mapped from e
 
+    # ----- transport ------------------------------------------------------------------------------
+    def _request(self, call: ProposeCall | VerifyCall) -> LevelRequest:
+        with self._frees_lock:
+            frees, self._frees = tuple(self._frees), []
+        return LevelRequest(frees, call)
+
+    def _send(self, call: ProposeCall | VerifyCall) -> Any:
+        """One round call over the transport."""
+        if self.transport == "call":
+            return self._get(self._run.remote(self._request(call)))
+        with self._graph_lock:
+            graph = self._compiled()
+            try:
+                ref = graph.execute(self._request(call))
+                # a compiled graph's own default wait is 10 s; a CPU prefill of a batch can take longer
+                return ref.get(timeout=self.timeout_s if self.timeout_s is not None else 24 * 3600.0)
+            except (RayActorError, RayChannelError, RayChannelTimeoutError) as e:
+                self._drop_graph()  # broken with its actor: rebuilt on the next call
+                raise self._failed(e) from e
+            except RayTaskError as e:
+                mapped = self._failed(e)
+                if mapped is e:
+                    raise
+                raise mapped from e
+
+    def _compiled(self) -> Any:
+        if self._graph is None:
+            from ray.dag import InputNode
+
+            try:
+                with InputNode() as request:
+                    dag = self.handle.run.bind(request)
+                self._graph = dag.experimental_compile()
+            except (RayActorError, RayChannelError, GetTimeoutError) as e:
+                raise LevelUnavailable(self.level, f"compiling its graph failed: {_first_line(e)}") from e
+        return self._graph
+
+    def _drop_graph(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            try:
+                graph.teardown()
+            except Exception as exc:  # its actor is gone: nothing left to tear down
+                log.debug("teardown of %s's graph: %s", self.level, exc)
+
+    def close(self) -> None:
+        """Tear the compiled graph down (before the actor is killed, or when the cascade shuts down)."""
+        with self._graph_lock:
+            self._drop_graph()
+
+    def _flush(self) -> None:
+        """Free the queued sequences now (before a call that is not a round's request)."""
+        with self._frees_lock:
+            frees, self._frees = self._frees, []
+        if frees:
+            self._get(self._free_many.remote(frees))
+
     # ----- protocol (blocking) --------------------------------------------------------------------
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        self._flush()
         self._get(self._add.remote(seq_id, list(prompt_ids)))
 
     def free(self, seq_id: str) -> None:
-        self._get(self._free.remote(seq_id))
+        """Queue the sequence: it is freed with the level's next request (a restarted level lost it anyway)."""
+        with self._frees_lock:
+            self._frees.append(seq_id)
 
     def free_many(self, seq_ids: Sequence[str]) -> None:
-        self._get(self._free_many.remote(list(seq_ids)))
-
-    def rollback(self, seq_id: str, length: int) -> None:
-        self._get(self._rollback.remote(seq_id, length))
+        with self._frees_lock:
+            frees, self._frees = [*self._frees, *seq_ids], []
+        self._get(self._free_many.remote(frees))
 
     def propose(
         self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
-        mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
+        mode: str = DraftMode.GREEDY, level: int = 0, sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
-        return self._get(self._propose.remote(list(seq_ids), list(k), list(sampling), mode, salt, _opt(sync),
-                                              stop_below))
+        return self._send(ProposeCall(list(seq_ids), list(k), list(sampling), mode, level, _opt(sync), stop_below))
 
     def verify(
         self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
-        sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
+        sampling: Sequence[SamplingParams], method: VerifyMethod, level: int = 0,
         sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
-        return self._get(self._verify.remote(
-            list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method, salt, _opt(sync),
-            return_probs, confidence,
-        ))
+        return self._send(VerifyCall(list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method,
+                                     level, _opt(sync), return_probs, confidence))
 
     def stats(self) -> WorkerStats:
+        self._flush()
         return self._get(self._stats.remote())
 
     def info(self) -> dict[str, Any]:
@@ -304,7 +424,7 @@ class ActorWorker:
     def ping(self) -> str:
         return self._get(self._ping.remote())
 
-    # ----- protocol (asyncio) ---------------------------------------------------------------------
+    # ----- protocol (asyncio, plain calls) ----------------------------------------------------------
     async def add_async(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
         await self._aget(self._add.remote(seq_id, list(prompt_ids)))
 
@@ -313,27 +433,26 @@ class ActorWorker:
 
     async def propose_async(
         self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
-        mode: str = DraftMode.GREEDY, salt: int = 0, sync: Sequence[SeqSync | None] | None = None,
+        mode: str = DraftMode.GREEDY, level: int = 0, sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
-        return await self._aget(self._propose.remote(list(seq_ids), list(k), list(sampling), mode, salt, _opt(sync),
-                                                     stop_below))
+        call = ProposeCall(list(seq_ids), list(k), list(sampling), mode, level, _opt(sync), stop_below)
+        return await self._aget(self._run.remote(self._request(call)))
 
     async def verify_async(
         self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
-        sampling: Sequence[SamplingParams], method: VerifyMethod, salt: int = 0,
+        sampling: Sequence[SamplingParams], method: VerifyMethod, level: int = 0,
         sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
-        return await self._aget(self._verify.remote(
-            list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method, salt, _opt(sync),
-            return_probs, confidence,
-        ))
+        call = VerifyCall(list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method, level,
+                          _opt(sync), return_probs, confidence)
+        return await self._aget(self._run.remote(self._request(call)))
 
     async def stats_async(self) -> WorkerStats:
         return await self._aget(self._stats.remote())
 
     def __repr__(self) -> str:
-        return f"ActorWorker({self.level!r}, node={str(self._info_cache.get('node_id'))[:8]})"
+        return f"ActorWorker({self.level!r}, node={str(self._info_cache.get('node_id'))[:8]}, {self.transport})"
 
 
 def _opt(sync: Sequence[SeqSync | None] | None) -> list[SeqSync | None] | None:
@@ -372,6 +491,8 @@ class LaunchedCascade:
             self.actors.clear()
             self.placement_group = None
             return
+        for w in self.workers.values():
+            w.close()
         for handle in self.actors.values():
             try:
                 ray.kill(handle, no_restart=True)
@@ -407,6 +528,7 @@ def launch_levels(
     placement_timeout_s: float | None = None,
     start_timeout_s: float | None = None,
     call_timeout_s: float | None = None,
+    transport: str | None = None,
 ) -> LaunchedCascade:
     """Start one actor per model level (in one placement group) and return the cascade's `Level`s.
 
@@ -416,7 +538,7 @@ def launch_levels(
     bundles cannot be reserved within `placement_timeout_s` (default: `cfg.placement.timeout_s`),
     `LevelStartError` if an actor fails to start within `start_timeout_s` (default: `cfg.start_timeout_s`),
     and `TokenizerMismatchError` if two model levels disagree on the tokenizer; nothing stays running
-    after an error.
+    after an error. transport: how rounds reach the actors (default `cfg.transport`; module docstring).
     """
     from specray.coordinator.generate import level_from_config
 
@@ -459,7 +581,7 @@ def launch_levels(
                 launched.levels.append(level_from_config(lc))
                 continue
             w = ActorWorker(launched.actors[lc.display_name], timeout_s=call_timeout_s, info=infos[lc.display_name],
-                            level=lc.display_name)
+                            level=lc.display_name, transport=transport or cfg.transport)
             launched.workers[lc.display_name] = w
             launched.levels.append(level_from_config(lc, worker=w))
     except BaseException:

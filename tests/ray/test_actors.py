@@ -87,8 +87,7 @@ def test_protocol_round_trip_matches_in_process_worker(fakes):
         prop = w.propose(["a"], [2], [SamplingParams(temperature=0.8, seed=3)], mode=DraftMode.RANDOM)
         r.append(prop.token_ids)
         r.append(prop.probs)
-        w.rollback("a", 4)
-        r.append(w.verify(["a"], [[5]], None, [G], VerifyMethod.GREEDY, return_probs=True).probs)
+        r.append(w.verify(["a"], [[5]], None, [G], VerifyMethod.GREEDY, sync=[SeqSync(4)], return_probs=True).probs)
         r.append(w.stats())
         results.append(r)
     for x, y in zip(*results):
@@ -129,6 +128,25 @@ def test_cascade_over_actors_equals_in_process(setup, fakes):
         assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], (setup, method)
         assert got.stats["target"].as_dict() == want.stats["target"].as_dict()
         assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())  # everything freed
+
+
+@pytest.mark.parametrize("setup", ["draft", "models3"])
+def test_plain_call_transport_equals_the_compiled_graphs(setup, fakes):
+    """The same actors reached by plain actor calls (`transport="call"`) and through the level's compiled graph
+    (the default): identical outputs and statistics, both equal to the in-process loop; sequences freed."""
+    assert all(w.transport == "compiled" for w in fakes.workers.values())
+    plain = {n: ActorWorker(w.handle, info=w._info_cache, level=n, transport="call") for n, w in fakes.workers.items()}
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(len(PROMPTS))]
+    for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.COUPLED, sp)]:
+        want = generate(fake_cascade(setup, method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
+                        ignore_eos=True)
+        for workers in (fakes.workers, plain):
+            got = generate(fake_cascade(setup, method, workers), PROMPTS, max_tokens=20, sampling=sampling,
+                           ignore_eos=True)
+            assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], (setup, method)
+            assert got.stats["target"].as_dict() == want.stats["target"].as_dict()
+        assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
+    assert fakes.workers["target"]._graph is not None  # the default transport compiled its graph
 
 
 @pytest.mark.parametrize("setup", ["draft", "models3"])

@@ -97,10 +97,26 @@ def test_propose_is_model_greedy_and_sync_rolls_back(worker, ref):
     assert worker.stats().live_sequences == 0
 
 
+def test_sync_start_adds_or_restarts_a_sequence_inside_the_call(worker, ref):
+    """`SeqSync.start(text)` (keep 0): the call itself registers the sequence, or replaces a stale copy (a level
+    rejoining after a failure); the result equals add + the same call."""
+    text = [3, 9, 27, 31, 4, 4]
+    worker.add("s-ref", text)
+    want = worker.verify(["s-ref"], [[5, 6]], None, G, VerifyMethod.GREEDY).token_ids
+    got = worker.verify(["s-new"], [[5, 6]], None, G, VerifyMethod.GREEDY, sync=[SeqSync.start(text)]).token_ids
+    assert got == want and worker.tokens("s-new") == worker.tokens("s-ref")
+    worker.propose(["s-new"], [4], G)  # state that a restart must drop
+    again = worker.verify(["s-new"], [[5, 6]], None, G, VerifyMethod.GREEDY, sync=[SeqSync.start(text)]).token_ids
+    assert again == want and worker.tokens("s-new") == worker.tokens("s-ref")
+    torch.testing.assert_close(worker_logits(worker, "s-new", [7])[0], worker_logits(worker, "s-ref", [7])[0])
+    for s in ("s-ref", "s-new"):
+        worker.free(s)
+
+
 def test_rejection_probs_come_back(worker):
     sp = [SamplingParams(temperature=0.8, seed=5)]
     worker.add("p", [4, 5, 6])
-    prop = worker.propose(["p"], [3], sp, mode=DraftMode.RANDOM, salt=0)
+    prop = worker.propose(["p"], [3], sp, mode=DraftMode.RANDOM, level=0)
     assert prop.probs is not None and prop.probs.shape == (1, 3, worker.vocab_size)
     torch.testing.assert_close(prop.probs.sum(-1), torch.ones(1, 3))
     worker.free("p")

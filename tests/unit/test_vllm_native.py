@@ -77,7 +77,7 @@ class NativeFake(FakeWorker):
 
     native_k = 3
 
-    def verify(self, seq_ids, draft_ids, draft_probs, sampling, method, salt=0, sync=None, return_probs=False,
+    def verify(self, seq_ids, draft_ids, draft_probs, sampling, method, level=0, sync=None, return_probs=False,
                confidence=False):
         seqs = self._prepare(seq_ids, sync)
         lens = [len(s.tokens) for s in seqs]
@@ -91,7 +91,7 @@ class NativeFake(FakeWorker):
                 if cut < len(d):
                     d[cut] = (d[cut] + 1) % self.vocab_size
                 drafts[b] = d
-        res = super().verify(seq_ids, drafts, None, sampling, method, salt, sync=[SeqSync(n) for n in lens])
+        res = super().verify(seq_ids, drafts, None, sampling, method, level, sync=[SeqSync(n) for n in lens])
         res.native_drafts = [len(drafts[b]) if b in rows else 0 for b in range(len(seq_ids))]
         return res
 

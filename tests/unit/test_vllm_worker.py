@@ -287,13 +287,13 @@ def _sampled_rounds(ids, mode, method, vt, vmid, ht, hmid):
     for salt in range(3):
         k = [4, 3, 4, 2, 0]
         before = [len(vmid.tokens(s)) for s in ids]
-        pv = vmid.propose(ids, k, SAMPLED, mode=mode, salt=salt)
-        ph = hmid.propose(ids, k, SAMPLED, mode=mode, salt=salt)
+        pv = vmid.propose(ids, k, SAMPLED, mode=mode, level=salt)
+        ph = hmid.propose(ids, k, SAMPLED, mode=mode, level=salt)
         assert pv.token_ids == ph.token_ids
         if mode == DraftMode.RANDOM:
             torch.testing.assert_close(pv.probs, ph.probs, atol=1e-5, rtol=1e-4)
-        rv = vt.verify(ids, pv.token_ids, pv.probs, SAMPLED, method, salt=salt + 1, return_probs=True)
-        rh = ht.verify(ids, ph.token_ids, ph.probs, SAMPLED, method, salt=salt + 1, return_probs=True)
+        rv = vt.verify(ids, pv.token_ids, pv.probs, SAMPLED, method, level=salt + 1, return_probs=True)
+        rh = ht.verify(ids, ph.token_ids, ph.probs, SAMPLED, method, level=salt + 1, return_probs=True)
         assert rv.token_ids == rh.token_ids
         for b, t in enumerate(rv.token_ids):  # distributions of the emitted slots
             torch.testing.assert_close(rv.probs[b, : len(t)], rh.probs[b, : len(t)], atol=1e-5, rtol=1e-4)
