@@ -177,9 +177,10 @@ class CascadeConfig(_Strict):
     start_timeout_s: float = Field(
         600.0, gt=0, description="How long the level actors have to load their models (Ray deployments)."
     )
-    transport: Literal["compiled", "call"] = Field(
-        "compiled", description="How the coordinator reaches its level actors each round: a Ray Compiled Graph per "
-        "level (a fraction of an actor call's cost), or plain actor calls.",
+    transport: Literal["direct", "compiled", "call"] = Field(
+        "direct", description="How the coordinator reaches its level actors each round: a socket of the level's own "
+        "(direct), a Ray Compiled Graph per level (its reader keeps a CPU core busy while idle), or plain actor calls "
+        "(nodes that cannot reach each other's ephemeral ports).",
     )
 
     @model_validator(mode="after")

@@ -8,14 +8,18 @@
 - `launch_levels` reserves one placement group for all model levels, starts the actors, checks that
   their tokenizers agree, and returns ready-to-use `Level`s. N-gram levels stay in the coordinator.
 
-Transport. A round's calls (`propose`, `verify`) travel as one `LevelRequest` each, over a Ray Compiled Graph
-of one node per level (`transport="compiled"`, the default): the request goes through a shared-memory channel
-to a loop already running in the actor, about a fifth of the cost of an actor call, which is what a round pays
-per level on GPUs, where a step takes a few milliseconds. `transport="call"` sends the same request as a plain
-actor call. Sequences finished by the coordinator are freed inside the level's next request (or before any
-other call), never by a call of their own, and a level joins a sequence inside the call that first uses it
-(`SeqSync.start`). Only token ids travel, plus q when a drafter sampled (rejection). The graph is rebuilt
-after the actor restarts; a call that finds it broken raises `LevelUnavailable` like a dead actor.
+Transport. A round's calls (`propose`, `verify`) travel as one `LevelRequest` each, by one of three transports
+(`cascade.transport`), compared side by side in benchmarks/bench_overhead.py:
+- `direct` (default): a socket the actor serves beside Ray (`specray.serve.direct`): one pickle frame each way,
+  a fraction of an actor call's cost, and an idle level sleeps;
+- `compiled`: a Ray Compiled Graph of one node per level: a shared-memory channel to a loop running in the
+  actor; about a quarter of an actor call, but the loop polls, so an idle level keeps a CPU core busy;
+- `call`: a plain actor call (for nodes that cannot reach each other's ephemeral ports).
+Sequences finished by the coordinator are freed inside the level's next request (or before any other call),
+never by a call of their own, and a level joins a sequence inside the call that first uses it
+(`SeqSync.start`). Only token ids travel, plus q when a drafter sampled (rejection). After the actor restarts,
+the connection is made again to its new address (or the graph rebuilt); a call that finds it broken raises
+`LevelUnavailable` like a dead actor.
 
 Restart semantics: actors run with max_restarts=-1 and max_task_retries=0. A killed actor is restarted
 by Ray with a fresh, empty worker (every sequence is lost); calls in flight or made during the restart
@@ -46,13 +50,14 @@ from specray.config import CascadeConfig, LevelConfig
 from specray.coordinator.state import Level
 from specray.engine.models import TokenizerMismatchError
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, Worker, WorkerCaps, WorkerStats
+from specray.serve.direct import FrameClient, FrameServer, TransportError
 from specray.serve.placement import actor_options, bundle_nodes, in_bundle, level_bundle, reserve
 from specray.spec.params import SamplingParams, VerifyMethod
 
 WorkerFactory = Callable[[], Worker]
 
 #: how a coordinator reaches its level actors (module docstring)
-TRANSPORTS = ("compiled", "call")
+TRANSPORTS = ("direct", "compiled", "call")
 
 log = logging.getLogger(__name__)
 
@@ -78,41 +83,72 @@ class LevelStartError(RuntimeError):
 # ------------------------------------------------------------------------------------------ the wire
 
 
+# On the wire a row's sync is a (keep, append) tuple, and its sampling parameters travel once per sequence (they
+# never change): the actor keeps them until the sequence is freed. Dataclasses per row would cost more to pickle
+# than a GPU step's share of the round.
+WireSync = tuple[int, tuple[int, ...]] | None
+WireSampling = SamplingParams | None  # None: the actor has it
+
+
+class Samplings:
+    """The actor's copy of each sequence's sampling parameters."""
+
+    def __init__(self) -> None:
+        self.by_seq: dict[str, SamplingParams] = {}
+
+    def resolve(self, seq_ids: list[str], sampling: list[WireSampling]) -> list[SamplingParams]:
+        out = []
+        for sid, sp in zip(seq_ids, sampling):
+            if sp is None:
+                try:
+                    sp = self.by_seq[sid]
+                except KeyError:
+                    raise KeyError(f"unknown sequence {sid!r} (no sampling parameters)") from None
+            else:
+                self.by_seq[sid] = sp
+            out.append(sp)
+        return out
+
+
+def _syncs(sync: list[WireSync] | None) -> list[SeqSync | None] | None:
+    return None if sync is None else [None if x is None else SeqSync(x[0], x[1]) for x in sync]
+
+
 @dataclass(frozen=True)
 class ProposeCall:
-    """`Worker.propose` with its arguments."""
+    """`Worker.propose` with its arguments, in wire form."""
 
     seq_ids: list[str]
     k: list[int]
-    sampling: list[SamplingParams]
+    sampling: list[WireSampling]
     mode: str
     level: int
-    sync: list[SeqSync | None] | None
+    sync: list[WireSync] | None
     stop_below: float
 
-    def run(self, worker: Worker) -> DraftProposal:
-        return worker.propose(self.seq_ids, self.k, self.sampling, mode=self.mode, level=self.level, sync=self.sync,
-                              stop_below=self.stop_below)
+    def run(self, worker: Worker, samplings: Samplings) -> DraftProposal:
+        return worker.propose(self.seq_ids, self.k, samplings.resolve(self.seq_ids, self.sampling), mode=self.mode,
+                              level=self.level, sync=_syncs(self.sync), stop_below=self.stop_below)
 
 
 @dataclass(frozen=True)
 class VerifyCall:
-    """`Worker.verify` with its arguments."""
+    """`Worker.verify` with its arguments, in wire form."""
 
     seq_ids: list[str]
     draft_ids: list[list[int]]
     draft_probs: torch.Tensor | None  # [B, K, V] (rejection only)
-    sampling: list[SamplingParams]
+    sampling: list[WireSampling]
     method: VerifyMethod
     level: int
-    sync: list[SeqSync | None] | None
+    sync: list[WireSync] | None
     return_probs: bool
     confidence: bool
 
-    def run(self, worker: Worker) -> VerifyResult:
-        return worker.verify(self.seq_ids, self.draft_ids, self.draft_probs, self.sampling, self.method,
-                             level=self.level, sync=self.sync, return_probs=self.return_probs,
-                             confidence=self.confidence)
+    def run(self, worker: Worker, samplings: Samplings) -> VerifyResult:
+        return worker.verify(self.seq_ids, self.draft_ids, self.draft_probs,
+                             samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
+                             sync=_syncs(self.sync), return_probs=self.return_probs, confidence=self.confidence)
 
 
 @dataclass(frozen=True)
@@ -138,6 +174,10 @@ class LevelActor:
             torch.set_num_threads(num_threads)  # before the model is built, so every op uses it
         self.worker = factory()
         self._lock = threading.Lock()
+        self._samplings = Samplings()
+        threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the server's threads set it too
+        self._server = FrameServer(ray.util.get_node_ip_address(), self.run,
+                                   on_thread_start=lambda: torch.set_num_threads(threads))
         self.incarnation = uuid.uuid4().hex  # changes on every (re)start; lets clients detect restarts
         self.caps = self.worker.capabilities()
         tok = getattr(self.worker, "tokenizer", None)  # backends without text (test fakes) have None
@@ -155,6 +195,7 @@ class LevelActor:
             "tokenizer_fingerprint": fingerprint,
             "tokenizer_eos_id": eos_id,
             "has_tokenizer": tok is not None,
+            "direct": (self._server.address, self._server.token),
         }
 
     # ----- protocol -------------------------------------------------------------------------------
@@ -165,7 +206,8 @@ class LevelActor:
         with self._lock:
             for seq_id in request.frees:
                 self.worker.free(seq_id)
-            return request.call.run(self.worker)
+                self._samplings.by_seq.pop(seq_id, None)
+            return request.call.run(self.worker, self._samplings)
 
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
         with self._lock:
@@ -176,6 +218,7 @@ class LevelActor:
         with self._lock:
             for s in seq_ids:
                 self.worker.free(s)
+                self._samplings.by_seq.pop(s, None)
 
     def stats(self) -> WorkerStats:
         with self._lock:
@@ -248,7 +291,7 @@ class ActorWorker:
 
     def __init__(
         self, handle: Any, timeout_s: float | None = None, info: dict[str, Any] | None = None, level: str | None = None,
-        transport: str = "compiled",
+        transport: str = "direct",
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -272,8 +315,12 @@ class ActorWorker:
         self._tokenizer: Any = None
         self._frees: list[str] = []  # finished sequences, freed with the next request
         self._frees_lock = threading.Lock()
+        self._sampled: dict[str, SamplingParams] = {}  # the sampling parameters the actor holds per sequence
         self._graph: Any = None  # the compiled graph, built on first use and after a failure
         self._graph_lock = threading.Lock()  # one request in flight per level (the actor serves one at a time)
+        self._direct: FrameClient | None = None  # the direct connection, made on first use and after a failure
+        self._direct_at = i["direct"]  # (address, token) of the incarnation last seen
+        self._direct_lock = threading.Lock()
 
     def capabilities(self) -> WorkerCaps:
         return self.caps
@@ -332,10 +379,37 @@ class ActorWorker:
             frees, self._frees = tuple(self._frees), []
         return LevelRequest(frees, call)
 
+    def _wire(self, seq_ids: list[str], sampling: Sequence[SamplingParams], sync: Sequence[SeqSync | None] | None,
+              ) -> tuple[list[WireSampling], list[WireSync] | None]:
+        """Sampling parameters only where the actor does not hold them already (a new or restarted sequence, or
+        other parameters than last time), syncs as tuples."""
+        wire_sp: list[WireSampling] = []
+        with self._frees_lock:
+            for b, (sid, sp) in enumerate(zip(seq_ids, sampling)):
+                start = sync is not None and sync[b] is not None and sync[b].keep == 0
+                held = self._sampled.get(sid)
+                if start or held is None or (held is not sp and held != sp):
+                    self._sampled[sid] = sp
+                    wire_sp.append(sp)
+                else:
+                    wire_sp.append(None)
+        return wire_sp, _wire_syncs(sync)
+
+    def _forget_samplings(self) -> None:
+        """After a failure the actor may be a new incarnation without them: send them again."""
+        with self._frees_lock:
+            self._sampled.clear()
+
     def _send(self, call: ProposeCall | VerifyCall) -> Any:
         """One round call over the transport."""
+        if self.transport == "direct":
+            return self._send_direct(call)
         if self.transport == "call":
-            return self._get(self._run.remote(self._request(call)))
+            try:
+                return self._get(self._run.remote(self._request(call)))
+            except Exception:
+                self._forget_samplings()
+                raise
         with self._graph_lock:
             graph = self._compiled()
             try:
@@ -344,12 +418,41 @@ class ActorWorker:
                 return ref.get(timeout=self.timeout_s if self.timeout_s is not None else 24 * 3600.0)
             except (RayActorError, RayChannelError, RayChannelTimeoutError) as e:
                 self._drop_graph()  # broken with its actor: rebuilt on the next call
+                self._forget_samplings()
                 raise self._failed(e) from e
             except RayTaskError as e:
+                self._forget_samplings()
                 mapped = self._failed(e)
                 if mapped is e:
                     raise
                 raise mapped from e
+
+    def _send_direct(self, call: ProposeCall | VerifyCall) -> Any:
+        with self._direct_lock:
+            try:
+                if self._direct is None:
+                    self._direct = FrameClient(*self._direct_at, timeout_s=self.timeout_s)
+                return self._direct.call(self._request(call))
+            except TransportError as e:
+                self._drop_direct()
+                raise LevelUnavailable(self.level, str(e)) from e
+            except KeyError as e:  # an unknown sequence: a restarted actor lost them all
+                self._forget_samplings()
+                if self.check_restarted():
+                    raise LevelRestarted(self.level, "its actor was restarted and lost every sequence; re-add them") \
+                        from e
+                raise
+
+    def _drop_direct(self) -> None:
+        """Close the connection; the next call connects to wherever the actor (maybe restarted) listens now."""
+        self._forget_samplings()
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
+        try:  # a restarted actor listens on a new port with a new token; Ray tells where
+            self._direct_at = ray.get(self._info.remote(), timeout=5.0)["direct"]
+        except Exception as exc:  # dead or still restarting: asked again after the next failure
+            log.debug("%s: no fresh address yet: %s", self.level, exc)
 
     def _compiled(self) -> Any:
         if self._graph is None:
@@ -372,7 +475,12 @@ class ActorWorker:
                 log.debug("teardown of %s's graph: %s", self.level, exc)
 
     def close(self) -> None:
-        """Tear the compiled graph down (before the actor is killed, or when the cascade shuts down)."""
+        """Close the direct connection and tear the compiled graph down (before the actor is killed, or when the
+        cascade shuts down)."""
+        with self._direct_lock:
+            if self._direct is not None:
+                self._direct.close()
+                self._direct = None
         with self._graph_lock:
             self._drop_graph()
 
@@ -392,10 +500,13 @@ class ActorWorker:
         """Queue the sequence: it is freed with the level's next request (a restarted level lost it anyway)."""
         with self._frees_lock:
             self._frees.append(seq_id)
+            self._sampled.pop(seq_id, None)
 
     def free_many(self, seq_ids: Sequence[str]) -> None:
         with self._frees_lock:
             frees, self._frees = [*self._frees, *seq_ids], []
+            for sid in seq_ids:
+                self._sampled.pop(sid, None)
         self._get(self._free_many.remote(frees))
 
     def propose(
@@ -403,15 +514,19 @@ class ActorWorker:
         mode: str = DraftMode.GREEDY, level: int = 0, sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
-        return self._send(ProposeCall(list(seq_ids), list(k), list(sampling), mode, level, _opt(sync), stop_below))
+        ids = list(seq_ids)
+        sp, sy = self._wire(ids, sampling, sync)
+        return self._send(ProposeCall(ids, list(k), sp, mode, level, sy, stop_below))
 
     def verify(
         self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,
         sampling: Sequence[SamplingParams], method: VerifyMethod, level: int = 0,
         sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
-        return self._send(VerifyCall(list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method,
-                                     level, _opt(sync), return_probs, confidence))
+        ids = list(seq_ids)
+        sp, sy = self._wire(ids, sampling, sync)
+        return self._send(VerifyCall(ids, [list(d) for d in draft_ids], draft_probs, sp, method, level, sy,
+                                     return_probs, confidence))
 
     def stats(self) -> WorkerStats:
         self._flush()
@@ -436,7 +551,7 @@ class ActorWorker:
         mode: str = DraftMode.GREEDY, level: int = 0, sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
-        call = ProposeCall(list(seq_ids), list(k), list(sampling), mode, level, _opt(sync), stop_below)
+        call = ProposeCall(list(seq_ids), list(k), list(sampling), mode, level, _wire_syncs(sync), stop_below)
         return await self._aget(self._run.remote(self._request(call)))
 
     async def verify_async(
@@ -445,7 +560,7 @@ class ActorWorker:
         sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
         call = VerifyCall(list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method, level,
-                          _opt(sync), return_probs, confidence)
+                          _wire_syncs(sync), return_probs, confidence)
         return await self._aget(self._run.remote(self._request(call)))
 
     async def stats_async(self) -> WorkerStats:
@@ -455,8 +570,8 @@ class ActorWorker:
         return f"ActorWorker({self.level!r}, node={str(self._info_cache.get('node_id'))[:8]}, {self.transport})"
 
 
-def _opt(sync: Sequence[SeqSync | None] | None) -> list[SeqSync | None] | None:
-    return None if sync is None else list(sync)
+def _wire_syncs(sync: Sequence[SeqSync | None] | None) -> list[WireSync] | None:
+    return None if sync is None else [None if x is None else (x.keep, tuple(x.append)) for x in sync]
 
 
 def _first_line(exc: BaseException) -> str:
