@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -23,13 +23,13 @@ from specray.spec.params import SamplingParams, VerifyMethod
 __all__ = ["DraftMode", "DraftProposal", "SeqSync", "VerifyResult", "Worker", "WorkerCaps", "WorkerStats"]
 
 
-@dataclass(frozen=True)
-class SeqSync:
+class SeqSync(NamedTuple):
     """Bring a worker's copy of a sequence in line: truncate to `keep` tokens, then append `append`.
 
     Truncation is a rollback: the worker sets its length and never copies KV. `keep == 0` (`SeqSync.start`)
     starts the sequence with `append` as its prompt, replacing any copy the worker still holds: a level joins
     a sequence (or rejoins it after a failure) inside the call that first uses it, without a call of its own.
+    A named tuple: one per row per call, so it must be cheap to make and to send.
     """
 
     keep: int
