@@ -15,7 +15,7 @@ over the time after it).
 
 Theoretical bound: the speedup if drafting cost nothing and verifying K+1 tokens cost one step, i.e. the
 expected accepted length E[L] = 1 + sum_i prod_{j<=i} alpha_j from the measured per-position acceptance at
-the target (ARCHITECTURE.md section 4). "of bound" = achieved speedup / E[L].
+the target (the goodput model of specray/policy/pricing.py). "of bound" = achieved speedup / E[L].
 """
 
 from __future__ import annotations

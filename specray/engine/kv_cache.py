@@ -1,7 +1,7 @@
 """A slot-pool KV cache with position-indexed writes, so rollback only sets a length.
 
 Stock transformers caches cannot write at different positions in different batch rows, and undoing a
-rejected draft with them means copying KV (see shared/notes/transformers-kv.md). This cache is a
+rejected draft with them means copying KV. This cache is a
 duck-typed stand-in: the model only ever calls `update(k, v, layer_idx)` and `get_seq_length()` when we
 pass explicit `position_ids` and a 4D mask, which `begin()` builds.
 

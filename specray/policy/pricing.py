@@ -1,7 +1,7 @@
 """The planner's price of a plan: expected committed tokens per sequence and seconds per round, from live
 measurements (`Pricing`, a mixin of `specray.policy.planner.Planner`).
 
-Goodput of a plan at batch B is E[L] * B / T_round (ARCHITECTURE.md section 4), extended to cascades:
+Goodput of a plan at batch B is E[L] * B / T_round, extended to cascades:
 
 - plain decoding [target]: E[L] = 1, T_round = T_t(B, 1).
 - [d(K), target]: E[L] = 1 + sum_{i<=K} prod_{j<=i} alpha_j(target | d), T_round = P_d(K) + T_t(B, K+1), where
