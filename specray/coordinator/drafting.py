@@ -21,12 +21,15 @@ from specray.coordinator.calls import LevelCalls
 from specray.coordinator.feed import fed_lengths
 from specray.coordinator.state import Plan, Seq
 from specray.coordinator.stats import LevelStats
+from specray.engine.protocol import DraftProposal as Drafts
 from specray.spec.params import VerifyMethod
 
 if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
 
 __all__ = ["DraftSource", "Drafter", "Drafts", "Immediate", "RoundState", "Until"]
+
+#: each row's draft for the level above and q when the drafter sampled: `DraftProposal` (token_ids, probs)
 
 
 class Until:
@@ -46,14 +49,6 @@ class Until:
     def select(self, idx: Sequence[int]) -> Until:
         """The same signal over a subset of the rows."""
         return Until([self.rows[b] for b in idx], self._event)
-
-
-@dataclass
-class Drafts:
-    """Each row's draft for the level above (ragged), and q when the drafter sampled (rejection)."""
-
-    tokens: list[list[int]]
-    probs: torch.Tensor | None = None  # [B, K, V] float32; rows padded past len(tokens[b])
 
 
 @dataclass
@@ -138,7 +133,7 @@ class Drafter:
             if until is not None and any(until.rows):
                 return Drafts(self._propose_bounded(r, rows, tails, want, until))
             prop = self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
-            return Drafts(prop.token_ids, prop.probs)
+            return prop
         return self._inner_rounds(r, ci, rows, tails, want, until)
 
     def _inner_rounds(
@@ -161,9 +156,9 @@ class Drafter:
             sub_tails = [tails[b] + outs[b] for b in idx]
             sub_want = [max(0, min(k_low, want[b] - len(outs[b]) - 1)) for b in idx]
             d = self.produce(r, ci - 1, sub, sub_tails, sub_want) if any(sub_want) else Drafts([[] for _ in idx])
-            res = self.calls.verify(i, lower, sub, sub_tails, d.tokens, d.probs, r.override,
+            res = self.calls.verify(i, lower, sub, sub_tails, d.token_ids, d.probs, r.override,
                                     return_probs=need_probs, confidence=lvl.confidence > 0)
-            fed = fed_lengths(res, d.tokens)
+            fed = fed_lengths(res, d.token_ids)
             for j, b in enumerate(idx):
                 toks = res.token_ids[j]
                 rows[b].stats.setdefault(i, LevelStats()).record(fed[j], res.num_accepted[j], len(toks))

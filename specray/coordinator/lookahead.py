@@ -115,7 +115,7 @@ class LookAhead:
                 short.set()  # already set: one step, then the look-ahead beside the target makes the rest
             made = self.drafter.produce(r, len(r.chain) - 2, [r.rows[b] for b in missing],
                                         [[] for _ in missing], [r.want[b] for b in missing], short)
-            for b, d in zip(missing, made.tokens):
+            for b, d in zip(missing, made.token_ids):
                 drafts[b] = d
         return Drafts([d or [] for d in drafts])
 
@@ -125,23 +125,23 @@ class LookAhead:
         # after this round a row has remaining - len(d) - 1 tokens to go; a look-ahead of 1 token is only the bonus
         # (a draft may be shorter than asked where its drafter grew unsure: still a prefix to look beyond)
         idx = [b for b, s in enumerate(r.rows)
-               if (b in r.cold or drafts.tokens[b]) and s.remaining - len(drafts.tokens[b]) - 1 >= 2]
+               if (b in r.cold or drafts.token_ids[b]) and s.remaining - len(drafts.token_ids[b]) - 1 >= 2]
         if not idx:
             return None
         return self._pool().submit(self._draft_ahead, r, idx, drafts)
 
     def _draft_ahead(self, r: RoundState, idx: list[int], drafts: Drafts) -> dict[int, list[int]] | None:
         k = r.plan.k[-1]
-        want = [min(k + 1, r.rows[b].remaining - len(drafts.tokens[b]) - 1) for b in idx]
+        want = [min(k + 1, r.rows[b].remaining - len(drafts.token_ids[b]) - 1) for b in idx]
         try:
             made = self.drafter.produce(r, len(r.chain) - 2, [r.rows[b] for b in idx],
-                                        [list(drafts.tokens[b]) for b in idx], want,
+                                        [list(drafts.token_ids[b]) for b in idx], want,
                                         r.until.select(idx) if r.until is not None else None)
         except LevelCallError as exc:  # only levels below the target are called here: drop it as in a round
             self.failover.mark_down(exc.level, exc)
             return None
         self.ahead_rows += len(idx)
-        return dict(zip(idx, made.tokens))
+        return dict(zip(idx, made.token_ids))
 
     def settle(self, r: RoundState, ahead: Future | None) -> dict[int, list[int]]:
         if r.until is not None:

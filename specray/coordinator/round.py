@@ -50,15 +50,15 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
     drafts = r.source.drafts(r)
     ahead = r.source.start_ahead(r, drafts)
     try:
-        res = calls.verify(r.top, r.lower, r.rows, [[] for _ in r.rows], drafts.tokens, drafts.probs, r.override)
+        res = calls.verify(r.top, r.lower, r.rows, [[] for _ in r.rows], drafts.token_ids, drafts.probs, r.override)
     finally:
         looks = r.source.settle(r, ahead)  # never leave a look-ahead running past the round
-    fed = fed_lengths(res, drafts.tokens)  # a native target's own drafts count on rows it got none
+    fed = fed_lengths(res, drafts.token_ids)  # a native target's own drafts count on rows it got none
     committed: dict[str, list[int]] = {}
     for b, s in enumerate(r.rows):
         toks = res.token_ids[b]
         new = committed[s.seq_id] = s.commit(toks)
         s.rounds += 1
         s.stats.setdefault(r.top, LevelStats()).record(fed[b], res.num_accepted[b], len(toks))
-        r.source.keep(r, b, s, looks.get(b), len(drafts.tokens[b]), res, new)
+        r.source.keep(r, b, s, looks.get(b), len(drafts.token_ids[b]), res, new)
     return committed

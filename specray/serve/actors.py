@@ -52,6 +52,7 @@ from specray.engine.models import TokenizerMismatchError
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, Worker, WorkerCaps, WorkerStats
 from specray.serve.direct import FrameClient, FrameServer, TransportError
 from specray.serve.placement import actor_options, bundle_nodes, in_bundle, level_bundle, reserve
+from specray.serve.wire import LevelRequest, ProposeCall, Samplings, VerifyCall, WireSampling, WireSync, wire_syncs
 from specray.spec.params import SamplingParams, VerifyMethod
 
 WorkerFactory = Callable[[], Worker]
@@ -78,85 +79,6 @@ class LevelRestarted(LevelUnavailable):
 
 class LevelStartError(RuntimeError):
     """A level's actor could not be created or did not become ready."""
-
-
-# ------------------------------------------------------------------------------------------ the wire
-
-
-# On the wire a row's sync is a (keep, append) tuple, and its sampling parameters travel once per sequence (they
-# never change): the actor keeps them until the sequence is freed. Dataclasses per row would cost more to pickle
-# than a GPU step's share of the round.
-WireSync = tuple[int, tuple[int, ...]] | None
-WireSampling = SamplingParams | None  # None: the actor has it
-
-
-class Samplings:
-    """The actor's copy of each sequence's sampling parameters."""
-
-    def __init__(self) -> None:
-        self.by_seq: dict[str, SamplingParams] = {}
-
-    def resolve(self, seq_ids: list[str], sampling: list[WireSampling]) -> list[SamplingParams]:
-        out = []
-        for sid, sp in zip(seq_ids, sampling):
-            if sp is None:
-                try:
-                    sp = self.by_seq[sid]
-                except KeyError:
-                    raise KeyError(f"unknown sequence {sid!r} (no sampling parameters)") from None
-            else:
-                self.by_seq[sid] = sp
-            out.append(sp)
-        return out
-
-
-def _syncs(sync: list[WireSync] | None) -> list[SeqSync | None] | None:
-    return None if sync is None else [None if x is None else SeqSync(x[0], x[1]) for x in sync]
-
-
-@dataclass(frozen=True)
-class ProposeCall:
-    """`Worker.propose` with its arguments, in wire form."""
-
-    seq_ids: list[str]
-    k: list[int]
-    sampling: list[WireSampling]
-    mode: str
-    level: int
-    sync: list[WireSync] | None
-    stop_below: float
-
-    def run(self, worker: Worker, samplings: Samplings) -> DraftProposal:
-        return worker.propose(self.seq_ids, self.k, samplings.resolve(self.seq_ids, self.sampling), mode=self.mode,
-                              level=self.level, sync=_syncs(self.sync), stop_below=self.stop_below)
-
-
-@dataclass(frozen=True)
-class VerifyCall:
-    """`Worker.verify` with its arguments, in wire form."""
-
-    seq_ids: list[str]
-    draft_ids: list[list[int]]
-    draft_probs: torch.Tensor | None  # [B, K, V] (rejection only)
-    sampling: list[WireSampling]
-    method: VerifyMethod
-    level: int
-    sync: list[WireSync] | None
-    return_probs: bool
-    confidence: bool
-
-    def run(self, worker: Worker, samplings: Samplings) -> VerifyResult:
-        return worker.verify(self.seq_ids, self.draft_ids, self.draft_probs,
-                             samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
-                             sync=_syncs(self.sync), return_probs=self.return_probs, confidence=self.confidence)
-
-
-@dataclass(frozen=True)
-class LevelRequest:
-    """One message to a level actor: sequences the coordinator finished (freed first), then the call."""
-
-    frees: tuple[str, ...]
-    call: ProposeCall | VerifyCall
 
 
 # ------------------------------------------------------------------------------------------ server side
@@ -393,7 +315,7 @@ class ActorWorker:
                     wire_sp.append(sp)
                 else:
                     wire_sp.append(None)
-        return wire_sp, _wire_syncs(sync)
+        return wire_sp, wire_syncs(sync)
 
     def _forget_samplings(self) -> None:
         """After a failure the actor may be a new incarnation without them: send them again."""
@@ -551,7 +473,7 @@ class ActorWorker:
         mode: str = DraftMode.GREEDY, level: int = 0, sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
-        call = ProposeCall(list(seq_ids), list(k), list(sampling), mode, level, _wire_syncs(sync), stop_below)
+        call = ProposeCall(list(seq_ids), list(k), list(sampling), mode, level, wire_syncs(sync), stop_below)
         return await self._aget(self._run.remote(self._request(call)))
 
     async def verify_async(
@@ -560,7 +482,7 @@ class ActorWorker:
         sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
         call = VerifyCall(list(seq_ids), [list(d) for d in draft_ids], draft_probs, list(sampling), method, level,
-                          _wire_syncs(sync), return_probs, confidence)
+                          wire_syncs(sync), return_probs, confidence)
         return await self._aget(self._run.remote(self._request(call)))
 
     async def stats_async(self) -> WorkerStats:
@@ -568,10 +490,6 @@ class ActorWorker:
 
     def __repr__(self) -> str:
         return f"ActorWorker({self.level!r}, node={str(self._info_cache.get('node_id'))[:8]}, {self.transport})"
-
-
-def _wire_syncs(sync: Sequence[SeqSync | None] | None) -> list[WireSync] | None:
-    return None if sync is None else [None if x is None else (x.keep, tuple(x.append)) for x in sync]
 
 
 def _first_line(exc: BaseException) -> str:

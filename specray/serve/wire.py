@@ -1,0 +1,96 @@
+"""What a round's request to a level actor looks like on the wire (`specray.serve.actors`): one `LevelRequest`
+per call, whatever the transport.
+
+A row's sync is a (keep, append) tuple, and its sampling parameters travel once per sequence (they never
+change): the actor keeps them until the sequence is freed. Dataclasses per row would cost more to pickle than a
+GPU step's share of the round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult, Worker
+from specray.spec.params import SamplingParams, VerifyMethod
+
+__all__ = ["LevelRequest", "ProposeCall", "Samplings", "VerifyCall", "WireSampling", "WireSync", "syncs",
+           "wire_syncs"]
+
+WireSync = tuple[int, tuple[int, ...]] | None
+WireSampling = SamplingParams | None  # None: the actor has it
+
+
+class Samplings:
+    """The actor's copy of each sequence's sampling parameters."""
+
+    def __init__(self) -> None:
+        self.by_seq: dict[str, SamplingParams] = {}
+
+    def resolve(self, seq_ids: list[str], sampling: list[WireSampling]) -> list[SamplingParams]:
+        out = []
+        for sid, sp in zip(seq_ids, sampling):
+            if sp is None:
+                try:
+                    sp = self.by_seq[sid]
+                except KeyError:
+                    raise KeyError(f"unknown sequence {sid!r} (no sampling parameters)") from None
+            else:
+                self.by_seq[sid] = sp
+            out.append(sp)
+        return out
+
+
+def syncs(sync: list[WireSync] | None) -> list[SeqSync | None] | None:
+    return None if sync is None else [None if x is None else SeqSync(x[0], x[1]) for x in sync]
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    """`Worker.propose` with its arguments, in wire form."""
+
+    seq_ids: list[str]
+    k: list[int]
+    sampling: list[WireSampling]
+    mode: str
+    level: int
+    sync: list[WireSync] | None
+    stop_below: float
+
+    def run(self, worker: Worker, samplings: Samplings) -> DraftProposal:
+        return worker.propose(self.seq_ids, self.k, samplings.resolve(self.seq_ids, self.sampling), mode=self.mode,
+                              level=self.level, sync=syncs(self.sync), stop_below=self.stop_below)
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """`Worker.verify` with its arguments, in wire form."""
+
+    seq_ids: list[str]
+    draft_ids: list[list[int]]
+    draft_probs: torch.Tensor | None  # [B, K, V] (rejection only)
+    sampling: list[WireSampling]
+    method: VerifyMethod
+    level: int
+    sync: list[WireSync] | None
+    return_probs: bool
+    confidence: bool
+
+    def run(self, worker: Worker, samplings: Samplings) -> VerifyResult:
+        return worker.verify(self.seq_ids, self.draft_ids, self.draft_probs,
+                             samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
+                             sync=syncs(self.sync), return_probs=self.return_probs, confidence=self.confidence)
+
+
+@dataclass(frozen=True)
+class LevelRequest:
+    """One message to a level actor: sequences the coordinator finished (freed first), then the call."""
+
+    frees: tuple[str, ...]
+    call: ProposeCall | VerifyCall
+
+
+def wire_syncs(sync: Sequence[SeqSync | None] | None) -> list[WireSync] | None:
+    return None if sync is None else [None if x is None else (x.keep, tuple(x.append)) for x in sync]
