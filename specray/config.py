@@ -182,6 +182,11 @@ class CascadeConfig(_Strict):
         "(direct), a Ray Compiled Graph per level (its reader keeps a CPU core busy while idle), or plain actor calls "
         "(nodes that cannot reach each other's ephemeral ports).",
     )
+    nested: bool = Field(
+        True, description="A middle level of a cascade runs its inner rounds beside its model, calling the level "
+        "below directly (direct transport): one hop from the coordinator per round instead of two per inner round. "
+        "Off: the coordinator makes every call.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> CascadeConfig:

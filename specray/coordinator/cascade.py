@@ -18,6 +18,7 @@ from specray.coordinator.calls import LevelCalls
 from specray.coordinator.drafting import Drafter, Immediate
 from specray.coordinator.failover import Failover, LevelCallError
 from specray.coordinator.feed import Observer, PlannerFeed
+from specray.coordinator.inner import Nesting
 from specray.coordinator.lookahead import LookAhead
 from specray.coordinator.round import new_round, run_round
 from specray.coordinator.state import Level, Plan, Seq
@@ -33,9 +34,12 @@ class CascadeEngine:
     at once for disjoint sequences (pipelining) when the workers are thread-safe (Ray actor proxies).
 
     overlap: the levels below the target draft the next round while it verifies this one (`LookAhead`).
+    nesting: lets a middle level run its inner rounds beside its model (`specray.coordinator.inner`; the Ray
+    levels' direct transport provides one); None: the coordinator makes every inner round's calls.
     """
 
-    def __init__(self, levels: Sequence[Level], max_context: int | None = None, *, overlap: bool = False) -> None:
+    def __init__(self, levels: Sequence[Level], max_context: int | None = None, *, overlap: bool = False,
+                 nesting: Nesting | None = None) -> None:
         if not levels:
             raise ValueError("a cascade needs at least one level (the target)")
         levels = list(levels)
@@ -53,7 +57,7 @@ class CascadeEngine:
         self.failover = Failover(levels)
         self.feed = PlannerFeed(levels)
         self.calls = LevelCalls(levels, self.failover, self.feed)
-        self.drafter = Drafter(self.calls)
+        self.drafter = Drafter(self.calls, nesting)
         self.immediate = Immediate(self.drafter)
         self.lookahead = LookAhead(self.drafter, self.failover, overlap)
         self._lock = threading.Lock()

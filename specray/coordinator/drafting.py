@@ -4,8 +4,9 @@ drafts the next round while the target verifies this one.
 
 The first level of a chain drafts in one call (a model) or by lookup (the n-gram). A middle level runs inner
 rounds until each row has what the level above asked for: its drafter proposes, it verifies, and what it
-emitted (accepted tokens plus one correction or bonus token) is its draft. Each level's accepted stream is an
-exact sample from that level, so the target's is an exact sample from the target.
+emitted (accepted tokens plus one correction or bonus token) is its draft (`specray.coordinator.inner`: the
+loop, run from here or, with a `Nesting` transport, beside the middle level's model). Each level's accepted
+stream is an exact sample from that level, so the target's is an exact sample from the target.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from specray.coordinator.calls import LevelCalls
-from specray.coordinator.feed import fed_lengths
+from specray.coordinator.failover import LevelCallError
+from specray.coordinator.feed import Verified, fed_lengths
+from specray.coordinator.inner import InnerLog, NestedDraft, Nesting, inner_rounds
 from specray.coordinator.state import Plan, Seq
 from specray.coordinator.stats import LevelStats
+from specray.engine.protocol import DraftMode
 from specray.engine.protocol import DraftProposal as Drafts
 from specray.spec.params import VerifyMethod
 
@@ -110,8 +112,10 @@ class DraftSource(Protocol):
 class Drafter:
     """Makes drafts with the levels below the target (`produce`)."""
 
-    def __init__(self, calls: LevelCalls) -> None:
+    def __init__(self, calls: LevelCalls, nesting: Nesting | None = None) -> None:
         self.calls = calls
+        #: runs a middle level's inner rounds beside its model, where the transport allows (None: from here)
+        self.nesting = nesting
         self.levels = calls.levels
         #: steps per call when a bounded first model level drafts (its calls are where it can stop)
         self.chunk = 2
@@ -139,47 +143,69 @@ class Drafter:
     def _inner_rounds(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], until: Until | None,
     ) -> Drafts:
-        """A middle level: inner rounds (its drafter proposes, it verifies) until each row has want[b] tokens, or
-        stopped (a token it was unsure of, `Level.confidence`; or `until` set after an inner round)."""
+        """A middle level: inner rounds (`specray.coordinator.inner`) until each row has want[b] tokens, or
+        stopped (a token it was unsure of, `Level.confidence`; or `until` set after an inner round). Run beside
+        the middle level's model when the transport allows it (`Nesting`), else from here."""
         i, lower = r.chain[ci], r.chain[ci - 1]
         lvl = self.levels[i]
-        k_low = r.k(lower)
         need_probs = self.calls.method(r.chain[ci + 1], i, r.override) is VerifyMethod.REJECTION
-        outs: list[list[int]] = [[] for _ in rows]
-        prob_rows: list[list[torch.Tensor]] = [[] for _ in rows]
-        stopped = [False] * len(rows)
-        while True:
-            idx = [b for b in range(len(rows)) if len(outs[b]) < want[b] and not stopped[b]]
-            if not idx:
-                break
-            sub = [rows[b] for b in idx]
-            sub_tails = [tails[b] + outs[b] for b in idx]
-            sub_want = [max(0, min(k_low, want[b] - len(outs[b]) - 1)) for b in idx]
-            d = self.produce(r, ci - 1, sub, sub_tails, sub_want) if any(sub_want) else Drafts([[] for _ in idx])
-            res = self.calls.verify(i, lower, sub, sub_tails, d.token_ids, d.probs, r.override,
-                                    return_probs=need_probs, confidence=lvl.confidence > 0)
-            fed = fed_lengths(res, d.token_ids)
-            for j, b in enumerate(idx):
-                toks = res.token_ids[j]
-                rows[b].stats.setdefault(i, LevelStats()).record(fed[j], res.num_accepted[j], len(toks))
-                if res.confidence is not None:  # keep up to the first unsure token, then stop the row
-                    unsure = next((n for n, c in enumerate(res.confidence[j]) if c < lvl.confidence), None)
-                    if unsure is not None:
-                        toks, stopped[b] = toks[: unsure + 1], True
-                outs[b].extend(toks)
-                if res.probs is not None:
-                    prob_rows[b].append(res.probs[j, : len(toks)])
-            if until is not None and until.is_set():  # bounded rows stop after this inner round
-                stopped = [x or u for x, u in zip(stopped, until.rows)]
-        outs = [o[:w] for o, w in zip(outs, want)]
-        probs = None
-        if need_probs:
-            probs = torch.zeros(len(rows), max(want, default=0), lvl.caps.vocab_size)
-            for b, chunks in enumerate(prob_rows):
-                if chunks:
-                    cat = torch.cat(chunks)[: want[b]]
-                    probs[b, : cat.shape[0]] = cat
-        return Drafts(outs, probs)
+        bounded = until is not None and any(until.rows)
+        if self.nesting is not None and not bounded and self.nesting.reaches(lvl.worker, self.levels[lower].worker):
+            return self._nested(r, ci, rows, tails, want, need_probs)
+
+        def propose(idx: list[int], outs: list[list[int]], k: list[int]) -> Drafts:
+            return self.produce(r, ci - 1, [rows[b] for b in idx], [tails[b] + o for b, o in zip(idx, outs)], k)
+
+        def verify(idx: list[int], outs: list[list[int]], d: Drafts) -> VerifyResult:
+            return self.calls.verify(i, lower, [rows[b] for b in idx], [tails[b] + o for b, o in zip(idx, outs)],
+                                     d.token_ids, d.probs, r.override, return_probs=need_probs,
+                                     confidence=lvl.confidence > 0)
+
+        def stop() -> list[bool] | None:
+            return until.rows if until is not None and until.is_set() else None
+
+        return inner_rounds(want, r.k(lower), propose, verify, confidence=lvl.confidence, need_probs=need_probs,
+                            vocab=lvl.caps.vocab_size, stop=stop, on_round=lambda log: _record(rows, i, log))
+
+    def _nested(
+        self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], need_probs: bool,
+    ) -> Drafts:
+        """The middle level runs the inner rounds beside its model; its log is replayed here into the mirrors,
+        the statistics and the planner feed, as if the calls had been made from here."""
+        i, lower = r.chain[ci], r.chain[ci - 1]
+        lvl, low = self.levels[i], self.levels[lower]
+        idx = [b for b in range(len(rows)) if want[b] > 0]
+        out = Drafts([[] for _ in rows])
+        if not idx:
+            return out
+        sub, sub_tails = [rows[b] for b in idx], [tails[b] for b in idx]
+        call = NestedDraft(
+            i, lower, [s.seq_id for s in sub], [s.sampling for s in sub],
+            [self.calls.sync(i, s, t) for s, t in zip(sub, sub_tails)],
+            [self.calls.sync(lower, s, t) for s, t in zip(sub, sub_tails)],
+            [want[b] for b in idx], r.k(lower), self.calls.method(i, lower, r.override),
+            DraftMode.for_method(self.calls.method(i, lower, r.override)), need_probs, lvl.confidence,
+            low.confidence, lvl.caps.vocab_size)
+        got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call)
+        for s, mh, lh in zip(sub, got.mid_held, got.low_held):
+            s.mirror[i].extend(mh)
+            s.mirror[lower].extend(lh)
+        for log in got.logs:
+            if log.steps:
+                self.calls.feed.proposed(lower, len(log.idx), log.steps, log.propose_s)
+            self.calls.feed.verified(Verified(i, lower, log.drafts, log.result, log.verify_s))
+            _record(sub, i, log)
+        if got.low_error is not None:
+            raise LevelCallError(lower, low.name, got.low_error)
+        if len(idx) == len(rows):
+            return got.drafts
+        for j, b in enumerate(idx):
+            out.token_ids[b] = got.drafts.token_ids[j]
+        if got.drafts.probs is not None:
+            probs = got.drafts.probs.new_zeros(len(rows), *got.drafts.probs.shape[1:])
+            probs[idx] = got.drafts.probs
+            out = Drafts(out.token_ids, probs)
+        return out
 
     def _propose_bounded(
         self, r: RoundState, rows: list[Seq], tails: list[list[int]], want: list[int], until: Until,
@@ -204,6 +230,14 @@ class Drafter:
             for b, a, toks in zip(idx, ask, prop.token_ids):
                 outs[b].extend(toks)
                 done[b] = len(toks) < a or len(outs[b]) >= want[b]
+
+
+def _record(rows: Sequence[Seq], level: int, log: InnerLog) -> None:
+    """An inner round's statistics at the middle level (draft tokens fed, accepted, emitted)."""
+    res = log.result
+    fed = fed_lengths(res, log.drafts)
+    for j, b in enumerate(log.idx):
+        rows[b].stats.setdefault(level, LevelStats()).record(fed[j], res.num_accepted[j], len(res.token_ids[j]))
 
 
 class Immediate:

@@ -38,7 +38,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -47,12 +47,23 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayC
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from specray.config import CascadeConfig, LevelConfig
+from specray.coordinator.inner import NestedDraft, NestedOutcome
 from specray.coordinator.state import Level
 from specray.engine.models import TokenizerMismatchError
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, Worker, WorkerCaps, WorkerStats
 from specray.serve.direct import FrameClient, FrameServer, TransportError
 from specray.serve.placement import actor_options, bundle_nodes, in_bundle, level_bundle, reserve
-from specray.serve.wire import LevelRequest, ProposeCall, Samplings, VerifyCall, WireSampling, WireSync, wire_syncs
+from specray.serve.wire import (
+    Endpoint,
+    LevelRequest,
+    NestedCall,
+    ProposeCall,
+    Samplings,
+    VerifyCall,
+    WireSampling,
+    WireSync,
+    wire_syncs,
+)
 from specray.spec.params import SamplingParams, VerifyMethod
 
 WorkerFactory = Callable[[], Worker]
@@ -97,6 +108,7 @@ class LevelActor:
         self.worker = factory()
         self._lock = threading.Lock()
         self._samplings = Samplings()
+        self._peers: dict[Endpoint, FrameClient] = {}  # other levels' actors this one calls (nested drafting)
         threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the server's threads set it too
         self._server = FrameServer(ray.util.get_node_ip_address(), self.run,
                                    on_thread_start=lambda: torch.set_num_threads(threads))
@@ -129,7 +141,19 @@ class LevelActor:
             for seq_id in request.frees:
                 self.worker.free(seq_id)
                 self._samplings.by_seq.pop(seq_id, None)
-            return request.call.run(self.worker, self._samplings)
+            return request.call.run(self.worker, self._samplings, self._peer_call)
+
+    def _peer_call(self, at: Endpoint, request: LevelRequest) -> Any:
+        """A request to another level's actor over its direct transport (a middle level's `NestedCall`)."""
+        client = self._peers.get(at)
+        if client is None:
+            client = self._peers[at] = FrameClient(*at)
+        try:
+            return client.call(request)
+        except TransportError:
+            self._peers.pop(at, None)
+            client.close()
+            raise
 
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
         with self._lock:
@@ -296,7 +320,7 @@ class ActorWorker:
             raise mapped from e
 
     # ----- transport ------------------------------------------------------------------------------
-    def _request(self, call: ProposeCall | VerifyCall) -> LevelRequest:
+    def _request(self, call: ProposeCall | VerifyCall | NestedCall) -> LevelRequest:
         with self._frees_lock:
             frees, self._frees = tuple(self._frees), []
         return LevelRequest(frees, call)
@@ -322,7 +346,7 @@ class ActorWorker:
         with self._frees_lock:
             self._sampled.clear()
 
-    def _send(self, call: ProposeCall | VerifyCall) -> Any:
+    def _send(self, call: ProposeCall | VerifyCall | NestedCall) -> Any:
         """One round call over the transport."""
         if self.transport == "direct":
             return self._send_direct(call)
@@ -349,7 +373,7 @@ class ActorWorker:
                     raise
                 raise mapped from e
 
-    def _send_direct(self, call: ProposeCall | VerifyCall) -> Any:
+    def _send_direct(self, call: ProposeCall | VerifyCall | NestedCall) -> Any:
         with self._direct_lock:
             try:
                 if self._direct is None:
@@ -450,6 +474,42 @@ class ActorWorker:
         return self._send(VerifyCall(ids, [list(d) for d in draft_ids], draft_probs, sp, method, level, sy,
                                      return_probs, confidence))
 
+    def nested(self, draft: NestedDraft, low: ActorWorker) -> NestedOutcome:
+        """This (middle) level runs `draft`'s inner rounds beside its model, calling `low`'s actor directly
+        (`specray.coordinator.inner`); direct transport only. A failure of `low` comes back as
+        `NestedOutcome.low_error` (`LevelUnavailable` or `LevelRestarted`), one of this level raises."""
+        if self.transport != "direct" or low.transport != "direct":
+            raise ValueError("nested drafting needs the direct transport on both levels")
+        mid_sp, _ = self._wire(draft.seq_ids, draft.sampling, draft.mid_syncs)
+        low_sp, _ = low._wire(draft.seq_ids, draft.sampling, draft.low_syncs)
+        with low._frees_lock:
+            frees, low._frees = tuple(low._frees), []
+        call = NestedCall(replace(draft, sampling=[]), mid_sp, low_sp, low._direct_at, frees)
+        try:
+            out: NestedOutcome = self._send_direct(call)
+        except BaseException:
+            with low._frees_lock:  # never reached the level below: free them with its next request
+                low._frees[:0] = frees
+            low._forget_samplings()
+            raise
+        if out.low_error is not None:
+            out.low_error = low._peer_failed(out.low_error)
+        return out
+
+    def _peer_failed(self, exc: BaseException) -> BaseException:
+        """Another level's actor could not reach this one (nested drafting): the exception the coordinator should
+        see, after making ready to reconnect (a restarted actor has a new address)."""
+        if isinstance(exc, KeyError):
+            self._forget_samplings()
+            if self.check_restarted():
+                return LevelRestarted(self.level, "its actor was restarted and lost every sequence; re-add them")
+            return exc
+        if isinstance(exc, ConnectionError):
+            self._drop_direct()
+            return LevelUnavailable(self.level, f"{type(exc).__name__}: {exc}")
+        self._forget_samplings()
+        return exc
+
     def stats(self) -> WorkerStats:
         self._flush()
         return self._get(self._stats.remote())
@@ -503,6 +563,19 @@ def _last_line(exc: BaseException) -> str:
     return lines[-1].strip() if lines else ""
 
 
+class RemoteNesting:
+    """`Nesting` over level actors: a middle level reaches the level below it directly when both are actors on
+    the direct transport (`ActorWorker.nested`)."""
+
+    def reaches(self, mid: Worker, low: Worker) -> bool:
+        return (isinstance(mid, ActorWorker) and isinstance(low, ActorWorker)
+                and mid.transport == "direct" and low.transport == "direct")
+
+    def draft(self, mid: Worker, low: Worker, call: NestedDraft) -> NestedOutcome:
+        assert isinstance(mid, ActorWorker) and isinstance(low, ActorWorker)
+        return mid.nested(call, low)
+
+
 # ------------------------------------------------------------------------------------------ launcher
 
 
@@ -516,6 +589,8 @@ class LaunchedCascade:
     placement_group: PlacementGroup | None
     info: dict[str, dict[str, Any]] = field(default_factory=dict)  # level name -> info() at start-up
     tokenizer_fingerprint: str | None = None
+    #: for `CascadeEngine(..., nesting=)`: middle levels draft beside their models (None: `cascade.nested` off)
+    nesting: RemoteNesting | None = None
 
     def shutdown(self) -> None:
         """Kill every actor (no restart) and remove the placement group; idempotent. A no-op once Ray is
@@ -617,6 +692,8 @@ def launch_levels(
                             level=lc.display_name, transport=transport or cfg.transport)
             launched.workers[lc.display_name] = w
             launched.levels.append(level_from_config(lc, worker=w))
+        if cfg.nested:
+            launched.nesting = RemoteNesting()
     except BaseException:
         launched.shutdown()
         raise

@@ -66,7 +66,8 @@ class Coordinator:
         self.levels = levels
         target = levels[-1].worker
         self.tokenizer = getattr(target, "tokenizer", None)
-        self.engine = CascadeEngine(levels, overlap=server.overlap)
+        nesting = self._launched.nesting if self._launched is not None else None
+        self.engine = CascadeEngine(levels, overlap=server.overlap, nesting=nesting)
         self.max_context = self.engine.max_context or 4096
         self.vocab_size = target.vocab_size
         self.model_name = server.model_name

@@ -1,5 +1,5 @@
 """What a round's request to a level actor looks like on the wire (`specray.serve.actors`): one `LevelRequest`
-per call, whatever the transport.
+per call, whatever the transport (`NestedCall`: the direct transport only).
 
 A row's sync is a (keep, append) tuple, and its sampling parameters travel once per sequence (they never
 change): the actor keeps them until the sequence is freed. Dataclasses per row would cost more to pickle than a
@@ -8,19 +8,25 @@ GPU step's share of the round.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from specray.coordinator.inner import NestedDraft, NestedOutcome, run_nested
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult, Worker
 from specray.spec.params import SamplingParams, VerifyMethod
 
-__all__ = ["LevelRequest", "ProposeCall", "Samplings", "VerifyCall", "WireSampling", "WireSync", "syncs",
+__all__ = ["LevelRequest", "NestedCall", "ProposeCall", "Samplings", "VerifyCall", "WireSampling", "WireSync", "syncs",
            "wire_syncs"]
 
 WireSync = tuple[int, tuple[int, ...]] | None
 WireSampling = SamplingParams | None  # None: the actor has it
+#: (address, token) of a level actor's direct transport
+Endpoint = tuple[tuple[str, int], str]
+#: sends a `LevelRequest` to the level actor at an endpoint and returns its result (raises its exception)
+PeerCall = Callable[[Endpoint, "LevelRequest"], Any]
 
 
 class Samplings:
@@ -59,7 +65,7 @@ class ProposeCall:
     sync: list[WireSync] | None
     stop_below: float
 
-    def run(self, worker: Worker, samplings: Samplings) -> DraftProposal:
+    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> DraftProposal:
         return worker.propose(self.seq_ids, self.k, samplings.resolve(self.seq_ids, self.sampling), mode=self.mode,
                               level=self.level, sync=syncs(self.sync), stop_below=self.stop_below)
 
@@ -78,10 +84,40 @@ class VerifyCall:
     return_probs: bool
     confidence: bool
 
-    def run(self, worker: Worker, samplings: Samplings) -> VerifyResult:
+    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> VerifyResult:
         return worker.verify(self.seq_ids, self.draft_ids, self.draft_probs,
                              samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
                              sync=syncs(self.sync), return_probs=self.return_probs, confidence=self.confidence)
+
+
+@dataclass(frozen=True)
+class NestedCall:
+    """A middle level runs its inner rounds itself (`specray.coordinator.inner.run_nested`), calling the level
+    below at `low_at` directly. Sampling parameters in wire form for each level (`draft.sampling` is empty);
+    `low_frees`: sequences the coordinator finished, freed at the level below with the first call to it."""
+
+    draft: NestedDraft
+    mid_sampling: list[WireSampling]
+    low_sampling: list[WireSampling]
+    low_at: Endpoint
+    low_frees: tuple[str, ...]
+
+    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> NestedOutcome:
+        if peer is None:
+            raise ValueError("a nested draft needs the direct transport to reach the level below")
+        draft = replace(self.draft, sampling=samplings.resolve(self.draft.seq_ids, self.mid_sampling))
+        first = [True]
+
+        def propose_low(seq_ids: list[str], k: list[int], sampling: list, *, mode: str, level: int,
+                        sync: list[SeqSync], stop_below: float) -> DraftProposal:
+            frees, wire_sp = (), [None] * len(seq_ids)  # the level below holds the parameters after the first
+            if first[0]:  # the first inner round calls it with every row (`run_nested`)
+                first[0] = False
+                frees, wire_sp = self.low_frees, self.low_sampling
+            call = ProposeCall(seq_ids, k, wire_sp, mode, level, wire_syncs(sync), stop_below)
+            return peer(self.low_at, LevelRequest(frees, call))
+
+        return run_nested(draft, worker, propose_low)
 
 
 @dataclass(frozen=True)
@@ -89,7 +125,7 @@ class LevelRequest:
     """One message to a level actor: sequences the coordinator finished (freed first), then the call."""
 
     frees: tuple[str, ...]
-    call: ProposeCall | VerifyCall
+    call: ProposeCall | VerifyCall | NestedCall
 
 
 def wire_syncs(sync: Sequence[SeqSync | None] | None) -> list[WireSync] | None:

@@ -10,8 +10,10 @@ inside a level actor (build it there from `sim_factory(...)`, a picklable zero-a
 
 Every call records its busy interval (`time.monotonic()`, one clock for all processes of a Linux machine, so
 intervals of level actors on one box can be compared with the driver's), kind, batch size, forwards, tokens
-fed and cost-model seconds in `SimWorker.trace`, and appends it as a JSON line to `trace_path` when set (the
-benchmark reads the files back from actor processes). Calls without a forward (`add`, `free`, `rollback`)
+fed and cost-model seconds in `SimWorker.trace`; with `trace_path` set, the records not written yet are appended
+to that file as JSON lines when `stats()` (or `flush_trace()`) is called, never inside a timed call, so writing
+the trace does not count as round overhead (the benchmark asks each level actor for its stats, then reads the
+files back). Calls without a forward (`add`, `free`, `rollback`)
 are recorded with zero cost: they count calls, not model time.
 
 Cost presets (`PRESETS`): seconds per forward = `base_s + per_token_s * tokens fed` (tokens summed over the
@@ -67,6 +69,7 @@ from typing import Any
 import torch
 
 from specray.engine.base import SeqState
+from specray.engine.protocol import WorkerStats
 from specray.testing.fake import FakeWorker
 
 __all__ = [
@@ -163,7 +166,8 @@ class SimWorker(FakeWorker):
     `cost.forward_s(tokens fed)`, then the call sleeps until its start + that sum (not at all if the Python
     already took longer). `batched_prefill` (default): a new prompt is fed in the call's batched forward with the
     other rows, as a GPU engine batches prefills, instead of `LogitsWorker`'s one-row prefill forwards.
-    The busy interval of each call goes to `self.trace` and, with `trace_path`, to that file as a JSON line.
+    The busy interval of each call goes to `self.trace` and, with `trace_path`, to that file as a JSON line at the
+    next `stats()` / `flush_trace()`.
     Create it in the process that uses it (threads: one call at a time per worker, as the protocol has it).
     """
 
@@ -192,6 +196,7 @@ class SimWorker(FakeWorker):
         self.trace: list[dict[str, Any]] = []
         self.trace_path = trace_path
         self._trace_file = None
+        self._written = 0  # records of self.trace already in the file
         self._local = threading.local()
         self._pid = os.getpid()
 
@@ -228,14 +233,28 @@ class SimWorker(FakeWorker):
         rec = {"worker": self.name, "kind": kind, "start": start, "end": end, "batch": batch, "forwards": forwards,
                "tokens": tokens, "cost_s": cost, "logic_s": logic, "pid": self._pid}
         self.trace.append(rec)
-        if self.trace_path:
-            if self._trace_file is None or self._pid != os.getpid():
-                self._pid = rec["pid"] = os.getpid()
-                self._trace_file = open(self.trace_path, "a", buffering=1)  # noqa: SIM115 - kept open for appends
-            self._trace_file.write(json.dumps(rec) + "\n")
+
+    def flush_trace(self) -> None:
+        """Append the records not written yet to `trace_path` (no-op without one)."""
+        if not self.trace_path:
+            return
+        if self._trace_file is None or self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._trace_file = open(self.trace_path, "a")  # noqa: SIM115 - kept open for appends
+        new = self.trace[self._written:]
+        self._trace_file.write("".join(json.dumps(rec) + "\n" for rec in new))
+        self._trace_file.flush()
+        self._written = len(self.trace)
 
     def clear_trace(self) -> None:
+        """Forget the records (written ones stay in the file)."""
+        self.flush_trace()
         self.trace.clear()
+        self._written = 0
+
+    def stats(self) -> WorkerStats:
+        self.flush_trace()
+        return super().stats()
 
     # ----- protocol -------------------------------------------------------------------------------
     def propose(self, seq_ids, *args, **kwargs):

@@ -86,6 +86,8 @@ def test_trace_is_written_as_json_lines(tmp_path):
     w.propose(["s"], [2], GREEDY)
     w.verify(["s"], [[]], None, GREEDY, "greedy")
     w.free("s")
+    assert not path.exists() or path.read_text() == ""  # never written inside a timed call
+    w.stats()
     lines = path.read_text().splitlines()
     recs = [json.loads(x) for x in lines]
     assert [r["kind"] for r in recs] == ["add", "propose", "verify", "free"]

@@ -1,0 +1,220 @@
+"""A middle level's inner rounds, as one loop both sides of the wire run.
+
+A middle level of a cascade makes its draft for the level above by inner rounds: the level below it proposes,
+it verifies, and what it emitted (accepted tokens plus one correction or bonus token) extends the draft, until
+each row has what was asked (`inner_rounds`). The coordinator runs the loop over its `LevelCalls`
+(`specray.coordinator.drafting`), one call per level per inner round. Where the levels are separate processes,
+the middle level can run the same loop beside its model (`run_nested`): the coordinator sends one `NestedDraft`,
+the middle level calls the level below directly, and the coordinator gets the drafts with a log of every inner
+round (`NestedOutcome`), which it replays into its mirrors, statistics and planner feed as if it had made the
+calls itself. A round then costs the coordinator one hop to the middle level instead of two per inner round.
+
+Nothing here imports Ray or torch at module level; the transport is the caller's (`Nesting`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult
+from specray.spec.params import SamplingParams, VerifyMethod
+
+if TYPE_CHECKING:
+    import torch
+
+    from specray.engine.protocol import Worker
+
+__all__ = ["InnerLog", "NestedDraft", "NestedOutcome", "Nesting", "inner_rounds", "run_nested"]
+
+#: (rows of this inner round, each row's draft so far, tokens asked of the level below per row) -> its drafts
+Propose = Callable[[list[int], list[list[int]], list[int]], DraftProposal]
+#: (rows, each row's draft so far, the level below's drafts) -> the middle level's verdict
+Verify = Callable[[list[int], list[list[int]], DraftProposal], VerifyResult]
+
+
+@dataclass
+class InnerLog:
+    """One inner round: rows `idx` (of the request) verified `drafts` (from the level below) with `result`;
+    `propose_s` 0 and `steps` 0 when the level below was not called."""
+
+    idx: list[int]
+    drafts: list[list[int]]
+    result: VerifyResult
+    verify_s: float
+    propose_s: float = 0.0
+    steps: int = 0
+
+
+def inner_rounds(
+    want: Sequence[int], k_low: int, propose: Propose, verify: Verify, *, confidence: float = 0.0,
+    need_probs: bool = False, vocab: int = 0, stop: Callable[[], Sequence[bool] | None] | None = None,
+    on_round: Callable[[InnerLog], None] | None = None, always_propose_first: bool = False,
+) -> DraftProposal:
+    """Inner rounds until row b has want[b] tokens or stopped: after a token the middle level gave a
+    probability below `confidence` (the row keeps it and stops), or when `stop()` (checked after each inner
+    round) marks the row. Each inner round asks the level below for up to k_low tokens, never more than the
+    draft still needs minus the middle level's own correction or bonus token. `need_probs`: return the middle
+    level's distributions of the draft tokens ([B, max(want), vocab]) for a rejection verifier above.
+    `always_propose_first`: the first inner round calls the level below even if no row needs its tokens (its
+    call carries the rows' syncs, see `run_nested`)."""
+    n = len(want)
+    outs: list[list[int]] = [[] for _ in range(n)]
+    prob_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    stopped = [False] * n
+    first = True
+    while True:
+        idx = [b for b in range(n) if len(outs[b]) < want[b] and not stopped[b]]
+        if not idx:
+            break
+        sub_want = [max(0, min(k_low, want[b] - len(outs[b]) - 1)) for b in idx]
+        sub_outs = [outs[b] for b in idx]
+        t0 = time.perf_counter()
+        if any(sub_want) or (first and always_propose_first):
+            d = propose(idx, sub_outs, sub_want)
+            propose_s, steps = time.perf_counter() - t0, max(sub_want, default=0)
+        else:
+            d, propose_s, steps = DraftProposal([[] for _ in idx]), 0.0, 0
+        first = False
+        t1 = time.perf_counter()
+        res = verify(idx, sub_outs, d)
+        log = InnerLog(idx, [list(x) for x in d.token_ids], res, time.perf_counter() - t1, propose_s, steps)
+        for j, b in enumerate(idx):
+            toks = res.token_ids[j]
+            if res.confidence is not None and confidence > 0:  # keep up to the first unsure token, then stop
+                unsure = next((m for m, c in enumerate(res.confidence[j]) if c < confidence), None)
+                if unsure is not None:
+                    toks, stopped[b] = toks[: unsure + 1], True
+            outs[b].extend(toks)
+            if res.probs is not None:
+                prob_rows[b].append(res.probs[j, : len(toks)])
+        if on_round is not None:
+            on_round(log)
+        marks = stop() if stop is not None else None
+        if marks is not None:
+            stopped = [x or bool(u) for x, u in zip(stopped, marks)]
+    outs = [o[:w] for o, w in zip(outs, want)]
+    probs = None
+    if need_probs:
+        import torch
+
+        probs = torch.zeros(n, max(want, default=0), vocab)
+        for b, chunks in enumerate(prob_rows):
+            if chunks:
+                cat = torch.cat(chunks)[: want[b]]
+                probs[b, : cat.shape[0]] = cat
+    return DraftProposal(outs, probs)
+
+
+@dataclass
+class NestedDraft:
+    """What the coordinator asks of a middle level that runs its inner rounds itself.
+
+    Rows are the request's; `mid_syncs` / `low_syncs` bring the middle level and the level below in line with
+    each row's context (the first call to each applies them: the first inner round always calls both); `method`:
+    how the middle level verifies the level below; `mode`: how the level below drafts (`DraftMode`);
+    `confidence`: the middle level's threshold (0: off); `stop_below`: the level below's."""
+
+    mid: int
+    low: int
+    seq_ids: list[str]
+    sampling: list[SamplingParams]
+    mid_syncs: list[SeqSync]
+    low_syncs: list[SeqSync]
+    want: list[int]
+    k_low: int
+    method: VerifyMethod
+    mode: str
+    need_probs: bool
+    confidence: float
+    stop_below: float
+    vocab: int
+
+
+@dataclass
+class NestedOutcome:
+    """The drafts, and what the coordinator needs to account for the inner rounds it did not see: per row the
+    tokens each level holds beyond the row's context after the request (`mid_held`, `low_held`), the inner
+    rounds' log, and `low_error` if the level below failed (the drafts are then what was made before it; the
+    coordinator drops that level and retries the round)."""
+
+    drafts: DraftProposal
+    mid_held: list[list[int]]
+    low_held: list[list[int]]
+    logs: list[InnerLog] = field(default_factory=list)
+    low_error: BaseException | None = None
+
+
+class Nesting(Protocol):
+    """A transport that lets a middle level run its inner rounds beside its model (`run_nested`)."""
+
+    def reaches(self, mid: Worker, low: Worker) -> bool:
+        """Can the middle level's worker call the lower level's directly?"""
+
+    def draft(self, mid: Worker, low: Worker, call: NestedDraft) -> NestedOutcome:
+        """Run `call` at the middle level; raises if the middle level itself fails."""
+
+
+class _Held:
+    """What one level holds of each row beyond its context, so that the loop can send it minimal syncs."""
+
+    def __init__(self, syncs: Sequence[SeqSync]) -> None:
+        self.start = [s.keep + len(s.append) for s in syncs]
+        self.held: list[list[int]] = [[] for _ in syncs]
+        self.first: list[SeqSync | None] = list(syncs)
+
+    def sync(self, b: int, target: list[int]) -> SeqSync:
+        """Hold the row's context + `target`."""
+        first = self.first[b]
+        if first is not None:  # the coordinator's sync; the level holds its context after it
+            self.first[b] = None
+            self.held[b] = list(target)
+            return SeqSync(first.keep, (*first.append, *target))
+        held = self.held[b]
+        c, lim = 0, min(len(held), len(target))
+        while c < lim and held[c] == target[c]:
+            c += 1
+        self.held[b] = list(target)
+        return SeqSync(self.start[b] + c, tuple(target[c:]))
+
+
+def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftProposal]) -> NestedOutcome:
+    """The middle level's side of a `NestedDraft`: inner rounds with `mid` (the level's own worker) verifying,
+    and `propose_low(seq_ids, k, sampling, mode=, level=, sync=, stop_below=)` reaching the level below.
+    A failure of the level below ends the loop (`NestedOutcome.low_error`); a failure of `mid` raises."""
+    mid_held, low_held = _Held(call.mid_syncs), _Held(call.low_syncs)
+    logs: list[InnerLog] = []
+    failed: list[BaseException] = []
+
+    def propose(idx: list[int], outs: list[list[int]], k: list[int]) -> DraftProposal:
+        if failed:
+            return DraftProposal([[] for _ in idx])
+        syncs = [low_held.sync(b, o) for b, o in zip(idx, outs)]
+        try:
+            d = propose_low([call.seq_ids[b] for b in idx], k, [call.sampling[b] for b in idx], mode=call.mode,
+                            level=call.low, sync=syncs, stop_below=call.stop_below)
+        except Exception as exc:  # the level below failed: stop drafting, report it with what was made
+            failed.append(exc)
+            return DraftProposal([[] for _ in idx])
+        for b, o, toks in zip(idx, outs, d.token_ids):
+            low_held.held[b] = [*o, *toks]
+        return d
+
+    def verify(idx: list[int], outs: list[list[int]], d: DraftProposal) -> VerifyResult:
+        syncs = [mid_held.sync(b, o) for b, o in zip(idx, outs)]
+        res = mid.verify([call.seq_ids[b] for b in idx], d.token_ids, d.probs, [call.sampling[b] for b in idx],
+                         call.method, level=call.mid, sync=syncs, return_probs=call.need_probs,
+                         confidence=call.confidence > 0)
+        for b, o, toks in zip(idx, outs, res.token_ids):
+            mid_held.held[b] = [*o, *toks]
+        return res
+
+    def stop() -> list[bool] | None:
+        return [True] * len(call.want) if failed else None
+
+    drafts = inner_rounds(call.want, call.k_low, propose, verify, confidence=call.confidence,
+                          need_probs=call.need_probs, vocab=call.vocab, stop=stop, on_round=logs.append,
+                          always_propose_first=True)
+    return NestedOutcome(drafts, mid_held.held, low_held.held, logs, failed[0] if failed else None)
