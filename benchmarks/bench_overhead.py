@@ -18,8 +18,10 @@ max_tokens, ignore_eos=True)`):
   multinode  one level per node of a local three-node Ray cluster on this box (`LocalCluster`, levels pinned to
              nodes by custom resources, placement SPREAD): cross-raylet calls, still over loopback
 On the Ray paths each configuration runs once per transport (`--transports`, side by side, same actors; see
-specray/serve/actors.py): `direct` (the level's own socket, the default), `compiled` (a Ray Compiled Graph per
-level) and `call` (plain actor calls), labelled `actors` / `actors-compiled` / `actors-call` (and `multinode...`).
+specray/serve/actors.py): `direct` (the level's own socket, the default, with nested drafting: the middle level
+of the cascade runs its inner rounds in its actor, calling the level below directly), `flat` (direct, the
+coordinator making every call), `compiled` (a Ray Compiled Graph per level) and `call` (plain actor calls),
+labelled `actors` / `actors-flat` / `actors-compiled` / `actors-call` (and `multinode...`).
 Plans: plain (target alone), draft (8B K -> 70B-TP4), cascade (1B K -> 8B K -> 70B-TP4); greedy, K per level,
 each with and without overlap (drafting the next round while the target verifies; not for plain). The qwen-cpu
 preset has two levels (0.5B -> 1.5B): plain and draft.
@@ -73,6 +75,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,7 +102,8 @@ ORDER = 3
 PROMPT_LEN = 16
 PATHS = ("inproc", "actors", "multinode")
 PLANS = ("plain", "draft", "cascade")
-TIMED_METHODS = ("add", "free", "free_many", "rollback", "propose", "verify", "propose_async", "verify_async")
+TIMED_METHODS = ("add", "free", "free_many", "rollback", "propose", "verify", "propose_async", "verify_async",
+                 "nested")
 MODEL_KINDS = ("propose", "verify")
 #: the issue's targets: overhead per round (ms) by (path kind, batch)
 OVERHEAD_TARGET_MS = {("inproc", 1): 1.0, ("inproc", 64): 3.0, ("actors", 1): 2.0, ("actors", 64): 5.0}
@@ -221,6 +225,7 @@ class InprocBackend:
     """Every level a `SimWorker` in this process; traces read from memory."""
 
     path = "inproc"
+    nesting = None
 
     def __init__(self, specs: Sequence[LevelSpec], k: int, client: ClientLog) -> None:
         self.costs = {s.name: s.cost for s in specs}
@@ -308,14 +313,16 @@ class RayBackend:
             factories = [sim_factory(s.name, s.cost, trace_path=self.trace_paths[s.name], **s.worker_kwargs())
                          for s in specs]
             self.launched = launch_levels(cfg, factories=factories, name_prefix=f"overhead-{path}",
-                                          start_timeout_s=180, transport=transport)
+                                          start_timeout_s=180, transport="direct" if transport == "flat" else transport)
             self.levels = {lv.name: lv for lv in self.launched.levels}
+            self.nesting = self.launched.nesting if transport == "direct" else None
             for n, lv in self.levels.items():
                 client.patch(n, lv.worker)
             self.files = TraceFiles(list(self.trace_paths.values()))
             self.info = {"levels": {n: {k2: i.get(k2) for k2 in ("node_id", "pid", "num_threads")}
                                     for n, i in self.launched.info.items()},
-                         "nodes": len({i.get("node_id") for i in self.launched.info.values()})}
+                         "nodes": len({i.get("node_id") for i in self.launched.info.values()}),
+                         "transfer_floor_ms": transfer_floor_ms(), "transfer_floor_step_s": FLOOR_STEP_S}
         except BaseException:
             self.close()
             raise
@@ -357,6 +364,51 @@ class RayBackend:
             if left:
                 print(f"warning: Ray processes of the local cluster left running: {left}", file=sys.stderr)
             self.cluster = None
+
+
+#: how long the echo's handler sleeps, as a level computing a step: a process woken after blocking that long
+#: answers more slowly than one woken at once (on a virtual machine, a halted virtual CPU must be woken too)
+FLOOR_STEP_S = 0.008
+
+
+class _Echo:
+    """A bare `FrameServer` in an actor of its own: the cost of one request/reply between two processes on
+    this box, with nothing of specray's in it."""
+
+    def __init__(self) -> None:
+        from specray.serve.direct import FrameServer
+
+        self.server = FrameServer("127.0.0.1", self.handle)
+
+    def handle(self, request: float) -> float:
+        t0 = time.monotonic()
+        time.sleep(request)
+        return time.monotonic() - t0
+
+    def at(self) -> tuple[tuple[str, int], str]:
+        return self.server.address, self.server.token
+
+
+def transfer_floor_ms(samples: int = 60) -> float:
+    """Median round trip (ms) of a request to a bare echo actor whose handler blocks FLOOR_STEP_S, less the
+    time it blocked: the transport floor of one call on this box (the rounds' calls cannot cost less)."""
+    import ray
+
+    from specray.serve.direct import FrameClient
+
+    actor = ray.remote(num_cpus=0)(_Echo).remote()
+    try:
+        client = FrameClient(*ray.get(actor.at.remote()))
+        gaps = []
+        for j in range(samples + 5):
+            t0 = time.monotonic()
+            inside = client.call(FLOOR_STEP_S)
+            if j >= 5:
+                gaps.append(time.monotonic() - t0 - inside)
+        client.close()
+        return 1000 * statistics.median(gaps)
+    finally:
+        ray.kill(actor)
 
 
 # ------------------------------------------------------------------------------------------ one measurement
@@ -414,7 +466,7 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
     """One configuration: an untimed warm-up `generate`, then the timed one; the run's numbers (module docstring)."""
     names = PLAN_LEVELS[preset][plan]
     levels = [backend.levels[n] for n in names]
-    engine = CascadeEngine(levels, overlap=overlap)
+    engine = CascadeEngine(levels, overlap=overlap, nesting=backend.nesting)
     prompts = make_prompts(batch)
     load = os.getloadavg()[0]
     try:
@@ -457,6 +509,10 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
             "client_s": client_s,
             "other_client_s": sum(c.end - c.start for c in cl) - client_s,
             "hop_ms_per_call": 1000 * (client_s - busy_s) / len(mk) if mk and len(cl_model) == len(mk) else None,
+            # request/reply pairs between processes: the coordinator's calls into it (nested ones included), and
+            # its proposes that a nested level above asked for (that level's own verifications are local)
+            "round_trips": sum(c.method.replace("_async", "") in (*MODEL_KINDS, "nested") for c in cl)
+            + max(0, kinds.get("propose", 0) - sum(c.method.replace("_async", "") == "propose" for c in cl)),
             "forwards": sum(r["forwards"] for r in mk),
             "tokens_fed": sum(r["tokens"] for r in mk),
         }
@@ -479,9 +535,14 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
         "fraction_of_ideal": model / wall if wall > 0 else 0.0,
         "logic_over_cost_s": sum(pl["logic_over_cost_s"] for pl in per_level.values()),
         "sleep_overshoot_s": sum(pl["sleep_overshoot_s"] for pl in per_level.values()),
-        "other_calls_s": sum(pl["other_client_s"] for pl in per_level.values()),
+        "other_calls_s": sum(c.end - c.start for c in calls
+                             if c.method.replace("_async", "") not in (*MODEL_KINDS, "nested")),
         "other_calls": sum(n for pl in per_level.values() for m, n in pl["client_calls"].items()
-                           if m.replace("_async", "") not in MODEL_KINDS),
+                           if m.replace("_async", "") not in (*MODEL_KINDS, "nested")),
+        "nested_calls": sum(pl["client_calls"].get("nested", 0) for pl in per_level.values()),
+        "round_trips_per_round": (sum(pl["round_trips"] for pl in per_level.values()) / rounds
+                                  if backend.path != "inproc" else 0.0),
+        "transfer_floor_ms": backend.info.get("transfer_floor_ms"),
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "per_level": per_level, "acceptance": acceptance, "stats": stats,
         "bound": bound_for(names, stats, k, batch, backend.costs),
@@ -503,7 +564,7 @@ def config_label(r: dict[str, Any]) -> str:
 
 HEADER = (f"{'path':<18} {'config':<12} {'B':>3} {'tok':>3} {'rounds':>6} {'wall s':>7} {'model s':>7} "
           f"{'ovh/rnd':>8} {'hop/rnd':>8} {'frac':>5} {'tok/s':>7} {'speedup':>7} {'bound':>5}  "
-          "alpha1/rate  calls/round  hop ms/call")
+          "alpha1/rate  calls/round  hop ms/call  trips/round")
 
 
 def row_text(r: dict[str, Any]) -> str:
@@ -523,7 +584,8 @@ def row_text(r: dict[str, Any]) -> str:
     return (f"{r['path']:<18} {config_label(r):<12} {r['batch']:>3} {r['max_tokens']:>3} {r['rounds']:>6} "
             f"{r['wall_s']:>7.3f} {r['model_s']:>7.3f} {r['overhead_ms_per_round']:>6.2f}ms "
             f"{r['hop_ms_per_round']:>6.2f}ms {r['fraction_of_ideal']:>5.3f} {r['tokens_per_s']:>7.1f} {sp:>7} "
-            f"{bd:>5}  {acc}  {calls}  {hops}  add/free {r['other_calls']} in {r['other_calls_s']:.3f}s"
+            f"{bd:>5}  {acc}  {calls}  {hops}  trips {r['round_trips_per_round']:.1f}"
+            f"  add/free {r['other_calls']} in {r['other_calls_s']:.3f}s"
             + (f"  [{'; '.join(flags)}]" if flags else ""))
 
 
@@ -621,9 +683,12 @@ class TransportView:
         self.base = base
         self.path = path_label(base.path.split("-")[0], transport)
         self.costs, self.info = base.costs, base.info
+        # direct: nested drafting, as the launched cascade has it; flat: the coordinator makes every call
+        self.nesting = base.launched.nesting if transport == "direct" else None
         self.levels = {}
         for n, lv in base.levels.items():
-            w = ActorWorker(lv.worker.handle, info=lv.worker._info_cache, level=n, transport=transport)
+            w = ActorWorker(lv.worker.handle, info=lv.worker._info_cache, level=n,
+                            transport="direct" if transport == "flat" else transport)
             client.patch(n, w)
             self.levels[n] = Level(n, worker=w, k=lv.k, method=lv.method)
 
@@ -657,12 +722,22 @@ class Settings:
     max_tokens: int = 96
     max_tokens_large: int | None = None  # new tokens per row at the large batches (None: max_tokens)
     overlaps: list[bool] = field(default_factory=lambda: [False, True])
-    transports: list[str] = field(default_factory=lambda: ["direct", "compiled", "call"])
+    transports: list[str] = field(default_factory=lambda: ["direct", "flat", "compiled", "call"])
     k: int = 4
     warmup_tokens: int = 8
+    repeat: int = 1  # runs of each configuration per transport; the median-overhead one is reported
 
     def tokens_for(self, batch: int) -> int:
         return self.max_tokens_large if (self.max_tokens_large and batch >= 64) else self.max_tokens
+
+
+def median_run(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeat with the median overhead per round (the lower middle one for an even count), with every
+    repeat's overhead beside it."""
+    order = sorted(reps, key=lambda r: r["overhead_ms_per_round"])
+    out = dict(order[(len(order) - 1) // 2])
+    out["repeats_overhead_ms"] = [r["overhead_ms_per_round"] for r in reps]
+    return out
 
 
 def run_path(path: str, s: Settings, trace_dir: str, on_run: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -674,15 +749,24 @@ def run_path(path: str, s: Settings, trace_dir: str, on_run: Callable[[dict[str,
     # the Ray paths: every configuration once per transport, one after the other on the same actors
     backends = [backend] if path == "inproc" else [backend, *(backend.over(t, client) for t in s.transports[1:])]
     info = dict(backend.info, start_s=time.monotonic() - t)
+    if info.get("transfer_floor_ms") is not None:
+        print(f"{path}: transfer floor {info['transfer_floor_ms']:.3f} ms per request/reply (bare echo actor, handler "
+              f"blocking {1000 * FLOOR_STEP_S:.0f} ms); trips/round x floor = what the round's transfers alone cost",
+              flush=True)
     try:
         for b in s.batches:
             for plan in s.plans:
                 for ov in s.overlaps:
                     if ov and plan == "plain":
                         continue
-                    for be in backends:
-                        on_run(measure(be, client, s.preset, plan, b, s.tokens_for(b), ov, s.k, s.warmup_tokens))
-                        be.rest()
+                    reps: dict[int, list[dict[str, Any]]] = {j: [] for j in range(len(backends))}
+                    for _ in range(s.repeat):  # transports interleaved, so that a slow spell of the box hits all
+                        for j, be in enumerate(backends):
+                            reps[j].append(measure(be, client, s.preset, plan, b, s.tokens_for(b), ov, s.k,
+                                                   s.warmup_tokens))
+                            be.rest()
+                    for j in range(len(backends)):
+                        on_run(median_run(reps[j]))
     finally:
         for be in reversed(backends):
             be.close()
@@ -698,11 +782,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-tokens-large", type=int, default=None, help="new tokens at batch >= 64 (default: same)")
     ap.add_argument("--overlap", choices=("both", "on", "off"), default="both")
     ap.add_argument("--preset", choices=tuple(PRESET_LEVELS), default="gpu")
-    ap.add_argument("--transports", nargs="+", choices=("direct", "compiled", "call"),
-                    default=["direct", "compiled", "call"],
+    ap.add_argument("--transports", nargs="+", choices=("direct", "flat", "compiled", "call"),
+                    default=["direct", "flat", "compiled", "call"],
                     help="how the Ray paths reach the level actors (each configuration runs once per transport)")
     ap.add_argument("--k", type=int, default=4, help="tokens each level proposes per round")
     ap.add_argument("--warmup-tokens", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each configuration this many times (transports interleaved) and report the median "
+                         "overhead: differences smaller than the box's noise need 3 or more")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/overhead-<date>.json)")
     ap.add_argument("--note", action="append", default=[], help="a line for the JSON's notes (e.g. which code ran)")
     args = ap.parse_args(argv)
@@ -721,7 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tokens=args.max_tokens or (24 if qwen else 96), max_tokens_large=args.max_tokens_large,
         overlaps={"both": [False, True], "on": [True], "off": [False]}[args.overlap], k=args.k,
         transports=list(dict.fromkeys(args.transports)),
-        warmup_tokens=args.warmup_tokens,
+        warmup_tokens=args.warmup_tokens, repeat=max(1, args.repeat),
     )
     if s.max_tokens_large and any(b >= 64 for b in s.batches):
         notes.append(f"batch >= 64 runs generate {s.max_tokens_large} tokens per row (others {s.max_tokens})")
