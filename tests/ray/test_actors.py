@@ -155,6 +155,76 @@ def test_every_transport_gives_the_in_process_output(setup, fakes):
             w.close()  # an idle compiled graph's reader keeps a core busy
 
 
+def test_nested_drafting_over_actors_equals_in_process(fakes):
+    """The middle level runs its inner rounds in its actor, calling the level below's actor directly: the same
+    tokens and per-level statistics as the in-process loop, one coordinator call to it per round."""
+    from specray.coordinator.cascade import CascadeEngine
+
+    assert fakes.nesting is not None  # cascade.nested is on by default
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(len(PROMPTS))]
+    mid = fakes.workers["d2"]
+    calls = {"n": 0}
+    orig = mid.nested
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return orig(*a, **kw)
+
+    mid.nested = counted
+    try:
+        for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.REJECTION, sp), (VerifyMethod.COUPLED, sp)]:
+            want = generate(fake_cascade("models3", method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
+                            ignore_eos=True)
+            calls["n"] = 0
+            eng = CascadeEngine(fake_cascade("models3", method, fakes.workers), nesting=fakes.nesting)
+            got = generate(eng, PROMPTS, max_tokens=20, sampling=sampling, ignore_eos=True)
+            assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], method
+            assert {n: st.as_dict() for n, st in got.stats.items()} == {n: st.as_dict() for n, st in want.stats.items()}
+            assert 0 < calls["n"] <= max(r.rounds for r in got.results)
+            assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
+    finally:
+        del mid.nested
+
+
+@pytest.mark.parametrize("victim", ["d1", "d2"])
+def test_a_level_killed_during_nested_drafting_fails_over_exactly(victim):
+    """d1 -> d2 -> target with d2 drafting nested: killing the level below (d1, reached from d2's actor) or the
+    middle level itself drops it from the cascade; every row finishes with the plain target's tokens; Ray
+    restarts the actor and the cascade takes it back."""
+    from specray.coordinator.cascade import CascadeEngine
+
+    cfg = CascadeConfig(levels=[level(n, num_speculative_tokens=k) for n, k in (("d1", 2), ("d2", 5))]
+                        + [level("target")])
+    with launch_levels(cfg, [fake(n, *FAKES[n]) for n in ("d1", "d2", "target")], name_prefix=f"nk{victim}") as lc:
+        eng = CascadeEngine(lc.levels, nesting=lc.nesting)
+        eng.retry_after_s = 0.0
+        seqs = [eng.new_sequence(p, SamplingParams(), 60) for p in PROMPTS]
+        pid, seen, r = lc.info[victim]["pid"], set(), 0
+        while any(not s.finished for s in seqs):
+            if r == 2:
+                os.kill(pid, signal.SIGKILL)
+            eng.step(seqs)
+            seen.add(eng.level_status()[victim])
+            r += 1
+        assert "down" in seen, "the killed level was never dropped"
+        want = generate([Level("target", worker=in_process()["target"])], PROMPTS, max_tokens=60, ignore_eos=True)
+        assert [s.output for s in seqs] == [x.token_ids for x in want.results]
+        for s in seqs:
+            eng.release(s)
+        # restarted by Ray, probed, taken back: a fresh generation is exact and the level drafts again
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            got = generate(eng, PROMPTS[:2], max_tokens=12, ignore_eos=True)
+            mid = got.stats.get("d2")  # d2 verified drafts: both levels ran (d1's drafts are what d2 verifies)
+            if eng.level_status()[victim] == "up" and mid is not None and mid.draft_tokens > 0:
+                break
+            time.sleep(0.2)
+        assert eng.level_status()[victim] == "up" and mid is not None and mid.draft_tokens > 0
+        assert [x.token_ids for x in got.results] == [x.token_ids[:12] for x in want.results[:2]]
+        assert lc.workers[victim].info()["pid"] != pid
+        assert all(w.stats().live_sequences == 0 for w in lc.workers.values())
+
+
 @pytest.mark.parametrize("setup", ["draft", "models3"])
 def test_overlap_over_actors_equals_in_process(setup, fakes):
     """Overlap with levels as actors: the look-ahead runs on the draft actors while the target actor
