@@ -281,7 +281,7 @@ class RayBackend:
         import ray
 
         from specray.config import CascadeConfig, LevelConfig, PlacementConfig
-        from specray.serve.actors import launch_levels
+        from specray.serve.launch import launch_levels
 
         self.path = path_label(path, transport)
         self.costs = {s.name: s.cost for s in specs}

@@ -90,7 +90,7 @@ def run_ray(args, batches):
 
     from specray.coordinator.cascade import CascadeEngine
     from specray.coordinator.scheduler import Scheduler
-    from specray.serve.actors import launch_levels
+    from specray.serve.launch import launch_levels
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     launched = launch_levels(level_cfgs(args), name_prefix=None)

@@ -59,7 +59,7 @@ class Coordinator:
             else:
                 levels = build_levels(self.config.cascade)
         else:
-            from specray.serve.actors import launch_levels
+            from specray.serve.launch import launch_levels
 
             self._launched = launch_levels(self.config.cascade, factories, name_prefix=None)
             levels = self._launched.levels

@@ -19,7 +19,8 @@ from specray.coordinator.generate import generate
 from specray.engine.hf import HFWorker
 from specray.engine.models import TokenizerMismatchError
 from specray.engine.protocol import DraftMode, SeqSync
-from specray.serve.actors import ActorWorker, LevelRestarted, LevelStartError, LevelUnavailable, launch_levels
+from specray.serve.actors import ActorWorker, LevelRestarted, LevelStartError, LevelUnavailable
+from specray.serve.launch import launch_levels
 from specray.serve.placement import PlacementError
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod

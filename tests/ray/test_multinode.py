@@ -21,7 +21,7 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. Th
 def test_levels_run_on_their_nodes_and_output_is_exact(local_cluster, tiny):
     import ray
 
-    from specray.serve.actors import launch_levels
+    from specray.serve.launch import launch_levels
 
     node_of = {}  # custom resource -> node id
     for n in ray.nodes():
