@@ -390,8 +390,9 @@ class _Echo:
 
 
 def transfer_floor_ms(samples: int = 60) -> float:
-    """Median round trip (ms) of a request to a bare echo actor whose handler blocks FLOOR_STEP_S, less the
-    time it blocked: the transport floor of one call on this box (the rounds' calls cannot cost less)."""
+    """Median round trip (ms) of a request to a bare echo actor that was idle FLOOR_STEP_S before it (as a level
+    is while the others compute) and whose handler blocks FLOOR_STEP_S, less the time it blocked: the transport
+    floor of one call on this box, with nothing of specray's in it."""
     import ray
 
     from specray.serve.direct import FrameClient
@@ -401,6 +402,7 @@ def transfer_floor_ms(samples: int = 60) -> float:
         client = FrameClient(*ray.get(actor.at.remote()))
         gaps = []
         for j in range(samples + 5):
+            time.sleep(FLOOR_STEP_S)
             t0 = time.monotonic()
             inside = client.call(FLOOR_STEP_S)
             if j >= 5:
@@ -750,9 +752,9 @@ def run_path(path: str, s: Settings, trace_dir: str, on_run: Callable[[dict[str,
     backends = [backend] if path == "inproc" else [backend, *(backend.over(t, client) for t in s.transports[1:])]
     info = dict(backend.info, start_s=time.monotonic() - t)
     if info.get("transfer_floor_ms") is not None:
-        print(f"{path}: transfer floor {info['transfer_floor_ms']:.3f} ms per request/reply (bare echo actor, handler "
-              f"blocking {1000 * FLOOR_STEP_S:.0f} ms); trips/round x floor = what the round's transfers alone cost",
-              flush=True)
+        print(f"{path}: transfer floor {info['transfer_floor_ms']:.3f} ms per request/reply (a bare echo actor "
+              f"idle, then blocking, {1000 * FLOOR_STEP_S:.0f} ms each); trips/round x floor = what the round's "
+              "transfers alone cost", flush=True)
     try:
         for b in s.batches:
             for plan in s.plans:
