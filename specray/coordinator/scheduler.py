@@ -58,6 +58,8 @@ class Request:
     ignore_eos: bool = False
     speculation: Speculation | None = None
     request_id: str | None = None
+    #: more tokens that end the sequence (besides EOS, which `ignore_eos` drops); their text is not output
+    stop_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -175,7 +177,7 @@ class Scheduler:
     def _admit(self, req: Request) -> _Live:
         plan = self.plan_for(req.speculation)
         method = req.speculation.verify_method if req.speculation else None
-        stop_ids = () if req.ignore_eos else self.stop_token_ids
+        stop_ids = (*(() if req.ignore_eos else self.stop_token_ids), *req.stop_token_ids)
         rid = req.request_id or f"req-{next(self._ids)}"
         try:
             seq = self.engine.new_sequence(req.prompt_ids, req.sampling, req.max_tokens, stop_ids, seq_id=rid)
@@ -290,7 +292,10 @@ class Scheduler:
 
     def _deliver(self, live: _Live, toks: list[int]) -> None:
         seq = live.seq
-        text = live.detok.push(toks) if toks and live.detok is not None else ""
+        shown = toks
+        if seq.finish_reason == "stop" and toks and toks[-1] in seq.stop_ids:
+            shown = toks[:-1]  # a stop token ends the text without being part of it (EOS decodes to nothing)
+        text = live.detok.push(shown) if shown and live.detok is not None else ""
         stopped = False
         if live.stopper is not None and text:
             text, stopped = live.stopper.push(text)

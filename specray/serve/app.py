@@ -171,6 +171,7 @@ class Coordinator:
         self, prompt_ids: list[int], *, max_tokens: int | None, temperature: float = 0.0, top_p: float = 1.0,
         top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str | None = None,
         speculation: Mapping[str, Any] | SpeculationOptions | None = None, ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] | None = None,
     ) -> Request:
         room = self.max_context - len(prompt_ids)
         if room < 1:
@@ -191,17 +192,21 @@ class Coordinator:
             # (seed, target), never on the drafter, so seeded requests use it unless they ask otherwise.
             spec = Speculation(spec.method if spec else "auto", spec.num_speculative_tokens if spec else None,
                                VerifyMethod.COUPLED)
-        return Request(prompt_ids, sampling, max_tokens or room, stops, ignore_eos, spec)
+        if stop_token_ids and any(not 0 <= t < self.vocab_size for t in stop_token_ids):
+            raise RequestError(f"stop_token_ids: every id must be in [0, {self.vocab_size})")
+        return Request(prompt_ids, sampling, max_tokens or room, stops, ignore_eos, spec,
+                       stop_token_ids=tuple(stop_token_ids or ()))
 
     # ----- Python handle API ----------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                        stop: Sequence[str] | str | None = None, speculation: Mapping[str, Any] | None = None,
-                       chat: bool = False, ignore_eos: bool = False) -> dict[str, Any]:
+                       chat: bool = False, ignore_eos: bool = False,
+                       stop_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
         """Generate to completion; returns text, token ids, finish reason and usage (with speculation)."""
         req = self.make_request(self.tokenize_prompt(prompt, chat), max_tokens=max_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop, speculation=speculation,
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
         text, ids, last = [], [], None
         async for ev in self.run(req):
             text.append(ev.text)
@@ -215,11 +220,12 @@ class Coordinator:
                               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                               stop: Sequence[str] | str | None = None,
                               speculation: Mapping[str, Any] | None = None, chat: bool = False,
-                              ignore_eos: bool = False) -> AsyncIterator[dict[str, Any]]:
+                              ignore_eos: bool = False, stop_token_ids: Sequence[int] | None = None,
+                              ) -> AsyncIterator[dict[str, Any]]:
         """Stream dicts {text, token_ids, finished, finish_reason[, usage]} as tokens are accepted."""
         req = self.make_request(self.tokenize_prompt(prompt, chat), max_tokens=max_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop, speculation=speculation,
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
         async for ev in self.run(req):
             out: dict[str, Any] = {"text": ev.text, "token_ids": ev.token_ids, "finished": ev.finished,
                                    "finish_reason": ev.finish_reason}

@@ -244,13 +244,18 @@ def build_http_app(coord: Coordinator) -> FastAPI:
         sp = body.to_sampling_params()
         req = coord.make_request(prompt_ids, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                                  top_k=sp.top_k, seed=sp.seed, stop=body.stop, speculation=body.speculation,
-                                 ignore_eos=getattr(body, "ignore_eos", False))
+                                 ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids)
         coord.scheduler.plan_for(req.speculation)  # e.g. method "draft" without a draft level: 400 before streaming
         return req
 
     async def serve_request(body, make_prompt, chat: bool) -> Response:
         if (resp := check_model(body.model)) is not None:
             return resp
+        if unknown := body.unknown_fields:
+            if coord.config.server.strict_fields:
+                return _error(400, f"{unknown[0]}: unknown field (server.strict_fields is on); unknown: "
+                              f"{', '.join(unknown)}", param=unknown[0])
+            log.warning("request fields ignored (not parameters of specray): %s", ", ".join(unknown))
         param = body._prompt_param
         try:
             try:
@@ -297,14 +302,16 @@ def build_http_app(coord: Coordinator) -> FastAPI:
     async def stream(body, req: GenRequest, chat: bool) -> AsyncIterator[str]:
         rid = new_id("chatcmpl" if chat else "cmpl")
         model = coord.model_name
-        if chat:
-            yield sse_event(ChatCompletionChunk(id=rid, model=model,
-                                                choices=[ChatChunkChoice(delta=ChatDelta(role="assistant"))]))
+        role_sent = not chat
         try:
             async for ev in coord.run(req):
                 reason = _finish_reason(ev.finish_reason) if ev.finished else None
                 if not ev.text and reason is None:
                     continue
+                if not role_sent:  # with the first token, as vLLM does: clients time the first token by it
+                    role_sent = True
+                    yield sse_event(ChatCompletionChunk(id=rid, model=model,
+                                                        choices=[ChatChunkChoice(delta=ChatDelta(role="assistant"))]))
                 if chat:
                     delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
                     chunk: Any = ChatCompletionChunk(id=rid, model=model,

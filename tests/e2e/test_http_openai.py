@@ -97,7 +97,7 @@ def test_unknown_model_is_404(client):
 @pytest.mark.parametrize("bad", [
     {"temperature": -1}, {"temperature": 5}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}, {"n": 2},
     {"max_tokens": 100000}, {"speculation": {"method": "warp"}}, {"speculation": {"num_speculative_tokens": 999}},
-    {"stop": ["a", "b", "c", "d", "e"]}, {"prompt": ""}, {"bogus_field": 1},
+    {"stop": ["a", "b", "c", "d", "e"]}, {"prompt": ""}, {"repetition_penalty": 1.3},
 ])
 def test_invalid_parameters_are_400_with_openai_body(client, bad):
     kw = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **bad}
@@ -156,3 +156,33 @@ def test_sse_wire_format(server):
     assert lines[-1] == "data: [DONE]"
     assert all(ln.startswith("data: ") for ln in lines)
     json.loads(lines[0][6:])
+
+
+def test_chat_role_chunk_goes_out_with_the_first_token(server, client):
+    """A client times the first token by the first chunk: the assistant role must not go out before the first
+    token is computed (vLLM sends it then too). The first round is held back 0.5 s here."""
+    import time
+
+    coord = server.coord
+    run = coord.run
+
+    async def slow_first(req):
+        import asyncio
+
+        await asyncio.sleep(0.5)
+        async for ev in run(req):
+            yield ev
+
+    coord.run = slow_first
+    try:
+        t0 = time.monotonic()
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=4, temperature=0, stream=True)
+        first = next(iter(stream))
+        waited = time.monotonic() - t0
+        rest = list(stream)
+    finally:
+        del coord.run
+    assert waited >= 0.5, f"the first chunk came {waited:.3f}s after the request, before any token"
+    assert first.choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in rest if c.choices)

@@ -37,3 +37,19 @@ def test_models_list(capsys):
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "qwen2.5-coder-0.5b-instruct" in out and "smollm2-135m-instruct" in out
+
+
+def test_version_and_defaults_in_help(capsys):
+    import pytest
+
+    import specray
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"specray {specray.__version__} (torch ") and "vllm " in out
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = capsys.readouterr().out
+    assert "(default: 128)" in help_text and "(default: bfloat16)" in help_text

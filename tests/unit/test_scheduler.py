@@ -222,3 +222,34 @@ def test_a_planner_split_runs_a_probe_group_beside_the_held_plan_and_stays_exact
     split = [r for r in rounds if probe in r and held in r]
     assert split and all(r[probe] == 2 for r in split)
     assert lv[1].worker.stats().live_sequences == 0
+
+
+def test_stop_token_ids_end_the_text_before_the_stop_token(tiny):
+    """vLLM's `stop_token_ids`: the completion ends at the first such token, which counts as generated but whose
+    text is not part of the output; EOS still stops unless `ignore_eos`; speculation changes nothing."""
+    from specray.engine.hf import HFWorker
+
+    target = HFWorker(str(tiny.target_dir), name="t", dtype="float32")
+    mid = HFWorker(str(tiny.draft_dirs["mid"]), name="mid", dtype="float32")
+    lv = [Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("mid", worker=mid, k=4), Level("t", worker=target)]
+    tok = target.tokenizer
+    prompt = tok.encode("def fibonacci(n):")
+    sched = Scheduler(CascadeEngine(lv), tok)
+
+    async def run(**kw):
+        text, toks, last = "", [], None
+        async for ev in sched.generate(Request(prompt, SamplingParams(), 30, ignore_eos=True, **kw)):
+            text, toks, last = text + ev.text, toks + ev.token_ids, ev
+        return text, toks, last
+
+    async def main():
+        full = await run()
+        stop = full[1][6]
+        cut = await run(stop_token_ids=(stop,))
+        await sched.close()
+        return full, cut, stop
+
+    (_, toks, _), (ctext, ctoks, clast), stop = asyncio.run(main())
+    j = toks.index(stop)
+    assert ctoks == toks[: j + 1] and clast.finish_reason == "stop" and clast.completion_tokens == j + 1
+    assert ctext == tok.decode(toks[:j], skip_special_tokens=True)

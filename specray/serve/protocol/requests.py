@@ -1,10 +1,12 @@
-"""Request schemas of /v1/completions and /v1/chat/completions (pydantic v2, strict).
+"""Request schemas of /v1/completions and /v1/chat/completions (pydantic v2, strict types).
 
-Requests forbid unknown fields: the official clients only send fields the user set, so an unknown field is
-a typo or an unsupported feature and deserves a clear 400 rather than being silently ignored. OpenAI
-parameters that specray cannot honour (n > 1, echo, logprobs, penalties, logit_bias, tools, ...) are
-declared and accepted only at their neutral value, with a message that says so. The ignored fields are
-exactly `user`, and for chat `metadata` and `store`: they carry no generation semantics.
+OpenAI's parameters and vLLM's extra sampling parameters are declared. Those specray cannot honour (n > 1,
+echo, logprobs, penalties, min_p, logit_bias, tools, guided decoding, ...) are accepted only at their neutral
+value (what vLLM's benchmark client and evaluation harnesses send by default), with a 400 naming the field
+otherwise. A field neither declares is accepted and named in a warning, as vLLM does (`unknown_fields`;
+`server.strict_fields` turns it into a 400). Ignored without semantics: `user`, `request_id`,
+`parallel_tool_calls`, and for chat `metadata` and `store`. Nested objects (`speculation`, `stream_options`,
+messages) refuse unknown fields: a typo there is ours to catch.
 """
 
 from __future__ import annotations
@@ -72,9 +74,54 @@ def _neutral(value: Any, neutral: tuple[Any, ...], message: str) -> Any:
     return value
 
 
-class _SamplingFields(_Request):
-    """Sampling fields shared by both endpoints, with OpenAI's defaults and ranges."""
+#: vLLM's extra request fields that specray accepts only at these values (None: the field was not set)
+VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (None, 1.0),
+    "min_p": (None, 0.0),
+    "min_tokens": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "priority": (None, 0),
+    "return_tokens_as_token_ids": (None, False),
+}
 
+
+#: vLLM's extra chat fields, likewise
+CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "echo": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+}
+
+
+def _only(v: Any, neutral: tuple[Any, ...]) -> Any:
+    """Accept a parameter specray does not implement only at a value that means "off"."""
+    if v not in neutral:
+        shown = " or ".join(repr(x) for x in neutral if x is not None) or "null"
+        raise ValueError(f"only {shown} is supported by specray (got {v!r})")
+    return v
+
+
+class _SamplingFields(_Request):
+    """Sampling fields shared by both endpoints, with OpenAI's defaults and ranges (unknown fields are kept in
+    `model_extra`; see the module docstring)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, protected_namespaces=())
     _prompt_param: ClassVar[str] = "prompt"
 
     model: str = Field(description="A served model id (GET /v1/models).")
@@ -95,7 +142,48 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = Field(None, description="Not supported; only empty.")
     user: str | None = Field(None, description="Accepted and ignored.")
     speculation: SpeculationOptions | None = Field(None, description="Extension: speculation control.")
-    ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
+    ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS (benchmarks).")
+    stop_token_ids: list[int] | None = Field(
+        None, description="vLLM extension: token ids that end the completion (their text is not in the output)."
+    )
+    request_id: str | None = Field(None, description="vLLM extension: accepted and ignored.")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (there are no tools).")
+    repetition_penalty: float | None = Field(None, description="vLLM extension: only 1 is supported.")
+    min_p: float | None = Field(None, description="vLLM extension: only 0 is supported.")
+    min_tokens: int | None = Field(None, description="vLLM extension: only 0 is supported.")
+    use_beam_search: bool | None = Field(None, description="vLLM extension: only false is supported.")
+    length_penalty: float | None = Field(None, description="vLLM extension: only 1 is supported.")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM extension: only false is supported.")
+    skip_special_tokens: bool | None = Field(None, description="vLLM extension: only true is supported.")
+    spaces_between_special_tokens: bool | None = Field(None, description="vLLM extension: only true is supported.")
+    truncate_prompt_tokens: int | None = Field(None, description="vLLM extension: not supported; only null.")
+    prompt_logprobs: int | None = Field(None, description="vLLM extension: not supported; only null.")
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM extension: not supported; only null.")
+    bad_words: list[str] | None = Field(None, description="vLLM extension: not supported; only null.")
+    guided_json: Any = Field(None, description="vLLM extension: not supported; only null.")
+    guided_regex: str | None = Field(None, description="vLLM extension: not supported; only null.")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension: not supported; only null.")
+    guided_grammar: str | None = Field(None, description="vLLM extension: not supported; only null.")
+    structured_outputs: Any = Field(None, description="vLLM extension: not supported; only null.")
+    priority: int | None = Field(None, description="vLLM extension: only 0 is supported.")
+    return_tokens_as_token_ids: bool | None = Field(None, description="vLLM extension: only false is supported.")
+
+    @field_validator(*VLLM_NEUTRAL)
+    @classmethod
+    def _vllm_neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        return _only(v, VLLM_NEUTRAL[info.field_name])
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Fields of the body that no parameter declares (kept, not used)."""
+        return sorted(self.model_extra or ())
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -263,6 +351,17 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
     store: bool | None = Field(None, description="Accepted and ignored.")
+    add_generation_prompt: bool | None = Field(None, description="vLLM extension: only true is supported.")
+    continue_final_message: bool | None = Field(None, description="vLLM extension: only false is supported.")
+    echo: bool | None = Field(None, description="vLLM extension: only false is supported.")
+    chat_template: str | None = Field(None, description="vLLM extension: not supported; only null.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: only empty.")
+    documents: list[dict[str, Any]] | None = Field(None, description="vLLM extension: not supported; only null.")
+
+    @field_validator(*CHAT_NEUTRAL)
+    @classmethod
+    def _chat_neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        return _only(v, CHAT_NEUTRAL[info.field_name])
 
     @field_validator("logprobs")
     @classmethod
