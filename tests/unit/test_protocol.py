@@ -174,7 +174,9 @@ INVALID_COMPLETIONS = [
     ({"speculation": {"num_speculative_tokens": 33}}, "speculation.num_speculative_tokens", "<= 32"),
     ({"speculation": {"verify_method": "fast"}}, "speculation.verify_method", "'coupled'"),
     ({"speculation": {"k": 3}}, "speculation.k", "unknown field"),
-    ({"best_effort": True}, "best_effort", "unknown field"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty", "only 1.0 is supported"),
+    ({"guided_regex": "a+"}, "guided_regex", "only null is supported"),
+    ({"stop_token_ids": [3, -2]}, "stop_token_ids", ">= 0"),
 ]
 
 
@@ -206,8 +208,18 @@ INVALID_CHATS = [
     ({"top_logprobs": 2}, "top_logprobs", "not supported"),
     ({"n": 4}, "n", "only n=1 is supported (got 4)"),
     ({"temperature": 2.5}, "temperature", "<= 2 (got 2.5)"),
-    ({"functions": []}, "functions", "unknown field"),
+    ({"functions": [{"name": "f"}]}, "functions", "only [] is supported"),
+    ({"continue_final_message": True}, "continue_final_message", "only False is supported"),
 ]
+
+
+def test_unknown_top_level_fields_are_kept_and_named() -> None:
+    """vLLM accepts what it does not know (and logs it); nested objects still refuse unknown keys."""
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_effort": True, "zeta": 1, "alpha": 2})
+    assert req.unknown_fields == ["alpha", "best_effort", "zeta"]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "min_p": 0.0}).unknown_fields == []
+    status, body = _error(ChatCompletionRequest, {"model": "m", "messages": CHAT, "speculation": {"k": 1}})
+    assert status == 400 and body["error"]["param"] == "speculation.k"
 
 
 @pytest.mark.parametrize(("patch", "param", "fragment"), INVALID_CHATS)

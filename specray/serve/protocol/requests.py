@@ -106,6 +106,8 @@ CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "documents": (None,),
+    "functions": (None, []),  # OpenAI's deprecated form of tools
+    "function_call": (None, "none"),
 }
 
 
@@ -357,6 +359,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = Field(None, description="vLLM extension: not supported; only null.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: only empty.")
     documents: list[dict[str, Any]] | None = Field(None, description="vLLM extension: not supported; only null.")
+    functions: list[dict[str, Any]] | None = Field(None, description="Deprecated tools: not supported; only empty.")
+    function_call: str | dict[str, Any] | None = Field(None, description="Deprecated tool_choice: only 'none'.")
 
     @field_validator(*CHAT_NEUTRAL)
     @classmethod
