@@ -40,6 +40,13 @@ def served(config: Path) -> tuple[str, str]:
     return url, app["args"]["config"]["server"]["model_name"]
 
 
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -69,6 +76,8 @@ def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: boo
 
 def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: float) -> dict:
     url, model = served(config)
+    if answers(url):  # an app left from an earlier run would be measured instead of this config's
+        raise RuntimeError(f"something already answers on {url}: stop it first (`ray stop --force`)")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     print(f"== {config}: starting `serve run` (models load in the level actors) ...", flush=True)
     proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=ROOT, env=env,
@@ -108,6 +117,9 @@ def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: floa
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        deadline = time.monotonic() + 120
+        while answers(url) and time.monotonic() < deadline:  # the next config must not find this app
+            time.sleep(2)
     return out
 
 
