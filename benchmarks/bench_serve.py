@@ -7,7 +7,9 @@ chosen sets is sent twice, one request at a time to /v1/chat/completions (greedy
 served plan and once with `"speculation": {"method": "none"}` (plain decoding through the same actors), in
 alternating order. Reported per set: tokens/s of both, their ratio, and the target's acceptance from the
 responses' `usage.speculation`. This is what a user of the deployment sees, Ray actors and HTTP included,
-unlike bench_core (one process, no Serve). Writes benchmarks/results/serve-*.json.
+unlike bench_core (one process, no Serve). `--peers` then measures the engine a user would otherwise run on the
+same prompts: vLLM's own loop, plain and with its own n-gram speculation (`peers.py`, 2 threads: the cores the
+served levels use together). Writes benchmarks/results/serve-*.json.
 """
 
 from __future__ import annotations
@@ -129,16 +131,37 @@ def main() -> None:
     ap.add_argument("--sets", nargs="+", default=["code", "extraction", "chat"], choices=list(SETS))
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--startup-s", type=float, default=900, help="wait this long for the app (first start converts)")
+    ap.add_argument("--peers", nargs="*", default=None, choices=["plain", "ngram"],
+                    help="after the configs, also measure vLLM's own loop on the same prompts (peers.py): these "
+                         "modes (no value: plain and ngram), with --peer-threads threads")
+    ap.add_argument("--peer-threads", type=int, default=2, help="threads of vLLM's engine (default: the 2 cores "
+                                                                "the served levels use together)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     results = {str(c): bench_config(c, args.sets, args.max_tokens, args.startup_s) for c in args.configs}
-    print("\nconfig".ljust(40) + "".join(f"{s:>22s}" for s in args.sets))
+    peers = {}
+    if args.peers is not None:
+        from peers import measure
+
+        target = yaml.safe_load(args.configs[0].read_text())["applications"][0]["args"]["config"]["cascade"]
+        model = target["levels"][-1]["model"]
+        peers = measure(model, args.peers or ["plain", "ngram"], args.peer_threads, args.sets, args.max_tokens)
+    print("\ntokens/s (ratio to vLLM's own n-gram where measured)".ljust(40))
+    print("config".ljust(39) + "".join(f"{s:>24s}" for s in args.sets))
+    ngram = peers.get("ngram", {}).get("sets", {})
+    def cell(res: dict, s: str) -> str:
+        served = res[s]["served"]["tok_s"]
+        ratio = f" ({served / ngram[s]['tok_s']:4.2f}x)" if s in ngram else " " * 8
+        return f"{served:7.2f}{ratio} plain {res[s]['plain']['tok_s']:5.2f}"
+
     for c, res in results.items():
-        print(c[-39:].ljust(39) + "".join(
-            f"{res[s]['served']['tok_s']:8.2f} vs {res[s]['plain']['tok_s']:5.2f} {res[s]['speedup']:4.2f}x"
-            for s in args.sets))
+        print(c[-39:].ljust(39) + "".join(f"{cell(res, s):>24s}" for s in args.sets))
+    for mode, res in peers.items():
+        print(f"vLLM own {mode} ({res['threads']} threads)".ljust(39)
+              + "".join(f"{res['sets'][s]['tok_s']:24.2f}" for s in args.sets))
     out = args.out or ROOT / "benchmarks" / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                               "peers": peers}, indent=1))
     print(f"wrote {out}")
 
 

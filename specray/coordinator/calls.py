@@ -35,9 +35,12 @@ class LevelCalls:
 
     def method(self, level: int, lower: int | None, override: VerifyMethod | None = None) -> VerifyMethod:
         """How `level` verifies drafts from `lower`: the request's override or the level's configured method;
-        rejection over a deterministic drafter (the n-gram) is the deterministic method (q = delta_x)."""
+        rejection over a deterministic drafter (the n-gram) is the deterministic method (q = delta_x). So is
+        rejection at a level that verifies inside its engine's step (`WorkerCaps.engine_verify`): its drafter
+        then drafts greedily, and only token ids reach the engine (its rejection sampler takes no q)."""
         method = override if override is not None else self.levels[level].method
-        if method is VerifyMethod.REJECTION and lower is not None and self.levels[lower].is_ngram:
+        if method is VerifyMethod.REJECTION and lower is not None and (
+                self.levels[lower].is_ngram or self.levels[level].engine_verify > 0):
             return VerifyMethod.DETERMINISTIC
         return method
 

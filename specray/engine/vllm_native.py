@@ -27,12 +27,11 @@ Exactness
   argmax), so native output == plain greedy output, token for token (tested on a tiny fp32 model against the
   hf backend and plain vLLM).
 * temperature > 0: vLLM's rejection sampler is exact in distribution, but it draws with its own generator,
-  not with specray's keyed noise, so the output for a given seed would depend on the plan (and a request
-  that is re-added would replay its seed's stream at new positions). Every specray request has a seed
-  (`SamplingParams.with_seed`), so such rows are never served natively: they fall back to `VLLMWorker`'s
-  exact path (prompt scoring + keyed sampling; plain decoding when the row has no specray draft). Nothing is
-  approximated; at T > 0 a native level simply decodes like a plain vLLM level. ``return_probs`` (a native
-  level below another level) is refused at configuration time and falls back here too.
+  not with specray's keyed noise, so the output for a given seed would depend on the plan. Rows that gave no
+  seed (`SamplingParams.reproducible` False) are served natively all the same (their live requests carry no
+  seed, so a re-added request never replays a stream); seeded rows and coupled verification fall back to
+  `VLLMWorker`'s exact path (prompt scoring + keyed sampling). Nothing is approximated. ``return_probs`` (a
+  native level below another level) is refused at configuration time and falls back here too.
 
 Metrics
 -------

@@ -37,13 +37,17 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 disables top-k; top_p = 1 disables nucleus filtering.
     seed None is replaced by a random seed when the request is admitted (see `with_seed`), so every
-    random draw of a request is keyed and reproducible from its seed.
+    random draw of a request is keyed and reproducible from its seed. `reproducible` False marks such an
+    invented seed: nobody can ask for that output again, so an engine may draw the row with its own
+    generator where its method is exact with any fresh randomness (a vLLM level's rejection sampler,
+    `specray.engine.vllm_live`) instead of the keyed noise.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    reproducible: bool = True
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -63,4 +67,4 @@ class SamplingParams:
         """Return a copy with a concrete seed (a fresh random one if none was given)."""
         if self.seed is not None:
             return self
-        return SamplingParams(self.temperature, self.top_k, self.top_p, secrets.randbits(62))
+        return SamplingParams(self.temperature, self.top_k, self.top_p, secrets.randbits(62), reproducible=False)

@@ -173,6 +173,7 @@ def assert_target_law(batch, target: FakeWorker, prompt: list[int], sp: Sampling
         (VerifyMethod.REJECTION, "cascade3_models", SamplingParams(temperature=0.7, top_k=3)),
         (VerifyMethod.DETERMINISTIC, "cascade3", SamplingParams(temperature=1.0, top_p=0.8)),
         (VerifyMethod.COUPLED, "cascade3_models", SamplingParams(temperature=0.7)),
+        (VerifyMethod.REJECTION, "draft_engine", SamplingParams(temperature=1.0, top_k=4)),
     ],
 )
 def test_cascade_output_distribution_is_the_targets(method, setup, sp):
@@ -184,6 +185,9 @@ def test_cascade_output_distribution_is_the_targets(method, setup, sp):
 
     levels = {
         "draft": [Level("d", worker=mk("d", 0.8, 2), k=2), Level("t", worker=mk("t", 0, 0), method=method)],
+        # a target that verifies inside its engine's step: rejection becomes deterministic over greedy drafts
+        "draft_engine": [Level("d", worker=mk("d", 0.8, 2), k=2),
+                         Level("t", worker=mk("t", 0, 0), method=method, engine_verify=2)],
         "cascade3": [Level("ng", ngram=NgramConfig(2, 1, 2)), Level("d", worker=mk("d", 0.6, 2), k=3, method=method),
                      Level("t", worker=mk("t", 0, 0), method=method)],
         "cascade3_models": [Level("d1", worker=mk("d1", 1.2, 3), k=2), Level("d2", worker=mk("d2", 0.5, 4), k=3,
@@ -201,6 +205,22 @@ def test_rejection_over_ngram_is_deterministic_method():
     sp = [SamplingParams(temperature=0.8, seed=s) for s in range(4)]
     batch = generate(lv, PROMPTS, max_tokens=10, sampling=sp, ignore_eos=True)
     assert all(len(r.token_ids) == 10 for r in batch.results)
+
+
+def test_rejection_at_an_engine_verifying_level_is_deterministic_over_greedy_drafts():
+    """An engine that verifies inside its step takes token ids only (no q): rejection there is the
+    deterministic method, and its drafter drafts greedily; an explicit coupled request keeps its keyed noise."""
+    from specray.coordinator.calls import LevelCalls
+    from specray.engine.protocol import DraftMode
+
+    R = VerifyMethod.REJECTION
+    lv = [Level("d", worker=draft(0.5), k=2), Level("t", worker=target(), method=R, engine_verify=4),
+          Level("t2", worker=target(), method=R)]
+    calls = LevelCalls(lv, failover=None, feed=None)
+    assert calls.method(1, 0) is VerifyMethod.DETERMINISTIC
+    assert DraftMode.for_method(calls.method(1, 0)) == DraftMode.GREEDY
+    assert calls.method(1, 0, VerifyMethod.COUPLED) is VerifyMethod.COUPLED
+    assert calls.method(2, 0) is R  # no engine verification: q travels, rejection stays
 
 
 def test_bad_levels_are_rejected():

