@@ -74,7 +74,8 @@ class LevelConfig(_Strict):
         "step of a request kept alive in its scheduler (the engine is started with a speculative config whose "
         "drafts specray supplies), instead of by prompt scoring; plain rounds are plain steps of the same "
         "requests. Set it to the largest K proposed to this level. 0: prompt scoring. Rows at temperature > 0 "
-        "always go through prompt scoring (exact keyed sampling). A native n-gram level does this by itself.",
+        "without a seed are verified in the step too (vLLM's rejection sampler, drafts made greedily); seeded "
+        "rows go through prompt scoring (exact keyed sampling). A native n-gram level does this by itself.",
     )
     draft_confidence: float = Field(
         0.0, ge=0.0, lt=1.0,
@@ -88,7 +89,8 @@ class LevelConfig(_Strict):
         description="vllm target only: the engine's own speculative decoding (vLLM's `speculative_config`), e.g. "
         "{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2} or {method: "
         "draft_model, model: <draft>, num_speculative_tokens: 3}. Plain rounds of this level are then vLLM "
-        "speculating by itself (greedy rows; rows at temperature > 0 decode plain through specray's exact path).",
+        "speculating by itself (greedy rows and unseeded sampled rows; seeded rows at temperature > 0 decode plain "
+        "through specray's exact keyed path).",
     )
 
     @model_validator(mode="after")
