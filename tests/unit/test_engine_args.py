@@ -119,3 +119,27 @@ def test_cpu_vllm_actors_preload_the_intel_openmp_runtime(monkeypatch, tmp_path)
     lib.unlink()
     monkeypatch.delenv("SPECRAY_NO_PRELOAD")
     assert vllm_mod.iomp_library() is None and vllm_mod.preload_env() == {}
+
+
+def test_kind_auto_is_vllm_where_installed_and_hf_with_a_log_line_elsewhere(monkeypatch, caplog):
+    """`kind: auto` takes the vllm backend where vLLM is installed; elsewhere the level runs on hf, the log says
+    why, and the vllm-only fields are dropped (they would fail validation on an hf level)."""
+    from specray import config
+
+    monkeypatch.setattr(config, "vllm_installed", lambda: True)
+    lc = LevelConfig(kind="auto", model="m", engine_verify=8, engine_args={"enforce_eager": True})
+    assert (lc.kind, lc.engine_verify, lc.engine_args) == ("vllm", 8, {"enforce_eager": True})
+    monkeypatch.setattr(config, "vllm_installed", lambda: False)
+    with caplog.at_level("WARNING", logger="specray.config"):
+        lc = LevelConfig(kind="auto", name="target", model="m", engine_verify=8, engine_args={"enforce_eager": True})
+    assert (lc.kind, lc.engine_verify, lc.engine_args, lc.native_speculation) == ("hf", 0, {}, None)
+    assert "target" in caplog.text and "vLLM is not installed" in caplog.text and "engine_verify" in caplog.text
+    assert LevelConfig.model_validate(lc.model_dump()).kind == "hf"  # resolved once, stays resolved
+
+
+def test_specray_no_vllm_turns_kind_auto_to_hf(monkeypatch):
+    from specray import config
+
+    monkeypatch.setenv("SPECRAY_NO_VLLM", "1")
+    assert not config.vllm_installed()
+    assert LevelConfig(kind="auto", model="m", engine_verify=4).kind == "hf"
