@@ -253,7 +253,7 @@ class ServerConfig(_Strict):
     overlap: bool = Field(
         False, description="Draft the next round while the target verifies this one (the levels below the "
         "target on another thread, device or actor); the look-ahead is the next draft when the target accepts "
-        "all of this one. Pays where drafting and verifying can run at the same time (README, 'Overlap')."
+        "all of this one. Pays where drafting and verifying can run at the same time (docs/architecture.md, 'Overlap')."
     )
     in_process: bool = Field(
         False, description="Run the model levels inside the coordinator process instead of one Ray actor per "
@@ -291,7 +291,7 @@ class PolicyConfig(_Strict):
 
 
 class PoolsConfig(_Strict):
-    """Autoscaling by regime (README): a Router deployment in front of two pools that Serve scales apart.
+    """Autoscaling by regime (docs/serving.md): a Router deployment in front of two pools that Serve scales apart.
     SpeculativePool replicas run the whole cascade, TargetPool replicas the target alone; each request goes
     to the speculative pool while its batch per replica stays below the break-even batch, else to the target."""
 

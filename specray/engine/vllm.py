@@ -52,7 +52,7 @@ def iomp_library() -> str | None:
     vLLM's CPU worker asks for it in LD_PRELOAD ("libiomp is not found in LD_PRELOAD"), and its docs
     recommend it for speculative decoding on CPU. LD_PRELOAD only acts when a process starts: specray sets it
     for the Ray actors of `vllm` levels on CPU (`preload_env`); for an in-process engine start Python with it
-    (README, "A vLLM target")."""
+    (docs/vllm.md)."""
     import sys
 
     path = os.path.join(sys.prefix, "lib", "libiomp5.so")

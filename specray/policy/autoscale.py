@@ -15,7 +15,7 @@ decision here sizes a pool so that its load per replica sits at a chosen *capaci
 Flapping is prevented three ways: a dead band (grow when load > n x cap, shrink only when
 load < (n - 1) x cap x low_water), a persistence time (`downscale_after_s`: a shrink must be wanted that
 long, and it removes at most `max_step_down` replicas per step), and a hold while replicas are still
-starting. Serve applies its own upscale/downscale delays on top of these (see README).
+starting. Serve applies its own upscale/downscale delays on top of these (see docs/serving.md).
 
 All decisions are `f(metrics, knobs, state) -> (replicas, state)`; `state` is the JSON-able dict that
 Serve keeps between calls as `policy_state` (our keys start with "specray_").

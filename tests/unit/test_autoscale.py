@@ -212,7 +212,7 @@ def test_policy_callables_read_a_namespace_context():
 
 def test_policy_with_serves_own_context_and_wrapper_applies_serves_delays():
     """Serve's AutoscalingContext is constructible in 2.60; Serve wraps a custom policy with its delay logic,
-    so the same decision is held back by upscale_delay_s (the README's gotcha)."""
+    so the same decision is held back by upscale_delay_s (docs/serving.md, autoscaling by regime)."""
     from ray.serve.autoscaling_policy import _apply_autoscaling_config
     from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
