@@ -45,9 +45,11 @@ def _scratch(tmp_path: Path, deps: list[str]) -> Path:
     (tmp_path / "scripts").mkdir()
     shutil.copy(SETUP, tmp_path / "scripts" / "setup.sh")
     (tmp_path / "pyproject.toml").write_text(PROBE_PYPROJECT.format(deps=", ".join(f'"{d}"' for d in deps)))
-    # what setup.sh's last line imports as `specray` (the working directory comes first on its path)
-    (tmp_path / "specray").mkdir()
-    (tmp_path / "specray" / "__init__.py").write_text('__version__ = "0.0.probe"\n')
+    # what setup.sh's last line imports (the working directory comes first on its path): stand-ins, so the check
+    # does not spend seconds importing torch, transformers and ray; pip still sees the real distributions
+    for pkg in ("specray", "torch", "transformers", "ray"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text('__version__ = "0.0.probe"\n')
     venv = tmp_path / ".venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     where = "import sysconfig; print(sysconfig.get_path('purelib'))"
@@ -81,7 +83,7 @@ def test_setup_succeeds_without_vllm(tmp_path):
     proc = _run(_scratch(tmp_path, []))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "specray 0.0.probe | torch" in proc.stdout, out
+    assert "specray 0.0.probe | torch 0.0.probe" in proc.stdout, out
     assert "vllm" not in out.lower(), out
 
 
