@@ -60,6 +60,8 @@ class Request:
     request_id: str | None = None
     #: more tokens that end the sequence (besides EOS, which `ignore_eos` drops); their text is not output
     stop_token_ids: Sequence[int] = ()
+    #: `time.perf_counter()` when the server received the request (None: when it reaches the coordinator)
+    arrival: float | None = None
 
 
 @dataclass

@@ -139,8 +139,10 @@ class Coordinator:
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
     async def run(self, req: Request) -> AsyncIterator[Event]:
-        """Scheduler events for one request, with latency metrics; the caller closing it cancels it."""
-        t0 = time.perf_counter()
+        """Scheduler events for one request, with latency metrics; the caller closing it cancels it. The latency
+        clock starts at `req.arrival` where the HTTP server set it: time to first token and end to end then
+        include parsing, tokenization and the wait for admission, as a client sees them."""
+        t0 = time.perf_counter() if req.arrival is None else req.arrival
         ttft = None
         agen = self.scheduler.generate(req)
         last: Event | None = None
@@ -171,8 +173,10 @@ class Coordinator:
         self, prompt_ids: list[int], *, max_tokens: int | None, temperature: float = 0.0, top_p: float = 1.0,
         top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str | None = None,
         speculation: Mapping[str, Any] | SpeculationOptions | None = None, ignore_eos: bool = False,
-        stop_token_ids: Sequence[int] | None = None,
+        stop_token_ids: Sequence[int] | None = None, arrival: float | None = None,
     ) -> Request:
+        """A scheduler request; `arrival` (`time.perf_counter()` when the HTTP server received it) starts its
+        latency clock (`run`)."""
         room = self.max_context - len(prompt_ids)
         if room < 1:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context "
@@ -195,7 +199,7 @@ class Coordinator:
         if stop_token_ids and any(not 0 <= t < self.vocab_size for t in stop_token_ids):
             raise RequestError(f"stop_token_ids: every id must be in [0, {self.vocab_size})")
         return Request(prompt_ids, sampling, max_tokens or room, stops, ignore_eos, spec,
-                       stop_token_ids=tuple(stop_token_ids or ()))
+                       stop_token_ids=tuple(stop_token_ids or ()), arrival=arrival)
 
     # ----- Python handle API ----------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0,

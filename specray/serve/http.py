@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,8 @@ class _RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # the server's latency clock starts here (request.state.arrival): what a client times, less the network
+        scope.setdefault("state", {})["arrival"] = time.perf_counter()
         coord, path = self.coord, scope["path"]
         headers = Headers(scope=scope)
         if coord.api_key and path.startswith("/v1/"):
@@ -239,16 +242,17 @@ def build_http_app(coord: Coordinator) -> FastAPI:
         param = head if head.split(".", 1)[0] in type(body).model_fields else None
         return _error(400, str(exc), param=param)
 
-    async def prepare(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> GenRequest:
+    async def prepare(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                      arrival: float) -> GenRequest:
         max_tokens = body.resolve_max_tokens(len(prompt_ids), coord.max_context)
         sp = body.to_sampling_params()
         req = coord.make_request(prompt_ids, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                                  top_k=sp.top_k, seed=sp.seed, stop=body.stop, speculation=body.speculation,
-                                 ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids)
+                                 ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids, arrival=arrival)
         coord.scheduler.plan_for(req.speculation)  # e.g. method "draft" without a draft level: 400 before streaming
         return req
 
-    async def serve_request(body, make_prompt, chat: bool) -> Response:
+    async def serve_request(body, make_prompt, chat: bool, arrival: float) -> Response:
         if (resp := check_model(body.model)) is not None:
             return resp
         if unknown := body.unknown_fields:
@@ -264,7 +268,7 @@ def build_http_app(coord: Coordinator) -> FastAPI:
                 raise InvalidRequest(str(exc), param=param) from exc
             if not prompt_ids:
                 raise InvalidRequest(f"{param}: the prompt is empty after tokenization", param=param)
-            req = await prepare(body, prompt_ids)
+            req = await prepare(body, prompt_ids, arrival)
         except InvalidRequest as exc:
             return _ErrorResponse(exc.body(), status_code=400)
         except RequestError as exc:
@@ -333,18 +337,18 @@ def build_http_app(coord: Coordinator) -> FastAPI:
         yield SSE_DONE
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         def prompt() -> list[int]:
             return coord.tokenize_prompt(body.prompt)
 
-        return await serve_request(body, prompt, chat=False)
+        return await serve_request(body, prompt, chat=False, arrival=request.state.arrival)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         def prompt() -> list[int]:
             return coord.apply_chat_template(body.template_messages())
 
-        return await serve_request(body, prompt, chat=True)
+        return await serve_request(body, prompt, chat=True, arrival=request.state.arrival)
 
     @app.get("/v1/models")
     async def models() -> Response:
