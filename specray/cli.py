@@ -139,9 +139,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _generate_parser(sub)
     add_models_arguments(sub.add_parser("models", help="pull / list the built-in demo models"))
+    from specray.verify_cli import add_verify_arguments
+    from specray.verify_cli import main as verify_main
+
+    add_verify_arguments(sub.add_parser("verify", formatter_class=_Help, help="check on your own prompts that "
+                                        "speculation gives plain decoding's output (exit code 1 if not)"))
     args = parser.parse_args(argv)
     if args.cmd == "generate":
         return _cmd_generate(args)
+    if args.cmd == "verify":
+        return verify_main(args)
     return run_models_command(args)
 
 
