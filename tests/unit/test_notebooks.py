@@ -25,6 +25,7 @@ def test_notebook_is_committed_without_outputs(path):
 def test_notebook_runs_on_tiny_models(path, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECRAY_NOTEBOOK_MODELS", "tiny")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on a failing cell
