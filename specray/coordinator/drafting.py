@@ -21,7 +21,7 @@ from specray.coordinator.failover import LevelCallError
 from specray.coordinator.feed import Verified, fed_lengths
 from specray.coordinator.inner import InnerLog, NestedDraft, Nesting, inner_rounds
 from specray.coordinator.state import Plan, Seq
-from specray.coordinator.stats import LevelStats
+from specray.coordinator.stats import LevelStats, drafter_of
 from specray.engine.protocol import DraftMode
 from specray.engine.protocol import DraftProposal as Drafts
 from specray.spec.params import VerifyMethod
@@ -165,7 +165,7 @@ class Drafter:
             return until.rows if until is not None and until.is_set() else None
 
         return inner_rounds(want, r.k(lower), propose, verify, confidence=lvl.confidence, need_probs=need_probs,
-                            vocab=lvl.caps.vocab_size, stop=stop, on_round=lambda log: _record(rows, i, log))
+                            vocab=lvl.caps.vocab_size, stop=stop, on_round=lambda log: _record(rows, i, lower, log))
 
     def _nested(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], need_probs: bool,
@@ -194,7 +194,7 @@ class Drafter:
             if log.steps:
                 self.calls.feed.proposed(lower, len(log.idx), log.steps, log.propose_s)
             self.calls.feed.verified(Verified(i, lower, log.drafts, log.result, log.verify_s))
-            _record(sub, i, log)
+            _record(sub, i, lower, log)
         if got.low_error is not None:
             raise LevelCallError(lower, low.name, got.low_error)
         if len(idx) == len(rows):
@@ -232,12 +232,15 @@ class Drafter:
                 done[b] = len(toks) < a or len(outs[b]) >= want[b]
 
 
-def _record(rows: Sequence[Seq], level: int, log: InnerLog) -> None:
-    """An inner round's statistics at the middle level (draft tokens fed, accepted, emitted)."""
+def _record(rows: Sequence[Seq], level: int, lower: int, log: InnerLog) -> None:
+    """An inner round's statistics at the middle level (draft tokens fed, accepted, emitted), under the pair
+    `lower` -> `level`."""
     res = log.result
     fed = fed_lengths(res, log.drafts)
+    native = res.native_drafts is not None
     for j, b in enumerate(log.idx):
-        rows[b].stats.setdefault(level, LevelStats()).record(fed[j], res.num_accepted[j], len(res.token_ids[j]))
+        key = (level, drafter_of(lower, bool(log.drafts[j]), native))
+        rows[b].stats.setdefault(key, LevelStats()).record(fed[j], res.num_accepted[j], len(res.token_ids[j]))
 
 
 class Immediate:

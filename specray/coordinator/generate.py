@@ -21,6 +21,7 @@ from specray.coordinator.cascade import (
     Seq,
     run_to_completion,
 )
+from specray.coordinator.stats import named_stats
 from specray.engine.protocol import Worker
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams
@@ -181,7 +182,7 @@ def generate(
                 cut = text.find(x)
                 if cut >= 0:
                     text = text[:cut]
-        stats = {engine.levels[i].name: st for i, st in sorted(s.stats.items())}
+        stats = named_stats([lv.name for lv in engine.levels], s.stats)
         for name, st in stats.items():
             total.setdefault(name, LevelStats()).merge(st)
         results.append(GenerationResult(s.output, text, s.finish_reason or "length", s.rounds, stats,

@@ -25,7 +25,7 @@ from specray.coordinator.drafting import Immediate, RoundState
 from specray.coordinator.feed import fed_lengths
 from specray.coordinator.lookahead import LookAhead
 from specray.coordinator.state import Plan, Seq
-from specray.coordinator.stats import LevelStats
+from specray.coordinator.stats import LevelStats, drafter_of
 from specray.spec.params import VerifyMethod
 
 __all__ = ["new_round", "run_round"]
@@ -59,6 +59,7 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
         toks = res.token_ids[b]
         new = committed[s.seq_id] = s.commit(toks)
         s.rounds += 1
-        s.stats.setdefault(r.top, LevelStats()).record(fed[b], res.num_accepted[b], len(toks))
+        who = drafter_of(r.lower, bool(drafts.token_ids[b]), res.native_drafts is not None)
+        s.stats.setdefault((r.top, who), LevelStats()).record(fed[b], res.num_accepted[b], len(toks))
         r.source.keep(r, b, s, looks.get(b), len(drafts.token_ids[b]), res, new)
     return committed

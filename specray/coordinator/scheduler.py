@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specray.coordinator.cascade import CascadeEngine, Plan, Seq
-from specray.coordinator.stats import LevelStats
+from specray.coordinator.stats import LevelStats, named_stats
 from specray.coordinator.stream import IncrementalDetokenizer, StopChecker
 from specray.spec.params import SamplingParams, VerifyMethod
 
@@ -104,7 +104,8 @@ class Scheduler:
     """Continuous-batching round loop over a `CascadeEngine`.
 
     planner(batch_size) -> Plan picks the plan for requests without an override (default: the engine's
-    configured plan). on_round(batch_size, {plan: group size}, seconds) is a metrics hook.
+    configured plan). Metrics hooks: on_round(batch_size, {plan: group size}, seconds) after each round;
+    on_queue(running, waiting) whenever the number of sequences in the batch or waiting for a place changes.
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class Scheduler:
         pipeline: bool = False,
         stop_token_ids: Sequence[int] = (),
         on_round: Callable[[int, dict[Plan, int], float], None] | None = None,
+        on_queue: Callable[[int, int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -125,6 +127,8 @@ class Scheduler:
         self.pipeline = pipeline
         self.stop_token_ids = tuple(stop_token_ids)
         self.on_round = on_round
+        self.on_queue = on_queue
+        self._queue_seen = (0, 0)
         self._waiting: list[_Live] = []
         self._active: list[_Live] = []
         self._wake = asyncio.Event()
@@ -189,6 +193,7 @@ class Scheduler:
         stopper = StopChecker(list(req.stop)) if req.stop else None
         live = _Live(req, seq, plan, method, asyncio.Queue(), detok, stopper, time.perf_counter())
         self._waiting.append(live)
+        self._report_queue()
         self._ensure_loop()
         self._wake.set()
         return live
@@ -220,6 +225,7 @@ class Scheduler:
                 self._active.extend(self._waiting[:room])
                 del self._waiting[:room]
             self.stats.active, self.stats.waiting = len(self._active), len(self._waiting)
+            self._report_queue()
             if not self._active:
                 self._wake.clear()
                 if not self._waiting:
@@ -264,6 +270,16 @@ class Scheduler:
                     log.exception("on_round hook failed")
             self._active = [x for x in self._active if not x.seq.finished]
             await asyncio.sleep(0)  # let consumers run and new requests arrive
+
+    def _report_queue(self) -> None:
+        now = (len(self._active), len(self._waiting))
+        if self.on_queue is None or now == self._queue_seen:
+            return
+        self._queue_seen = now
+        try:
+            self.on_queue(*now)
+        except Exception:  # metrics must never break serving
+            log.exception("on_queue hook failed")
 
     def _groups(self) -> list[tuple[Plan, VerifyMethod | None, list[_Live]]]:
         auto = self._auto_plans()
@@ -323,7 +339,7 @@ class Scheduler:
             self.engine.release(seq)
         except Exception:  # a dead level cannot free; it lost the state anyway
             log.warning("release of %s failed", seq.seq_id, exc_info=True)
-        stats = {self.engine.levels[i].name: st for i, st in sorted(seq.stats.items())}
+        stats = named_stats([lv.name for lv in self.engine.levels], seq.stats)
         live.queue.put_nowait(Event(list(toks), text, True, reason, stats, seq.prompt_len, len(seq.output), error))
 
     def _fail_group(self, members: list[_Live], exc: BaseException) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specray.coordinator.stats import LevelStats
+from specray.coordinator.stats import LevelStats, StatsKey
 from specray.engine.caps import WorkerCaps
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -93,7 +93,8 @@ class Seq:
     stop_ids: frozenset[int] = frozenset()
     finished: bool = False
     finish_reason: str | None = None
-    stats: dict[int, LevelStats] = field(default_factory=dict)
+    #: keyed by (verifier, drafter) level indices (`specray.coordinator.stats.named_stats` names them)
+    stats: dict[StatsKey, LevelStats] = field(default_factory=dict)
     rounds: int = 0
     #: per level: mirror of the worker's tokens, a length known to agree with `tokens`, and the level's failover
     #: epoch when the mirror was made (a newer epoch: the level may have lost the sequence, re-add it)

@@ -18,13 +18,13 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from specray.config import AppConfig
 from specray.coordinator.cascade import CascadeEngine
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler, Speculation
-from specray.metrics import SpecMetrics
+from specray.metrics import MetricsSink, SpecMetrics
 from specray.serve.protocol import SpeculationOptions, usage_from_stats
 from specray.spec.params import SamplingParams, VerifyMethod
 
@@ -35,6 +35,11 @@ class TargetUnavailable(RuntimeError):
     """The target level failed: requests in flight end with a 503 error."""
 
 
+def error_code(exc: BaseException) -> str:
+    """The OpenAI error code a failed request is answered with (the `code` label of the error counter)."""
+    return "invalid_request" if isinstance(exc, RequestError) else "model_unavailable"
+
+
 def _speculation(spec: Mapping[str, Any] | SpeculationOptions | Speculation | None) -> Speculation | None:
     if spec is None or isinstance(spec, Speculation):
         return spec
@@ -42,10 +47,18 @@ def _speculation(spec: Mapping[str, Any] | SpeculationOptions | Speculation | No
     return Speculation(opts.method, opts.num_speculative_tokens, opts.verify)
 
 
-class Coordinator:
-    """Owns the cascade (level actors or in-process workers), the scheduler and the metrics."""
+#: builds a metrics sink in the process that records (Serve: `RayMetricsSink`, made in the replica)
+SinkFactory = Callable[[], MetricsSink]
 
-    def __init__(self, config: Mapping[str, Any] | AppConfig, factories: Sequence[Any] | None = None) -> None:
+
+class Coordinator:
+    """Owns the cascade (level actors or in-process workers), the scheduler and the metrics.
+
+    `metric_sinks`: where metrics go besides this process's registry (the `/metrics` route); `build_app`
+    passes `RayMetricsSink` so the node metrics agents export them cluster-wide."""
+
+    def __init__(self, config: Mapping[str, Any] | AppConfig, factories: Sequence[Any] | None = None,
+                 metric_sinks: Sequence[SinkFactory] = ()) -> None:
         self.config = config if isinstance(config, AppConfig) else AppConfig.model_validate(dict(config))
         server = self.config.server
         t0 = time.perf_counter()
@@ -71,7 +84,7 @@ class Coordinator:
         self.max_context = self.engine.max_context or 4096
         self.vocab_size = target.vocab_size
         self.model_name = server.model_name
-        self.metrics = SpecMetrics(model_name=self.model_name)
+        self.metrics = SpecMetrics(model_name=self.model_name, sinks=[make() for make in metric_sinks])
         self.planner = None
         pol = self.config.policy
         if pol.adaptive and len(levels) > 1:
@@ -84,6 +97,7 @@ class Coordinator:
             self.engine, self.tokenizer, max_batch_size=server.max_batch_size, planner=self.planner,
             pipeline=server.pipeline and not server.in_process,
             stop_token_ids=getattr(target, "eos_token_ids", ()) or (), on_round=self._on_round,
+            on_queue=self.metrics.observe_queue,
         )
         self.api_key = server.api_key or os.environ.get("SPECRAY_API_KEY") or None
         self.started = time.time()
@@ -156,11 +170,13 @@ class Coordinator:
                 yield ev
         finally:
             await agen.aclose()
-            if last is not None and last.finished:
+            if last is None or not last.finished:
+                self.metrics.observe_cancelled()
+            elif last.error is not None:
+                self.metrics.observe_error(error_code(self._map_error(last.error)))
+            else:
                 self.metrics.observe_request(last.stats, last.finish_reason or "length", last.prompt_tokens,
                                              last.completion_tokens, ttft, time.perf_counter() - t0)
-            elif last is None or not last.finished:
-                self.metrics.requests.labels(self.model_name, "cancelled").inc()
 
     @staticmethod
     def _map_error(exc: BaseException) -> BaseException:
@@ -278,8 +294,10 @@ def build_app(args: Mapping[str, Any] | None = None):
         return build_pools_app(cfg)
     # Serve's default max_ongoing_requests (5) would cap the running batch far below max_batch_size; leave
     # room for a full batch waiting behind a full batch, plus health/metrics calls.
+    from specray.serve.raymetrics import RayMetricsSink
+
     deployment = serve.deployment(name="Coordinator", ray_actor_options={"num_cpus": 0.5},
                                   max_ongoing_requests=2 * cfg.server.max_batch_size + 8)(
         serve.ingress()(Coordinator)
     )
-    return deployment.bind(cfg.model_dump(mode="json"))
+    return deployment.bind(cfg.model_dump(mode="json"), metric_sinks=(RayMetricsSink,))

@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP API over a `Coordinator` (FastAPI; built on the replica, closes over it).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream via SSE or not), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Every error uses OpenAI's body {"error": {message, type, param,
-code}}: 400 invalid request (bad field, body not UTF-8 / not a JSON object), 401 missing/wrong API key,
+GET /health, GET /metrics (Prometheus text of this replica's registry; the cluster-wide metrics are
+exported by Ray's node metrics agents, see docs/metrics.md). Every error uses OpenAI's body {"error": {message,
+type, param, code}}: 400 invalid request (bad field, body not UTF-8 / not a JSON object), 401 missing/wrong API key,
 404 unknown model or path, 405 wrong method, 413 body too large (enforced while reading, with or without
 Content-Length), 415 not application/json, 500 a server bug (logged), 503 model unavailable (the error is
 sent as a final SSE event when streaming had started). Request bodies are only ever parsed as JSON.

@@ -26,18 +26,16 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
-
-from prometheus_client import Counter, Gauge
 
 from specray.config import AppConfig
 from specray.coordinator.cascade import Plan
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler
-from specray.metrics import SpecMetrics
+from specray.metrics import ROUTER_METRICS, OnlySink, SpecMetrics
 from specray.policy.autoscale import choose_pool
-from specray.serve.app import Coordinator, TargetUnavailable
+from specray.serve.app import Coordinator, SinkFactory, TargetUnavailable, error_code
 from specray.serve.autoscaling import cached_break_even, coordinator_stats
 
 log = logging.getLogger("specray")
@@ -76,8 +74,9 @@ def target_only(cfg: AppConfig) -> AppConfig:
 class PoolCoordinator(Coordinator):
     """A pool replica: a `Coordinator` (scheduler, planner, level actors) fed by the router."""
 
-    def __init__(self, config: Mapping[str, Any] | AppConfig, pool: str) -> None:
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any] | AppConfig, pool: str, metric_sinks: Sequence[SinkFactory] = ()
+                 ) -> None:
+        super().__init__(config, metric_sinks=metric_sinks)
         self.pool = pool
         self._routed_break_even = 0.0
 
@@ -129,9 +128,14 @@ def _running_replicas(app_name: str, deployment: str) -> int | None:
 
 class Router(Coordinator):
     """The ingress in pools mode: the Coordinator's HTTP and handle API, with `run` forwarding each request
-    to the pool its regime picks. Not a cascade itself (no levels, no scheduler)."""
+    to the pool its regime picks. Not a cascade itself (no levels, no scheduler).
 
-    async def __init__(self, config: Mapping[str, Any] | AppConfig, speculative: Any, target: Any) -> None:  # type: ignore[misc]
+    Metrics: the pools record the requests they run (so each is counted once cluster-wide); the router sends
+    only its routing metrics to `metric_sinks`, and keeps its view of the requests in its own registry (its
+    `/metrics` route)."""
+
+    async def __init__(self, config: Mapping[str, Any] | AppConfig, speculative: Any, target: Any,  # type: ignore[misc]
+                       metric_sinks: Sequence[SinkFactory] = ()) -> None:
         self.config = config if isinstance(config, AppConfig) else AppConfig.model_validate(dict(config))
         assert self.config.pools is not None
         self.pools_cfg = self.config.pools
@@ -143,14 +147,8 @@ class Router(Coordinator):
         self.model_name = server.model_name
         self.levels, self.planner, self.engine = [], None, None
         self.scheduler = _request_check(self.config)
-        self.metrics = SpecMetrics(model_name=self.model_name)
-        reg = self.metrics.registry
-        self.routed = Counter("specray_routed_requests", "Requests routed to each pool (by regime or override).",
-                              ["model_name", "pool"], registry=reg)
-        self.inflight_gauge = Gauge("specray_pool_inflight", "Requests this router has in flight per pool.",
-                                    ["model_name", "pool"], registry=reg)
-        self.break_even_gauge = Gauge("specray_break_even_batch", "Batch per replica past which plain decoding "
-                                      "wins (routing threshold).", ["model_name"], registry=reg)
+        self.metrics = SpecMetrics(model_name=self.model_name,
+                                   sinks=[OnlySink(make(), ROUTER_METRICS) for make in metric_sinks])
         self.api_key = server.api_key or os.environ.get("SPECRAY_API_KEY") or None
         self.started = time.time()
         self.inflight = {SPECULATIVE: 0, TARGET: 0}
@@ -184,7 +182,7 @@ class Router(Coordinator):
             n = await asyncio.to_thread(_running_replicas, self._app_name, DEPLOYMENTS[SPECULATIVE])
             if n:
                 self.spec_replicas = n
-        self.break_even_gauge.labels(self.model_name).set(self.break_even)
+        self.metrics.observe_break_even(self.break_even)
 
     def choose(self, req: Request) -> str:
         """The pool for a request: its speculation override if it names one, else the regime."""
@@ -200,12 +198,12 @@ class Router(Coordinator):
     async def run(self, req: Request) -> AsyncIterator[Event]:
         """Forward one request to its pool and stream the pool's events back (metrics recorded here)."""
         pool = self.choose(req)
-        self.routed.labels(self.model_name, pool).inc()
+        self.metrics.observe_routed(pool)
         self.inflight[pool] += 1
-        self.inflight_gauge.labels(self.model_name, pool).set(self.inflight[pool])
+        self.metrics.observe_pool_inflight(pool, self.inflight[pool])
         be = self.break_even if pool == TARGET else 0.0
         gen = self.handles[pool].options(stream=True).run_routed.remote(req, be)
-        t0, ttft, last = time.perf_counter(), None, None
+        t0, ttft, last, failed = time.perf_counter(), None, None, None
         try:
             async for ev in gen:
                 if ttft is None and ev.token_ids:
@@ -213,18 +211,23 @@ class Router(Coordinator):
                 last = ev
                 yield ev
         except RequestError as exc:
-            raise RequestError(_cause_message(exc)) from None
+            failed = RequestError(_cause_message(exc))
+            raise failed from None
         except Exception as exc:
-            raise TargetUnavailable(f"the model is unavailable: {_cause_message(exc)}") from exc
+            failed = TargetUnavailable(f"the model is unavailable: {_cause_message(exc)}")
+            raise failed from exc
         finally:
             if last is None or not last.finished:
                 gen.cancel()  # leaving the loop alone does not stop the pool's generator
-                self.metrics.requests.labels(self.model_name, "cancelled").inc()
+                if failed is not None:
+                    self.metrics.observe_error(error_code(failed))
+                else:
+                    self.metrics.observe_cancelled()
             else:
                 self.metrics.observe_request(last.stats, last.finish_reason or "length", last.prompt_tokens,
                                              last.completion_tokens, ttft, time.perf_counter() - t0)
             self.inflight[pool] -= 1
-            self.inflight_gauge.labels(self.model_name, pool).set(self.inflight[pool])
+            self.metrics.observe_pool_inflight(pool, self.inflight[pool])
 
     async def health(self) -> dict[str, Any]:
         """Health of one replica of each pool (the target pool's is what decides 'ok')."""
@@ -265,6 +268,9 @@ def build_pools_app(cfg: AppConfig):
 
     assert cfg.pools is not None
     mb = cfg.server.max_batch_size
+    from specray.serve.raymetrics import RayMetricsSink
+
+    sinks = (RayMetricsSink,)
     spec = serve.deployment(name=DEPLOYMENTS[SPECULATIVE], **deployment_options(SPECULATIVE, cfg.pools.speculative,
                                                                                 mb))(PoolCoordinator)
     tgt = serve.deployment(name=DEPLOYMENTS[TARGET], **deployment_options(TARGET, cfg.pools.target, mb))(
@@ -272,5 +278,7 @@ def build_pools_app(cfg: AppConfig):
     plain = cfg.model_copy(update={"pools": None})
     router = serve.deployment(name="Router", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4 * mb)(
         serve.ingress()(Router))
-    return router.bind(cfg.model_dump(mode="json"), spec.bind(plain.model_dump(mode="json"), SPECULATIVE),
-                       tgt.bind(target_only(cfg).model_dump(mode="json"), TARGET))
+    return router.bind(cfg.model_dump(mode="json"),
+                       spec.bind(plain.model_dump(mode="json"), SPECULATIVE, metric_sinks=sinks),
+                       tgt.bind(target_only(cfg).model_dump(mode="json"), TARGET, metric_sinks=sinks),
+                       metric_sinks=sinks)

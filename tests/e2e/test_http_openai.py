@@ -11,6 +11,7 @@ import json
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specray.serve.app import Coordinator
 from tests.e2e.conftest import MODEL, Server, app_config
@@ -128,10 +129,9 @@ def test_metrics_counters_equal_sum_of_usage(server, client):
 
 
 def _counter(text: str, name: str, level: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{") and f'level="{level}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """The samples of vLLM's `vllm:<name>` for `level`, summed over its drafter -> verifier pairs."""
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "vllm:" + name and s.labels.get("level") == level)
 
 
 def test_api_key(tiny):

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -114,7 +115,7 @@ def pools_app(tiny):
     env = {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)}
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
+             runtime_env={"env_vars": env}, _system_config={"metrics_report_interval_ms": 1000})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app_cfg = pools_config(tiny)["applications"][0]
@@ -231,6 +232,58 @@ def test_streaming_and_cancellation_through_the_router(pools_app):
              if s.name == "specray_requests_total"}
     assert ended.get("cancelled", 0) >= 1, ended
     assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_pools_metrics_reach_the_node_agent_counted_once(pools_app):
+    """Pools mode through Ray's metrics pipeline: the pools' request metrics are on the node metrics agent
+    (each request counted once, by the pool that ran it: the router exports only its routing metrics), and
+    their increase equals the responses' usage."""
+    import ray
+
+    from tests.ray.test_metrics_export import scrape
+
+    _, url = pools_app
+    node = ray.nodes()[0]
+    agent = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+
+    def view() -> Counter:
+        out: Counter = Counter()
+        for s in scrape(agent):
+            if s.labels.get("application") != APP:
+                continue
+            dep = s.labels["deployment"]
+            if s.name in ("ray_vllm_request_success_total", "ray_vllm_generation_tokens_total"):
+                out[s.name, dep] += s.value
+            elif s.name == "ray_specray_routed_requests_total":
+                out[s.name, dep, s.labels["pool"]] += s.value
+        return out
+
+    def settled() -> Counter:  # no report in flight from earlier tests: two scrapes a report apart agree
+        while True:
+            a = view()
+            time.sleep(1.5)
+            if view() == a:
+                return a
+
+    before = settled()
+    want: Counter = Counter()
+    for i, method in enumerate(["none", "ngram", "none", "ngram"]):
+        body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": 5 + i, "temperature": 0, "ignore_eos": True,
+                "speculation": {"method": method}}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        dep, pool = ("TargetPool", "target") if method == "none" else ("SpeculativePool", "speculative")
+        want["ray_vllm_request_success_total", dep] += 1
+        want["ray_vllm_generation_tokens_total", dep] += r.json()["usage"]["completion_tokens"]
+        want["ray_specray_routed_requests_total", "Router", pool] += 1
+    deadline = time.monotonic() + 20
+    while True:
+        got = view()
+        got.subtract(before)
+        if +got == want:
+            break
+        assert time.monotonic() < deadline, (dict(+got), dict(want))
+        time.sleep(0.5)
 
 
 def test_coordinator_policy_scales_cascade_replicas_by_break_even(pools_app, tiny):

@@ -68,12 +68,15 @@ def native_app(rep_target):
 
 
 def _counters(url: str) -> dict[str, float]:
-    """spec_decode_* counter samples of level "target", keyed by name (and position for the per-pos one)."""
+    """vllm:spec_decode_* counter samples of level "target" summed over drafter pairs, keyed by the name without
+    vLLM's prefix (and position for the per-pos one)."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in fam.samples:
-            if s.name.startswith("spec_decode_") and s.name.endswith("_total") and s.labels.get("level") == "target":
-                out[s.name + (f"[{s.labels['position']}]" if "position" in s.labels else "")] = s.value
+            name = s.name.removeprefix("vllm:")
+            if name.startswith("spec_decode_") and name.endswith("_total") and s.labels.get("level") == "target":
+                key = name + (f"[{s.labels['position']}]" if "position" in s.labels else "")
+                out[key] = out.get(key, 0) + s.value
     return out
 
 

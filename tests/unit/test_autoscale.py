@@ -354,10 +354,6 @@ def _router(break_even: float = 3.0):
     r.config = AppConfig.model_validate({"cascade": {"levels": [{"kind": "ngram"}, {"kind": "hf", "model": "t"}]},
                                          "server": {"max_batch_size": 8}, "pools": {}})
     r.model_name, r.metrics = "m", SpecMetrics(model_name="m")
-    from prometheus_client import Counter, Gauge
-
-    r.routed = Counter("specray_routed_requests", "", ["model_name", "pool"], registry=r.metrics.registry)
-    r.inflight_gauge = Gauge("specray_pool_inflight", "", ["model_name", "pool"], registry=r.metrics.registry)
     r.handles = {"speculative": _FakePool(), "target": _FakePool()}
     r.inflight = {"speculative": 0, "target": 0}
     r.break_even, r.spec_replicas = break_even, 1
@@ -386,7 +382,7 @@ def test_router_routes_by_regime_and_override_and_forwards_break_even():
     assert asyncio.run(collect(Request([1], speculation=Speculation("none")))) == [done]
     assert r.handles["target"].calls[0][1] == 3.0  # the target pool learns the break-even with the request
     assert r.inflight == {"speculative": 0, "target": 0}
-    assert r.routed.labels("m", "target")._value.get() == 1
+    assert r.metrics.value("specray_routed_requests_total", pool="target") == 1
 
 
 def test_router_maps_pool_errors_and_cancels_the_pool_stream():
@@ -415,4 +411,8 @@ def test_router_maps_pool_errors_and_cancels_the_pool_stream():
     r.handles["speculative"].next = stream = _FakeStream([tok, tok, tok])
     asyncio.run(leave_after_one())
     assert stream.cancelled and r.inflight["speculative"] == 0
-    assert r.metrics.requests.labels("m", "cancelled")._value.get() == 3
+    # the two pool failures are errors (by the code they were answered with), the client leaving a cancel
+    assert r.metrics.value("specray_requests_total", finish_reason="cancelled") == 1
+    assert r.metrics.value("specray_requests_total", finish_reason="error") == 2
+    assert r.metrics.value("specray_request_errors_total", code="invalid_request") == 1
+    assert r.metrics.value("specray_request_errors_total", code="model_unavailable") == 1

@@ -280,6 +280,25 @@ def test_usage_from_stats() -> None:
     assert plain.speculation is None and "speculation" not in plain.model_dump()
 
 
+def test_usage_names_each_drafter_verifier_pair() -> None:
+    from specray.coordinator.stats import named_stats
+
+    raw = {(1, 0): LevelStats(), (2, 0): LevelStats(), (2, 1): LevelStats(), (2, None): LevelStats()}
+    raw[(1, 0)].record(3, 1, 2)
+    raw[(2, 0)].record(3, 3, 4)
+    raw[(2, 1)].record(4, 0, 1)
+    raw[(2, None)].record(0, 0, 1)  # a plain round: no drafter, in the level's totals only
+    spec = usage_from_stats(5, 8, named_stats(["ngram", "mid", "target"], raw)).model_dump(mode="json")["speculation"]
+    assert spec["mid"]["pair"] == "ngram->mid" and list(spec["mid"]["pairs"]) == ["ngram->mid"]
+    target = spec["target"]
+    assert target["pair"] == "ngram+mid->target" and list(target["pairs"]) == ["ngram->target", "mid->target"]
+    assert target["pairs"]["ngram->target"]["acceptance_rate"] == 1.0 and target["pairs"]["mid->target"][
+        "acceptance_rate"] == 0.0
+    assert target["draft_tokens"] == 7 and target["mean_acceptance_length"] == pytest.approx(6 / 3)
+    plain = usage_from_stats(1, 1, {"target": LevelStats()}).model_dump(mode="json")["speculation"]["target"]
+    assert "pair" not in plain and plain["pairs"] == {}
+
+
 def _roundtrip(obj: Any) -> dict[str, Any]:
     """What a client receives: our JSON text, parsed."""
     return json.loads(obj.model_dump_json())

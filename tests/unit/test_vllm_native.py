@@ -138,11 +138,14 @@ def test_native_drafts_are_recorded_as_the_targets_speculation_and_reach_metrics
     total = LevelStats()
     for r in out.results:
         total.merge(r.stats["t"])
-    assert m.num_drafts.labels("specray", "t")._value.get() == total.num_drafts == st.num_drafts
-    assert m.num_draft_tokens.labels("specray", "t")._value.get() == total.draft_tokens
-    assert m.num_accepted_tokens.labels("specray", "t")._value.get() == total.accepted_tokens
+    assert m.value("vllm:spec_decode_num_drafts_total", level="t") == total.num_drafts == st.num_drafts
+    assert m.value("vllm:spec_decode_num_draft_tokens_total", level="t") == total.draft_tokens
+    assert m.value("vllm:spec_decode_num_accepted_tokens_total", level="t") == total.accepted_tokens
     for pos, c in enumerate(total.accepted_per_pos):
-        assert m.accepted_per_pos.labels("specray", "t", str(pos))._value.get() == c
+        assert m.value("vllm:spec_decode_num_accepted_tokens_per_pos_total", level="t", position=str(pos)) == c
+    # the native engine drafted every one of them: one pair, the target's own
+    assert list(st.pairs) == ["native->t"]
+    assert m.value("vllm:spec_decode_num_drafts_total", pair="native->t") == total.num_drafts
 
 
 class ColdFake(NativeFake):

@@ -38,6 +38,7 @@ from specray.serve.protocol.responses import (
     ModelCard,
     ModelList,
     SpeculationLevelUsage,
+    SpeculationPairUsage,
     Usage,
     new_id,
     sse_event,
@@ -49,6 +50,6 @@ __all__ = [
     "ChatCompletionResponse", "ChatDelta", "ChatMessage", "ChatResponseMessage", "CompletionChoice",
     "CompletionRequest", "CompletionResponse", "CompletionStreamChoice", "CompletionStreamChunk", "ErrorBody",
     "ErrorDetail", "FinishReason", "InvalidRequest", "ModelCard", "ModelList", "SpeculationLevelUsage",
-    "SpeculationOptions", "StreamOptions", "Usage", "error_response_body", "model_not_found_body", "new_id",
-    "sse_event", "usage_from_stats", "validation_error_to_openai",
+    "SpeculationOptions", "SpeculationPairUsage", "StreamOptions", "Usage", "error_response_body",
+    "model_not_found_body", "new_id", "sse_event", "usage_from_stats", "validation_error_to_openai",
 ]

@@ -46,14 +46,27 @@ def _now() -> int:
     return int(time.time())
 
 
-class SpeculationLevelUsage(_Response):
-    """Per-level acceptance stats of one request (extension); a level counts the drafts proposed to it."""
+class SpeculationPairUsage(_Response):
+    """Acceptance stats of one drafter -> verifier pair in one request (extension)."""
 
     num_drafts: int
     draft_tokens: int
     accepted_tokens: int
     acceptance_rate: float = Field(description="accepted_tokens / draft_tokens (0 when nothing was drafted).")
     mean_acceptance_length: float = Field(description="Tokens emitted per verification call (accepted + 1).")
+
+
+class SpeculationLevelUsage(SpeculationPairUsage):
+    """Per-level acceptance stats of one request (extension); a level counts the drafts proposed to it, by
+    whichever level drafted them: `pair` names the drafter(s), `pairs` splits the counts by drafter."""
+
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"pair"})
+
+    pair: str | None = Field(None, description=(
+        '"<drafter>-><verifier>" whose drafts these are (e.g. "ngram->mid"); drafters joined by "+" when the '
+        "level verified drafts from several in this request; left out when nothing drafted for it."))
+    pairs: dict[str, SpeculationPairUsage] = Field(
+        default_factory=dict, description='The same counts per "<drafter>-><verifier>" pair.')
 
 
 class Usage(_Response):
@@ -71,14 +84,13 @@ def usage_from_stats(
     prompt_tokens: int, completion_tokens: int, stats: Mapping[str, LevelStats] | None = None
 ) -> Usage:
     """Usage with the per-level speculation stats of one request (omitted when there are none)."""
+    def counts(s: LevelStats) -> dict[str, Any]:
+        return {"num_drafts": s.num_drafts, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+                "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length}
+
     spec = {
-        name: SpeculationLevelUsage(
-            num_drafts=s.num_drafts,
-            draft_tokens=s.draft_tokens,
-            accepted_tokens=s.accepted_tokens,
-            acceptance_rate=s.acceptance_rate,
-            mean_acceptance_length=s.mean_acceptance_length,
-        )
+        name: SpeculationLevelUsage(**counts(s), pair=s.pair,
+                                    pairs={p: SpeculationPairUsage(**counts(ps)) for p, ps in s.pairs.items()})
         for name, s in (stats or {}).items()
     }
     return Usage(
