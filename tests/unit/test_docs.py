@@ -26,7 +26,7 @@ TOP = ("specray", "tests", "benchmarks", "cluster", "scripts", "docs", r"\.ci")
 REPO_PATH = re.compile(r"(?<![\w./~$-])((?:" + "|".join(TOP) + r")/[\w./-]*[\w/])")
 # A file named in backticks without a folder (`serve_config.yaml`): one at the repository's root.
 BARE_FILE = re.compile(r"`([\w.-]+\.(?:yaml|yml|toml|md|py|sh|json|txt))`")
-MODULE_REF = re.compile(r"(?<![\w./])(specray(?:\.\w+)+)(?::(\w+))?")
+MODULE_REF = re.compile(r"(?<![\w./-])(specray(?:\.\w+)+)(?::(\w+))?")
 HISTORY = [
     re.compile(r"\b(?:sessions?|issues?|work periods?|PR)\s*#?\d", re.I),
     re.compile(r"(?<![\w&/])#\d+\b"),
