@@ -179,20 +179,22 @@ class _TextStream:
     appear once complete)."""
 
     def __init__(self, tokenizer) -> None:
-        self.tok, self.ids, self.shown = tokenizer, [], 0
+        self.tok, self.ids, self.shown = tokenizer, [], ""
 
     def __call__(self, index: int, new: list[int]) -> None:
         self.ids.extend(new)
         text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the rest
+        # an incomplete UTF-8 character, or a decoding that rewrote what is shown: wait for more tokens
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
             return
-        sys.stdout.write(text[self.shown:])
+        sys.stdout.write(text[len(self.shown):])
         sys.stdout.flush()
-        self.shown = len(text)
+        self.shown = text
 
     def finish(self) -> None:
         text = self.tok.decode(self.ids, skip_special_tokens=True)
-        sys.stdout.write(text[self.shown:] + "\n")
+        tail = text[len(self.shown):] if text.startswith(self.shown) else "\n" + text  # whole text again
+        sys.stdout.write(tail + "\n")
         sys.stdout.flush()
 
 

@@ -42,7 +42,7 @@ def test_specray_serve_one_liner_serves_the_openai_client(tiny):
     def read() -> None:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("specray: serving"):
+            if "specray: serving" in line:
                 ready.set()
 
     threading.Thread(target=read, daemon=True).start()
@@ -51,7 +51,7 @@ def test_specray_serve_one_liner_serves_the_openai_client(tiny):
         while not ready.wait(1.0) and proc.poll() is None:
             assert time.monotonic() < deadline, "specray serve did not start in time:\n" + "".join(lines)
         assert ready.is_set(), "specray serve exited:\n" + "".join(lines)
-        served = next(ln for ln in lines if ln.startswith("specray: serving"))
+        served = next(ln for ln in lines if "specray: serving" in ln)
         assert f"http://127.0.0.1:{port}/v1" in served
         assert f"ngram->{mid}" in served and f"{mid}->{target}" in served  # drafter -> verifier pairs
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
