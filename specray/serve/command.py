@@ -305,8 +305,8 @@ def run_serve(args: argparse.Namespace) -> int:
     def _term(signum, frame):  # SIGTERM: stop like Ctrl-C, so what was started is shut down
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _term)
     ray.init(**init)
+    signal.signal(signal.SIGTERM, _term)  # after ray.init, which sets a SIGTERM handler of its own (sys.exit)
     try:
         serve.start(http_options=http)
         app = build_coordinator_app(cfg, options)
