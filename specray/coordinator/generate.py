@@ -171,7 +171,7 @@ def generate(
     t_start = time.perf_counter()
     first: dict[str, float] = {}
 
-    def on_tokens(s: Seq, new: list[int]) -> None:
+    def accepted(s: Seq, new: list[int]) -> None:
         first.setdefault(s.seq_id, time.perf_counter() - t_start)
         if stop_strs and tok is not None:
             text = tok.decode(s.output, skip_special_tokens=True)
@@ -180,7 +180,7 @@ def generate(
         if on_tokens is not None:
             on_tokens(index[s.seq_id], new)
 
-    run_to_completion(engine, seqs, plan, on_tokens)
+    run_to_completion(engine, seqs, plan, accepted)
     results = []
     total: dict[str, LevelStats] = {}
     for s in seqs:
