@@ -260,7 +260,7 @@ def _wait_with_progress(deploy: threading.Thread, box: dict[str, Any], app_name:
     from ray import serve
     from tqdm import tqdm
 
-    with tqdm(desc=f"loading {' -> '.join(names)}", unit="s", bar_format="{desc}: {elapsed} {postfix}",
+    with tqdm(desc=f"loading {' -> '.join(names)}", unit="s", bar_format="{desc}: {elapsed}{postfix}",
               file=sys.stderr) as bar:
         while deploy.is_alive():
             deploy.join(timeout=1.0)
@@ -337,9 +337,7 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
-            if local:
-                serve.shutdown()
-            else:
+            if not local:  # leave the cluster as it was; a Ray of our own goes with everything in it at once
                 serve.delete(args.app_name)
         finally:
             ray.shutdown()
