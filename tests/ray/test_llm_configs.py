@@ -3,7 +3,6 @@ answers the openai client with speculation (tiny models built at test time)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 from pathlib import Path
@@ -35,8 +34,8 @@ def test_llm_configs_yaml_deploys_and_answers(tiny):
     cfg = llm_tiny_config(tiny)
     ServeDeploySchema.model_validate(cfg)
     app_cfg = cfg["applications"][0]
-    module, _, attr = app_cfg["import_path"].partition(":")
-    builder = getattr(importlib.import_module(module), attr)  # what `serve run` does with import_path + args
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
@@ -44,7 +43,9 @@ def test_llm_configs_yaml_deploys_and_answers(tiny):
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(builder(app_cfg["args"]), name=app_cfg["name"], route_prefix=app_cfg["route_prefix"])
+        # what `serve run` does with an application's import_path and args
+        app = call_user_app_builder_with_args_if_necessary(import_attr(app_cfg["import_path"]), app_cfg["args"])
+        serve.run(app, name=app_cfg["name"], route_prefix=app_cfg["route_prefix"])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["tiny"]  # model_loading_config.model_id
         kw = dict(model="tiny", prompt="def fibonacci(n):", max_tokens=16, temperature=0,
