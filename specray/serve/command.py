@@ -85,8 +85,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"sequences in the running batch at most (default: {_server_default('max_batch_size')})")
     g.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
                    help=f"weights' dtype; auto: {_level_default('dtype')} (default: auto)")
-    g.add_argument("--kind", default=None, choices=["hf", "vllm"],
-                   help=f"engine of the model levels: transformers or vLLM (default: {_level_default('kind')})")
+    g.add_argument("--kind", default=None, choices=["hf", "vllm", "auto"],
+                   help="engine of the model levels: transformers, vLLM, or auto (vLLM where it is installed) "
+                   f"(default: {_level_default('kind')})")
     g.add_argument("--device", default=None,
                    help=f"torch device of the model levels, e.g. cuda (default: {_level_default('device')})")
     g.add_argument("--num-gpus", type=float, default=None,
