@@ -104,3 +104,18 @@ def test_config_file_with_flag_overrides(tmp_path):
                                                     "deployment_config": {"num_replicas": 2}}]}))
     cfg, options, _ = _config("--config", str(llm))
     assert cfg.server.model_name == "m" and options == {"num_replicas": 2}
+
+
+def test_deployment_options_reach_the_coordinator_deployment():
+    """The Serve file's Coordinator options (a custom autoscaling policy included) and Ray Serve LLM's
+    deployment_config are the deployment's; GPUs asked for there stay with the model levels."""
+    from specray.serve.app import build_coordinator_app
+
+    cfg, options, _ = _config("--config", str(ROOT / "serve_config.yaml"))
+    dep = build_coordinator_app(cfg, options)._bound_deployment
+    assert dep.name == "Coordinator" and dep.max_ongoing_requests == 40 and dep.ray_actor_options == {"num_cpus": 0}
+    assert dep._deployment_config.autoscaling_config.policy.policy_function.endswith(":CoordinatorPolicy")
+    cfg, _, _ = _config("t")
+    dep = build_coordinator_app(cfg, {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}})._bound_deployment
+    assert dep.num_replicas == 2 and dep.ray_actor_options == {"num_cpus": 0.5}
+    assert dep.max_ongoing_requests == 2 * cfg.server.max_batch_size + 8  # specray's default kept
