@@ -306,8 +306,8 @@ class RayBackend:
                 pins = {}
             self.trace_paths = {s.name: os.path.join(trace_dir, f"{path}-{s.name}.jsonl") for s in specs}
             cfg = CascadeConfig(levels=[
-                LevelConfig(kind="hf", name=s.name, model=f"sim:{s.name}", num_speculative_tokens=k, method="greedy",
-                            num_cpus=1, num_threads=1, resources=pins.get(s.name, {}))
+                LevelConfig(kind="hf", name=s.name, model=f"sim:{s.name}", num_speculative_tokens=k,
+                            verify_method="greedy", num_cpus=1, num_threads=1, resources=pins.get(s.name, {}))
                 for s in specs
             ], placement=placement)
             factories = [sim_factory(s.name, s.cost, trace_path=self.trace_paths[s.name], **s.worker_kwargs())

@@ -1,5 +1,6 @@
-"""`specray` command line: generate (in-process cascade) and models (pull/list).
+"""`specray` command line: serve (the app on Ray Serve), generate (in-process cascade) and models (pull/list).
 
+    specray serve qwen-1.5b --draft qwen-0.5b --ngram
     specray generate --model qwen-1.5b --draft qwen-0.5b --ngram "Write a function that ..."
     specray models pull qwen-0.5b
 """
@@ -17,7 +18,12 @@ from specray.spec.params import VerifyMethod
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every option's default."""
+    """Shows every option's default (an option whose help states it already keeps its own words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "(default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def version_text() -> str:
@@ -53,8 +59,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="n-gram: longest suffix to look up")
     p.add_argument("--prompt-lookup-occurrence", choices=["recent", "earliest"], default="recent",
                    help="n-gram: draft from the most recent or the earliest (vLLM's choice) occurrence of the suffix")
-    p.add_argument("--method", choices=[m.value for m in VerifyMethod], default=VerifyMethod.REJECTION.value,
-                   help="verification method at temperature > 0 (temperature 0 is always greedy)")
+    p.add_argument("--verify-method", "--method", dest="verify_method", choices=[m.value for m in VerifyMethod],
+                   default=VerifyMethod.REJECTION.value,
+                   help="verification method at temperature > 0 (temperature 0 is always greedy); --method is its "
+                   "deprecated old name")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
@@ -68,6 +76,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     p.add_argument("--plain", action="store_true", help="plain decoding with the target only (same code path)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (pull, conversion, loading)")
     p.add_argument("--overlap", action="store_true",
                    help="draft the next round on a second thread while the target verifies this one")
     p.add_argument("--confidence", type=float, default=0.0,
@@ -76,7 +85,8 @@ def _generate_parser(sub) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from specray.config import CascadeConfig, LevelConfig
-    from specray.coordinator.generate import build_levels, generate
+    from specray.coordinator.generate import generate
+    from specray.engine.models import pull_missing
     from specray.spec.params import SamplingParams
 
     n_prop = len(args.draft) + (1 if args.ngram else 0)
@@ -86,11 +96,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if len(ks) != n_prop:
         print(f"error: give one --k for all or one per proposing level ({n_prop})", file=sys.stderr)
         return 2
-    common = dict(dtype="float32" if args.prepack else args.dtype, num_threads=args.threads, method=args.method,
-                  cpu_prepack=args.prepack)
+    common = dict(dtype="float32" if args.prepack else args.dtype, num_threads=args.threads,
+                  verify_method=args.verify_method, cpu_prepack=args.prepack)
     levels = []
     if args.ngram:
-        levels.append(LevelConfig(kind="ngram", num_speculative_tokens=ks[0], method=args.method,
+        levels.append(LevelConfig(kind="ngram", num_speculative_tokens=ks[0], verify_method=args.verify_method,
                                   prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                                   prompt_lookup_occurrence=args.prompt_lookup_occurrence))
     for i, d in enumerate(args.draft):
@@ -98,35 +108,94 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                   draft_confidence=args.confidence, **common))
     levels.append(LevelConfig(kind="hf", model=args.model, **common))
     cfg = CascadeConfig(levels=levels)
+    progress = not args.json and not args.quiet
+    pull_missing([lc.model for lc in cfg.levels], progress=progress)
     t0 = time.perf_counter()
-    built = build_levels(cfg)
+    built = _load_levels(cfg, progress)
     t_load = time.perf_counter() - t0
     sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    tok = getattr(built[-1].worker, "tokenizer", None)
+    stream = _TextStream(tok) if len(args.prompt) == 1 and not args.json and tok is not None else None
     t0 = time.perf_counter()
     batch = generate(built, args.prompt, max_tokens=args.max_tokens, sampling=sp, plain=args.plain, chat=args.chat,
-                     overlap=args.overlap)
+                     overlap=args.overlap, on_tokens=stream)
     dt = time.perf_counter() - t0
     n_tok = sum(len(r.token_ids) for r in batch.results)
+    names = [lv.name for lv in built]
+    drafter = {b: a for a, b in zip(names, names[1:])}  # who drafts for each verifier (level order)
     if args.json:
         print(json.dumps({
             "results": [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                         "rounds": r.rounds, "ttft_s": r.ttft_s, "stats": {k: v.as_dict() for k, v in r.stats.items()}}
+                         "rounds": r.rounds, "ttft_s": r.ttft_s,
+                         "stats": {k: {**v.as_dict(), "drafter": drafter.get(k)} for k, v in r.stats.items()}}
                         for r in batch.results],
             "seconds": dt, "tokens": n_tok, "tokens_per_s": n_tok / dt if dt else 0.0, "load_seconds": t_load,
         }))
         return 0
-    for r in batch.results:
-        print(r.text)
+    if stream is not None:
+        stream.finish()
         print("-" * 60)
+    else:
+        for r in batch.results:
+            print(r.text)
+            print("-" * 60)
     print(f"{n_tok} tokens in {dt:.2f}s = {n_tok / dt:.2f} tok/s (models loaded in {t_load:.1f}s), "
           f"{batch.rounds} target rounds, first token after {max(r.ttft_s or 0.0 for r in batch.results):.2f}s",
           file=sys.stderr)
     for name, st in batch.stats.items():
+        if not st.draft_tokens and (args.plain or name not in drafter):
+            continue  # a level nothing drafted for (plain decoding)
+        pair = f"{drafter[name]}->{name}" if name in drafter else name
         per_pos = ", ".join(f"{c}" for c in st.accepted_per_pos)
-        print(f"  {name}: drafts {st.num_drafts}, draft tokens {st.draft_tokens}, accepted {st.accepted_tokens} "
+        print(f"  {pair}: drafts {st.num_drafts}, draft tokens {st.draft_tokens}, accepted {st.accepted_tokens} "
               f"({st.acceptance_rate:.0%}), mean acceptance length {st.mean_acceptance_length:.2f}, "
               f"accepted per position [{per_pos}], verify calls {st.verify_calls}", file=sys.stderr)
     return 0
+
+
+def _load_levels(cfg, progress: bool):
+    """Build the levels with a progress bar over the model levels as they load."""
+    from tqdm.auto import tqdm
+
+    from specray.coordinator.generate import build_levels
+
+    models = [lc for lc in cfg.levels if lc.kind != "ngram"]
+    with tqdm(total=len(models), desc="loading models", unit="model", disable=not progress, file=sys.stderr) as bar:
+        if models:
+            bar.set_postfix_str(models[0].display_name)
+
+        def loaded(level) -> None:
+            if level.worker is None:
+                return
+            bar.update(1)
+            rest = models[bar.n:] if bar.n < len(models) else []
+            bar.set_postfix_str(rest[0].display_name if rest else "")
+
+        return build_levels(cfg, on_level=loaded)
+
+
+class _TextStream:
+    """Prints a prompt's text to stdout as rounds accept its tokens (decoded whole, so multi-token characters
+    appear once complete)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok, self.ids, self.shown = tokenizer, [], ""
+
+    def __call__(self, index: int, new: list[int]) -> None:
+        self.ids.extend(new)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        # an incomplete UTF-8 character, or a decoding that rewrote what is shown: wait for more tokens
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
+            return
+        sys.stdout.write(text[len(self.shown):])
+        sys.stdout.flush()
+        self.shown = text
+
+    def finish(self) -> None:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        tail = text[len(self.shown):] if text.startswith(self.shown) else "\n" + text  # whole text again
+        sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,6 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=_Help)
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="cmd", required=True)
+    from specray.serve.command import add_serve_arguments
+
+    add_serve_arguments(sub.add_parser(
+        "serve", help="serve MODEL (with drafters) on Ray Serve, OpenAI-compatible; vLLM-like flags",
+        formatter_class=_Help, description="Serve MODEL with speculative decoding on Ray Serve (OpenAI API at "
+        "http://HOST:PORT/v1) until Ctrl-C. vLLM's flag names where vLLM has one."))
     _generate_parser(sub)
     add_models_arguments(sub.add_parser("models", help="pull / list the built-in demo models"))
     from specray.verify_cli import add_verify_arguments
@@ -145,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_verify_arguments(sub.add_parser("verify", formatter_class=_Help, help="check on your own prompts that "
                                         "speculation gives plain decoding's output (exit code 1 if not)"))
     args = parser.parse_args(argv)
+    if args.cmd == "serve":
+        from specray.serve.command import run_serve
+
+        return run_serve(args)
     if args.cmd == "generate":
         return _cmd_generate(args)
     if args.cmd == "verify":

@@ -1,16 +1,27 @@
-"""Configuration models (pydantic v2, extra fields forbidden so typos fail loudly)."""
+"""Configuration models (pydantic v2, extra fields forbidden so typos fail loudly).
+
+vLLM's names are accepted beside specray's (`specray.compat`): ``max_model_len`` for a level's ``max_context``,
+``served_model_name`` / ``max_num_seqs`` for the server's ``model_name`` / ``max_batch_size``, and at the top of
+`AppConfig` vLLM's flat shape (``model`` + ``speculative_config``). Giving both names of one field is an error.
+
+"method" has one meaning: which proposer drafts (vLLM's ``speculative_config.method``, and the request's
+``speculation.method``). How a level checks drafts is its ``verify_method`` (``method`` on a level is the
+deprecated old spelling).
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specray.compat import VLLM_APP_KEYS, app_dict_from_vllm, rename_vllm_names, served_name
 from specray.spec.params import VerifyMethod
 
 log = logging.getLogger(__name__)
@@ -59,12 +70,15 @@ class LevelConfig(_Strict):
     num_speculative_tokens: int = Field(
         4, ge=0, le=64, description="K: tokens this level proposes to the level above per round."
     )
-    method: VerifyMethod = Field(
+    verify_method: VerifyMethod = Field(
         VerifyMethod.REJECTION,
         description="How this level verifies the level below at temperature > 0 (temperature 0 is always "
-        "greedy). Rejection over an n-gram drafter is the deterministic method (q = delta).",
+        "greedy). Rejection over an n-gram drafter is the deterministic method (q = delta). `method` is the "
+        "deprecated old name.",
     )
-    prompt_lookup_min: int = Field(1, ge=1, description="n-gram: shortest suffix to match.")
+    prompt_lookup_min: int = Field(
+        1, ge=1, description="n-gram: shortest suffix to match. A level written here keeps specray's defaults "
+        "(1..4, most recent occurrence); vLLM's shape (speculative_config method ngram) takes vLLM's (5..5, earliest).")
     prompt_lookup_max: int = Field(4, ge=1, description="n-gram: longest suffix to match (longest wins).")
     prompt_lookup_occurrence: Literal["recent", "earliest"] = Field(
         "recent", description="n-gram: which occurrence of the longest matching suffix drafts: the most recent, "
@@ -106,6 +120,23 @@ class LevelConfig(_Strict):
         "speculating by itself (greedy rows and unseeded sampled rows; seeded rows at temperature > 0 decode plain "
         "through specray's exact keyed path).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data: Any) -> Any:
+        data = rename_vllm_names(data, {"max_model_len": "max_context"}, "level")
+        if isinstance(data, dict) and "method" in data:
+            if "verify_method" in data:
+                raise ValueError("level: give `verify_method` (`method` is its deprecated old name), not both")
+            warnings.warn("a level's `method` is now `verify_method` (`method` names the proposer, as in vLLM)",
+                          FutureWarning, stacklevel=2)
+            data["verify_method"] = data.pop("method")
+        return data
+
+    @property
+    def method(self) -> VerifyMethod:
+        """Deprecated: `verify_method`."""
+        return self.verify_method
 
     @model_validator(mode="after")
     def _check(self) -> LevelConfig:
@@ -244,8 +275,10 @@ class CascadeConfig(_Strict):
 class ServerConfig(_Strict):
     """The coordinator deployment: batching and the HTTP API."""
 
-    model_name: str = Field("specray", description="Model id served on /v1/models and expected in requests.")
-    max_batch_size: int = Field(32, ge=1, le=1024, description="Sequences in the running batch at most.")
+    model_name: str = Field("specray", description="Model id served on /v1/models and expected in requests "
+                            "(vLLM: served_model_name).")
+    max_batch_size: int = Field(32, ge=1, le=1024, description="Sequences in the running batch at most "
+                                "(vLLM: max_num_seqs).")
     pipeline: bool = Field(
         False, description="Overlap drafting of one half of the batch with verification of the other "
         "(levels on different devices)."
@@ -269,6 +302,15 @@ class ServerConfig(_Strict):
         False, description="Refuse request fields that are not parameters of specray with a 400 (off: accept them "
         "and name them in a warning, as vLLM does)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data: Any) -> Any:
+        data = rename_vllm_names(data, {"served_model_name": "model_name", "max_num_seqs": "max_batch_size"},
+                                 "server")
+        if isinstance(data, dict) and "model_name" in data:
+            data["model_name"] = served_name(data["model_name"], "server.model_name")
+        return data
 
 
 class PolicyConfig(_Strict):
@@ -318,6 +360,14 @@ class AppConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     pools: PoolsConfig | None = Field(None, description="Regime pools instead of one coordinator deployment.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_shape(cls, data: Any) -> Any:
+        """vLLM's flat names at the top (model, speculative_config, served_model_name, ...): `specray.compat`."""
+        if isinstance(data, dict) and VLLM_APP_KEYS & set(data):
+            return app_dict_from_vllm(data)
+        return data
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> AppConfig:

@@ -75,17 +75,22 @@ def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
     if cfg.kind == "ngram":
         ng = NgramConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                          cfg.prompt_lookup_occurrence)
-        return Level(cfg.display_name, ngram=ng, k=cfg.num_speculative_tokens, method=cfg.method)
+        return Level(cfg.display_name, ngram=ng, k=cfg.num_speculative_tokens, method=cfg.verify_method)
     # native_k (a native vLLM target's own K) comes from the worker (`Level.__post_init__`)
     return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
-                 method=cfg.method, confidence=cfg.draft_confidence)
+                 method=cfg.verify_method, confidence=cfg.draft_confidence)
 
 
-def build_levels(cfg: CascadeConfig) -> list[Level]:
-    """Create every level and check that all model levels share one tokenizer."""
+def build_levels(cfg: CascadeConfig, on_level: Callable[[Level], None] | None = None) -> list[Level]:
+    """Create every level and check that all model levels share one tokenizer; `on_level` is called as each
+    level is ready (a progress display while models load)."""
     from specray.engine.models import check_tokenizers
 
-    levels = [level_from_config(lc) for lc in cfg.levels]
+    levels = []
+    for lc in cfg.levels:
+        levels.append(level_from_config(lc))
+        if on_level is not None:
+            on_level(levels[-1])
     named = [(lvl.name, lvl.worker.tokenizer) for lvl in levels if lvl.worker is not None]
     if len(named) > 1:
         check_tokenizers(named)
@@ -126,6 +131,7 @@ def generate(
     chat: bool = False,
     tokenizer=None,
     overlap: bool = False,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> Batch:
     """Generate for a batch of prompts (text or token ids) with the cascade; returns tokens, text, stats.
 
@@ -135,6 +141,7 @@ def generate(
     output token for token; at temperature > 0 the output is an exact sample from the target.
     `overlap=True` drafts the next round while the target verifies this one (`CascadeEngine`; levels given as a
     list only: an engine keeps its own setting).
+    `on_tokens(i, new_ids)` is called with the tokens of prompt `i` as each round accepts them (streaming).
     """
     engine = levels if isinstance(levels, CascadeEngine) else CascadeEngine(levels, overlap=overlap)
     if plain:
@@ -160,18 +167,21 @@ def generate(
             ids = list(p)
         seqs.append(engine.new_sequence(ids, sp, max_tokens, stop_ids))
 
+    index = {s.seq_id: i for i, s in enumerate(seqs)}
     stop_strs = [s for s in stop if s]
     t_start = time.perf_counter()
     first: dict[str, float] = {}
 
-    def on_tokens(s: Seq, new: list[int]) -> None:
+    def accepted(s: Seq, new: list[int]) -> None:
         first.setdefault(s.seq_id, time.perf_counter() - t_start)
         if stop_strs and tok is not None:
             text = tok.decode(s.output, skip_special_tokens=True)
             if any(x in text for x in stop_strs):
                 s.finished, s.finish_reason = True, "stop"
+        if on_tokens is not None:
+            on_tokens(index[s.seq_id], new)
 
-    run_to_completion(engine, seqs, plan, on_tokens)
+    run_to_completion(engine, seqs, plan, accepted)
     results = []
     total: dict[str, LevelStats] = {}
     for s in seqs:

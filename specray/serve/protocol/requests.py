@@ -46,9 +46,10 @@ def _text(v: str) -> str:
 class SpeculationOptions(_Request):
     """Per-request speculation control (extension field `speculation`)."""
 
-    method: Literal["none", "ngram", "draft", "cascade", "auto"] = Field(
+    method: Literal["none", "ngram", "draft", "draft_model", "cascade", "auto"] = Field(
         "auto",
-        description="none: plain decoding; ngram: prompt lookup only; draft: the largest draft model only; "
+        description="Which proposer drafts (the meaning of vLLM's speculative_config.method): none: plain "
+        "decoding; ngram: prompt lookup only; draft (or vLLM's draft_model): the largest draft model only; "
         "cascade: every configured level; auto: the planner chooses per round from live measurements.",
     )
     num_speculative_tokens: int | None = Field(
@@ -57,6 +58,11 @@ class SpeculationOptions(_Request):
     verify_method: Literal["greedy", "rejection", "deterministic", "coupled"] | None = Field(
         None, description="Override the configured verification method; None keeps the configured one."
     )
+
+    @field_validator("method")
+    @classmethod
+    def _vllm_name(cls, v: str) -> str:
+        return "draft" if v == "draft_model" else v
 
     @property
     def verify(self) -> VerifyMethod | None:
