@@ -1,0 +1,340 @@
+"""Suffix drafter (SuffixDecoding): drafts by frequency from suffix tries over this request and over the outputs
+of recent requests, so a continuation seen before is proposed even when this request never wrote it.
+
+The n-gram proposer (`specray.spec.ngram`) copies only from the same request and always drafts K tokens. This
+drafter keeps, as SuffixDecoding does (vLLM's `suffix` method, which runs Arctic Inference's implementation):
+
+- a per-request trie over the prompt and the output so far (`start`, `extend`; dropped at `finish`);
+- a global trie over the outputs of the `max_cached_requests` most recently started requests (the output enters
+  it as it is generated, so concurrent requests share it; the oldest request's output is evicted whole when a
+  new request would exceed the bound; 0 disables it, -1 means no bound).
+
+Each trie holds every window `seq[s : s + max_tree_depth]` of its sequences; a node counts the windows that pass
+through it, so `count(child) / count(node)` estimates how often the text continued with the child's token.
+`propose` matches the context's last m tokens (m = 1 .. max_tree_depth - 1, until no occurrence is left) in
+each trie; from each match it walks the most frequent child while the path's probability (the product of the
+count ratios) stays >= `min_token_prob`, and drafts at most `max_spec_factor * m` tokens (and max_k). The
+draft with the highest score (the sum of its tokens' path probabilities) wins; equal scores go to the longer
+match, and to the request's own trie over the global one. Equal child counts go to the child a window passed
+through most recently (the text's latest habit), which keeps drafts deterministic for a given history.
+
+Knob names and defaults are vLLM's `suffix_decoding_*` (without the prefix), except `max_cached_requests`:
+a node here is a Python object per (window, depth), so memory is O(max_tree_depth x cached output tokens),
+and the default caches 1000 requests instead of vLLM's 10000.
+
+Worked example (max_tree_depth 4, max_spec_factor 1, min_token_prob 0.1). Request "a" has prompt
+[1, 2, 3, 4, 1, 2, 3, 5]; drafting after the context [..., 9, 1, 2]: the suffix [2] occurs twice in the prompt
+and [1, 2] twice, each time followed by 3 (count 2 of 2: p = 1), and 3 is followed by 4 once and by 5 once
+(p = 1/2; 5 wins the tie, seen last). Match m = 1 drafts 1 token ([3], score 1); m = 2 drafts [3, 5] (score
+1.5); [9, 1, 2] does not occur, so the longest useful match is m = 2 -> draft [3, 5].
+When "a" finishes after writing [7, 8, 9], request "b" (prompt [6, 7]) gets [8, 9] from the global trie.
+
+>>> d = SuffixDrafter(SuffixConfig(max_tree_depth=4, max_spec_factor=1.0, min_token_prob=0.1))
+>>> d.start("a", [1, 2, 3, 4, 1, 2, 3, 5])
+>>> d.propose("a", [1, 2, 3, 4, 1, 2, 3, 5, 9, 1, 2], max_k=8)
+[3, 5]
+>>> d.extend("a", [7, 8, 9]); d.finish("a")
+>>> d.start("b", [6, 7])
+>>> d.propose("b", [6, 7], max_k=8)
+[8]
+>>> d.extend("b", [8]); d.propose("b", [6, 7, 8], max_k=8)
+[9]
+
+The draft length adapts to the match: in [1, 2, 3, 4, 5, 6, 1, 2] the suffix [1, 2] (m = 2) occurred once
+before, followed by 3 4 5 6 (path probability 1/2: [1, 2] also ends the text); factor 1 drafts 2 tokens, factor
+2 drafts 4.
+
+>>> for factor in (1.0, 2.0):
+...     d = SuffixDrafter(SuffixConfig(max_tree_depth=8, max_spec_factor=factor))
+...     d.start("c", [1, 2, 3, 4, 5, 6, 1, 2])
+...     print(d.propose("c", [1, 2, 3, 4, 5, 6, 1, 2], max_k=8))
+[3, 4]
+[3, 4, 5, 6]
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["SuffixConfig", "SuffixDraft", "SuffixDrafter", "SuffixTrie"]
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """Suffix decoding settings; names follow vLLM's `speculative_config` keys `suffix_decoding_<name>`."""
+
+    #: most tokens drafted per round (a level's K; the match length usually limits it first)
+    num_speculative_tokens: int = 24
+    #: depth of every trie: a match plus its draft spans at most this many tokens
+    max_tree_depth: int = 24
+    #: outputs of this many most recently started requests feed the global trie (0: none, -1: no bound)
+    max_cached_requests: int = 1000
+    #: a match of m tokens drafts at most max_spec_factor * m tokens
+    max_spec_factor: float = 1.0
+    #: stop the draft before a token whose estimated path probability is below this
+    min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.max_tree_depth < 1:
+            raise ValueError(f"max_tree_depth={self.max_tree_depth} must be >= 1")
+        if self.max_cached_requests < -1:
+            raise ValueError(f"max_cached_requests={self.max_cached_requests} must be >= -1 (-1: no bound)")
+        if self.max_spec_factor < 0:
+            raise ValueError(f"max_spec_factor={self.max_spec_factor} must be >= 0")
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob={self.min_token_prob} must be in [0, 1]")
+
+
+@dataclass
+class SuffixDraft:
+    """One draft: its tokens, each token's estimated path probability, their sum (`score`), the length of the
+    context match it continues, and which trie made it. `unique` is False when a tie rule decided it (equal
+    child counts on a walked path, or equal scores), i.e. another implementation may draft differently."""
+
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    score: float = 0.0
+    match_len: int = 0
+    source: str = ""
+    unique: bool = True
+
+
+class _Node:
+    """A trie node: windows through it (`count`), when one last did (`stamp`), children by token."""
+
+    __slots__ = ("children", "count", "stamp")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.stamp = 0
+        self.children: dict[int, _Node] | None = None
+
+
+class SuffixTrie:
+    """Counts of every window seq[s : s + depth] of a set of growing sequences (keyed), with removal by key.
+
+    Memory: at most depth nodes per token held (fewer where windows share a prefix). `node_count` tracks them.
+    """
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError("depth must be >= 1")
+        self.depth = depth
+        self.root = _Node()
+        self.node_count = 1
+        self._seqs: dict[Hashable, list[int]] = {}
+        #: per sequence, the nodes where its windows shorter than depth end (oldest first)
+        self._ends: dict[Hashable, deque[_Node]] = {}
+        self._clock = 0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def tokens(self, key: Hashable) -> list[int]:
+        return self._seqs[key]
+
+    def extend(self, key: Hashable, tokens: Sequence[int]) -> None:
+        """Append tokens to sequence `key` (created if new): each extends the open windows and opens one."""
+        seq = self._seqs.setdefault(key, [])
+        ends = self._ends.setdefault(key, deque(maxlen=self.depth - 1))
+        for t in tokens:
+            t = int(t)
+            self._clock += 1
+            clock = self._clock
+            self.root.count += 1
+            moved = []
+            for node in (*ends, self.root):
+                kids = node.children
+                if kids is None:
+                    kids = node.children = {}
+                child = kids.get(t)
+                if child is None:
+                    child = kids[t] = _Node()
+                    self.node_count += 1
+                child.count += 1
+                child.stamp = clock
+                moved.append(child)
+            ends.clear()
+            ends.extend(moved)  # maxlen drops the window that reached depth
+            seq.append(t)
+
+    def remove(self, key: Hashable) -> None:
+        """Take every window of sequence `key` out of the counts; nodes no window passes through are freed."""
+        seq = self._seqs.pop(key)
+        del self._ends[key]
+        n = len(seq)
+        for s in range(n):
+            self.root.count -= 1
+            node = self.root
+            end = min(n, s + self.depth)
+            for d in range(s, end):
+                child = node.children[seq[d]]  # type: ignore[index]
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[seq[d]]  # type: ignore[union-attr]
+                    self.node_count -= end - d  # the rest of this window's path hangs only from here
+                    break
+                node = child
+
+    def match(self, pattern: Sequence[int]) -> _Node | None:
+        node = self.root
+        for t in pattern:
+            kids = node.children
+            node = kids.get(int(t)) if kids else None
+            if node is None:
+                return None
+        return node
+
+    def walk(self, node: _Node, max_tokens: int, min_token_prob: float) -> tuple[list[int], list[float], bool]:
+        """The most frequent path below `node`: tokens, their path probabilities, and whether no tie decided it."""
+        out: list[int] = []
+        probs: list[float] = []
+        prob, unique = 1.0, True
+        while len(out) < max_tokens and node.children:
+            top = max(c.count for c in node.children.values())
+            tied = [(c.stamp, t, c) for t, c in node.children.items() if c.count == top]
+            if len(tied) > 1:
+                unique = False
+            _, token, child = max(tied, key=lambda x: x[0])  # most recently passed through
+            p = prob * top / node.count
+            if p < min_token_prob:
+                break
+            out.append(token)
+            probs.append(p)
+            prob, node = p, child
+        return out, probs, unique
+
+    def speculate(self, context: Sequence[int], max_tokens: int, max_spec_factor: float,
+                  min_token_prob: float) -> SuffixDraft:
+        """Best draft over all match lengths 1 .. depth - 1 of the context's suffix (see the module docstring)."""
+        best = SuffixDraft()
+        top = min(len(context), self.depth - 1)
+        n = len(context)
+        for m in range(1, top + 1):
+            node = self.match(context[n - m :])
+            if node is None:
+                break
+            limit = max(0, min(max_tokens, int(m * max_spec_factor + 1e-6)))
+            toks, probs, unique = self.walk(node, limit, min_token_prob)
+            score = sum(probs)
+            if toks and abs(score - best.score) < 1e-6:
+                unique = False  # equal up to rounding: the order of comparison decides
+            if score >= best.score:
+                best = SuffixDraft(toks, probs, score, m, unique=unique and best.unique)
+            elif not unique:
+                best.unique = False  # a different tie choice could have scored higher
+        return best
+
+
+class SuffixDrafter:
+    """Per-request and global suffix tries with SuffixDecoding's adaptive draft length (module docstring).
+
+    Lifecycle per request: `start` (its prompt), `extend` as its output grows, `finish` when it ends. `propose`
+    drafts for any context (the request's committed tokens plus, e.g., tokens drafted above them).
+    """
+
+    def __init__(self, config: SuffixConfig | None = None) -> None:
+        self.config = config or SuffixConfig()
+        self._local: dict[Hashable, SuffixTrie] = {}
+        self._global = SuffixTrie(self.config.max_tree_depth)
+        #: requests whose output the global trie holds, oldest start first
+        self._cached: OrderedDict[Hashable, None] = OrderedDict()
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+    @property
+    def active(self) -> set[Hashable]:
+        return set(self._local)
+
+    @property
+    def cached(self) -> list[Hashable]:
+        """Requests whose output feeds the global trie, oldest first."""
+        return list(self._cached)
+
+    def start(self, request_id: Hashable, prompt: Sequence[int]) -> None:
+        """Begin a request: its trie starts with the prompt; its output gets a slot in the global trie (evicting
+        the oldest cached request's output beyond max_cached_requests; a finished request of the same id too)."""
+        if request_id in self._local:
+            raise ValueError(f"request {request_id!r} is already active")
+        trie = SuffixTrie(self.config.max_tree_depth)
+        trie.extend(0, prompt)
+        self._local[request_id] = trie
+        cap = self.config.max_cached_requests
+        if cap == 0:
+            return
+        if request_id in self._cached:
+            self._evict(request_id)
+        self._cached[request_id] = None
+        self._global.extend(request_id, ())
+        while cap > 0 and len(self._cached) > cap:
+            self._evict(next(iter(self._cached)))
+
+    def extend(self, request_id: Hashable, new_tokens: Sequence[int]) -> None:
+        """The request's output grew by these tokens (committed ones, not drafts)."""
+        trie = self._local.get(request_id)
+        if trie is None:
+            raise ValueError(f"request {request_id!r} is not active")
+        trie.extend(0, new_tokens)
+        if request_id in self._cached:
+            self._global.extend(request_id, new_tokens)
+
+    def finish(self, request_id: Hashable) -> None:
+        """End a request: its own trie is freed; its output stays in the global trie until evicted."""
+        if self._local.pop(request_id, None) is None:
+            raise ValueError(f"request {request_id!r} is not active")
+
+    def observe(self, request_id: Hashable, tokens: Sequence[int], prompt_len: int) -> None:
+        """Bring a request up to `tokens` (prompt + committed output so far), starting it if new; for callers
+        that hold the whole text rather than its increments. `tokens` must extend what the request holds."""
+        trie = self._local.get(request_id)
+        if trie is None:
+            self.start(request_id, tokens[:prompt_len])
+            held = prompt_len
+        else:
+            held = len(trie.tokens(0))
+        if len(tokens) > held:
+            self.extend(request_id, tokens[held:])
+
+    def _evict(self, request_id: Hashable) -> None:
+        del self._cached[request_id]
+        self._global.remove(request_id)
+
+    # --- drafting ----------------------------------------------------------------------------------------
+    def draft(self, request_id: Hashable, tokens: Sequence[int], max_k: int | None = None) -> SuffixDraft:
+        """The best draft continuing `tokens` from the request's trie or the global one (global only when it
+        scores strictly higher)."""
+        trie = self._local.get(request_id)
+        if trie is None:
+            raise ValueError(f"request {request_id!r} is not active")
+        return self._draft((trie,), tokens, max_k)
+
+    def propose(self, request_id: Hashable, tokens: Sequence[int], max_k: int | None = None) -> list[int]:
+        """Draft up to max_k (default num_speculative_tokens) tokens continuing `tokens` (possibly none)."""
+        return self.draft(request_id, tokens, max_k).token_ids
+
+    def _draft(self, local: tuple[SuffixTrie, ...], tokens: Sequence[int], max_k: int | None) -> SuffixDraft:
+        cfg = self.config
+        k = cfg.num_speculative_tokens if max_k is None else max_k
+        if k <= 0:
+            return SuffixDraft()
+        context = list(tokens[-cfg.max_tree_depth :])
+        best = local[0].speculate(context, k, cfg.max_spec_factor, cfg.min_token_prob)
+        best.source = "request"
+        if len(self._global):
+            g = self._global.speculate(context, k, cfg.max_spec_factor, cfg.min_token_prob)
+            unique = g.unique and best.unique and not (g.token_ids and abs(g.score - best.score) < 1e-6)
+            if g.score > best.score:
+                g.source, best = "global", g
+            best.unique = unique
+        return best
+
+    @property
+    def node_count(self) -> int:
+        """Trie nodes held (global plus every active request's): the drafter's memory, in nodes."""
+        return self._global.node_count + sum(t.node_count for t in self._local.values())
