@@ -266,3 +266,56 @@ def test_deterministic():
         drafts.append(got)
     assert drafts[0] == drafts[1]
     assert sum(bool(g) for g in drafts[0]) > len(drafts[0]) // 3  # the recurring phrases do get drafted
+
+
+@pytest.mark.parametrize("depth,cached,factor,min_prob", [(8, 4, 1.0, 0.13), (24, 16, 2.0, 0.27), (6, -1, 0.5, 0.0)])
+@pytest.mark.parametrize("stream", ["random", "phrases"])
+def test_drafts_match_arctic_inference(stream, depth, cached, factor, min_prob):
+    """Peer check against Arctic Inference's SuffixDecodingCache (what vLLM's `suffix` method runs), driven the
+    way vLLM drives it: two requests at a time, each drafting then taking one token. Wherever no tie rule
+    decided our draft (`unique`), its draft is the same; ties are where their hash-map order and our recency
+    rule may differ."""
+    arctic = pytest.importorskip("arctic_inference.suffix_decoding")
+    import numpy as np
+
+    ours = SuffixDrafter(SuffixConfig(max_tree_depth=depth, max_cached_requests=cached, max_spec_factor=factor,
+                                      min_token_prob=min_prob))
+    theirs = arctic.SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cached)
+    rng = random.Random(depth)
+    if stream == "random":
+        reqs = [([rng.randrange(5) for _ in range(rng.randint(1, 20))],
+                 [rng.randrange(5) for _ in range(rng.randint(1, 30))]) for _ in range(60)]
+    else:
+        reqs = list(_stream(depth, 60))
+    unique = same = steps = drafted = 0
+    for a in range(0, len(reqs), 2):
+        pair = [(f"q{a + i}", *reqs[a + i]) for i in range(2) if a + i < len(reqs)]
+        for rid, prompt, _ in pair:
+            ours.start(rid, prompt)
+            theirs.start_request(rid, np.asarray(prompt, dtype=np.int32))
+        ctx = {rid: list(prompt) for rid, prompt, _ in pair}
+        for step in range(max(len(out) for _, _, out in pair)):
+            for rid, _, out in pair:
+                if step >= len(out):
+                    continue
+                c = ctx[rid]
+                k = rng.randint(1, 12)
+                mine = ours.draft(rid, c, max_k=k)
+                # they match m < len(pattern) tokens: a sentinel lets a short context match whole, as ours does
+                pattern = c[-depth:] if len(c) >= depth else [-1] + c
+                got = theirs.speculate(rid, np.asarray(pattern, dtype=np.int32), max_spec_tokens=k,
+                                       max_spec_factor=factor, min_token_prob=min_prob)
+                steps += 1
+                drafted += bool(got.token_ids)
+                if mine.unique:
+                    unique += 1
+                    assert mine.token_ids == list(got.token_ids), (rid, c, k)
+                same += mine.token_ids == list(got.token_ids)
+                ours.extend(rid, [out[step]])
+                theirs.add_active_response(rid, [out[step]])
+                c.append(out[step])
+        for rid, _, _ in pair:
+            ours.finish(rid)
+            theirs.stop_request(rid)
+    assert drafted > steps // 2 and unique >= 40  # non-vacuous: they drafted, and many drafts had no tie
+    assert same >= 0.75 * steps  # ties included, the two mostly agree (80-97% on these streams)
