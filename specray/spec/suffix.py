@@ -54,6 +54,8 @@ before, followed by 3 4 5 6 (path probability 1/2: [1, 2] also ends the text); f
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -238,14 +240,21 @@ class SuffixDrafter:
 
     Lifecycle per request: `start` (its prompt), `extend` as its output grows, `finish` when it ends. `propose`
     drafts for any context (the request's committed tokens plus, e.g., tokens drafted above them).
+    A round loop that holds each sequence's whole text uses `propose_seq` and `release` instead: they keep
+    the tries in step with the text themselves and take a lock (look-ahead threads draft beside the loop).
     """
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config or SuffixConfig()
         self._local: dict[Hashable, SuffixTrie] = {}
         self._global = SuffixTrie(self.config.max_tree_depth)
-        #: requests whose output the global trie holds, oldest start first
-        self._cached: OrderedDict[Hashable, None] = OrderedDict()
+        #: outputs in the global trie, oldest start first: slot -> request id. Slots, not ids, key the trie, so a
+        #: finished request's output stays when its id is used again
+        self._cached: OrderedDict[int, Hashable] = OrderedDict()
+        #: active requests' slots in the global trie
+        self._slot: dict[Hashable, int] = {}
+        self._slots = itertools.count()
+        self._lock = threading.Lock()
 
     # --- lifecycle ---------------------------------------------------------------------------------------
     @property
@@ -255,11 +264,11 @@ class SuffixDrafter:
     @property
     def cached(self) -> list[Hashable]:
         """Requests whose output feeds the global trie, oldest first."""
-        return list(self._cached)
+        return list(self._cached.values())
 
     def start(self, request_id: Hashable, prompt: Sequence[int]) -> None:
         """Begin a request: its trie starts with the prompt; its output gets a slot in the global trie (evicting
-        the oldest cached request's output beyond max_cached_requests; a finished request of the same id too)."""
+        the oldest cached output beyond max_cached_requests)."""
         if request_id in self._local:
             raise ValueError(f"request {request_id!r} is already active")
         trie = SuffixTrie(self.config.max_tree_depth)
@@ -268,12 +277,12 @@ class SuffixDrafter:
         cap = self.config.max_cached_requests
         if cap == 0:
             return
-        if request_id in self._cached:
-            self._evict(request_id)
-        self._cached[request_id] = None
-        self._global.extend(request_id, ())
+        slot = self._slot[request_id] = next(self._slots)
+        self._cached[slot] = request_id
+        self._global.extend(slot, ())
         while cap > 0 and len(self._cached) > cap:
-            self._evict(next(iter(self._cached)))
+            old, _ = self._cached.popitem(last=False)
+            self._global.remove(old)
 
     def extend(self, request_id: Hashable, new_tokens: Sequence[int]) -> None:
         """The request's output grew by these tokens (committed ones, not drafts)."""
@@ -281,29 +290,52 @@ class SuffixDrafter:
         if trie is None:
             raise ValueError(f"request {request_id!r} is not active")
         trie.extend(0, new_tokens)
-        if request_id in self._cached:
-            self._global.extend(request_id, new_tokens)
+        slot = self._slot.get(request_id)
+        if slot is not None and slot in self._cached:
+            self._global.extend(slot, new_tokens)
 
     def finish(self, request_id: Hashable) -> None:
         """End a request: its own trie is freed; its output stays in the global trie until evicted."""
         if self._local.pop(request_id, None) is None:
             raise ValueError(f"request {request_id!r} is not active")
+        self._slot.pop(request_id, None)
 
     def observe(self, request_id: Hashable, tokens: Sequence[int], prompt_len: int) -> None:
         """Bring a request up to `tokens` (prompt + committed output so far), starting it if new; for callers
-        that hold the whole text rather than its increments. `tokens` must extend what the request holds."""
+        that hold the whole text rather than its increments. Text that does not extend what the request holds
+        (checked at its last token) restarts it."""
         trie = self._local.get(request_id)
+        if trie is not None:
+            held = trie.tokens(0)
+            if len(tokens) < len(held) or (held and tokens[len(held) - 1] != held[-1]):
+                self.finish(request_id)
+                trie = None
         if trie is None:
             self.start(request_id, tokens[:prompt_len])
-            held = prompt_len
-        else:
-            held = len(trie.tokens(0))
-        if len(tokens) > held:
-            self.extend(request_id, tokens[held:])
+        held_n = len(self._local[request_id].tokens(0))
+        if len(tokens) > held_n:
+            self.extend(request_id, tokens[held_n:])
 
-    def _evict(self, request_id: Hashable) -> None:
-        del self._cached[request_id]
-        self._global.remove(request_id)
+    def propose_seq(self, request_id: Hashable, tokens: Sequence[int], prompt_len: int,
+                    context: Sequence[int], max_k: int) -> list[int]:
+        """`observe(request_id, tokens, prompt_len)`, then draft up to max_k tokens after `context` (the
+        committed `tokens`, possibly followed by drafted ones). Thread-safe."""
+        with self._lock:
+            self.observe(request_id, tokens, prompt_len)
+            return self.propose(request_id, context, max_k)
+
+    def release(self, request_id: Hashable, tokens: Sequence[int], prompt_len: int) -> None:
+        """A sequence ended with this text (call once per sequence): its output, drafted for or not, joins the
+        global trie and its own trie is freed. Thread-safe."""
+        with self._lock:
+            if request_id in self._local:
+                self.observe(request_id, tokens, prompt_len)
+            elif self.config.max_cached_requests != 0 and len(tokens) > prompt_len:
+                self.start(request_id, ())  # never drafted for: only its output is kept
+                self.extend(request_id, tokens[prompt_len:])
+            else:
+                return
+            self.finish(request_id)
 
     # --- drafting ----------------------------------------------------------------------------------------
     def draft(self, request_id: Hashable, tokens: Sequence[int], max_k: int | None = None) -> SuffixDraft:

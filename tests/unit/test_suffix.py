@@ -191,14 +191,14 @@ def test_lifecycle_errors_and_observe():
     d.observe("x", [1, 2, 3, 1, 2], prompt_len=3)
     d.observe("x", [1, 2, 3, 1, 2, 3, 1], prompt_len=3)
     assert d._local["x"].tokens(0) == [1, 2, 3, 1, 2, 3, 1]
-    assert d._global.tokens("x") == [1, 2, 3, 1]
+    assert d._global.tokens(0) == [1, 2, 3, 1]  # slot 0
     with pytest.raises(ValueError, match="already active"):
         d.start("x", [1])
     d.finish("x")
     with pytest.raises(ValueError, match="not active"):
         d.finish("x")
-    d.start("x", [4])  # the same id again replaces its cached output
-    assert d._global.tokens("x") == [] and d.cached == ["x"]
+    d.start("x", [4])  # the same id again: a new slot, the first one's output stays
+    assert d.cached == ["x", "x"] and d._global.tokens(0) == [1, 2, 3, 1] and d._global.tokens(1) == []
     assert d.propose("x", [4], max_k=0) == []
 
 
@@ -319,3 +319,89 @@ def test_drafts_match_arctic_inference(stream, depth, cached, factor, min_prob):
             theirs.stop_request(rid)
     assert drafted > steps // 2 and unique >= 40  # non-vacuous: they drafted, and many drafts had no tie
     assert same >= 0.75 * steps  # ties included, the two mostly agree (80-97% on these streams)
+
+
+# --- as a cascade level ------------------------------------------------------------------------------------
+
+
+def _target():
+    from specray.testing.fake import FakeWorker
+
+    return FakeWorker("target", vocab=16, order=2, table_seed=0)
+
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 1, 2, 3, 4, 5], [0], [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3]]
+
+
+def test_a_suffix_level_is_exact_and_learns_from_earlier_requests():
+    """Greedy through `generate`: a suffix level (alone or under a draft model) gives plain decoding's tokens;
+    the same prompts a second time draft from the first time's outputs (global trie): fewer rounds."""
+    from specray.coordinator.generate import generate
+    from specray.coordinator.state import Level
+    from specray.spec.params import VerifyMethod
+    from specray.testing.fake import FakeWorker
+
+    plain = [r.token_ids for r in generate([Level("target", worker=_target())], PROMPTS, max_tokens=25,
+                                           ignore_eos=True).results]
+    sx = SuffixDrafter(SuffixConfig(num_speculative_tokens=6, max_tree_depth=12, max_cached_requests=64))
+    levels = [Level("suffix", suffix=sx), Level("target", worker=_target(), method=VerifyMethod.REJECTION)]
+    first = generate(levels, PROMPTS, max_tokens=25, ignore_eos=True)
+    assert [r.token_ids for r in first.results] == plain
+    assert sx.active == set() and len(sx.cached) == len(PROMPTS)  # every sequence released into the cache
+    again = generate(levels, PROMPTS, max_tokens=25, ignore_eos=True)
+    assert [r.token_ids for r in again.results] == plain
+    assert again.rounds < first.rounds
+    assert again.stats["target"].accepted_tokens > first.stats["target"].accepted_tokens
+    draft = FakeWorker("d", vocab=16, order=2, table_seed=0, noise=0.5, noise_seed=1)
+    sx3 = SuffixDrafter(SuffixConfig(num_speculative_tokens=3, max_tree_depth=8))
+    three = [Level("suffix", suffix=sx3), Level("d", worker=draft, k=4), Level("target", worker=_target())]
+    assert [r.token_ids for r in generate(three, PROMPTS, max_tokens=25, ignore_eos=True).results] == plain
+    assert draft.stats().live_sequences == 0 and sx3.active == set()
+
+
+def test_a_suffix_level_at_temperature():
+    """Sampled rows: rejection over the suffix level is the deterministic method (its drafts are not sampled);
+    seeded outputs repeat, and coupled verification gives plain decoding's tokens."""
+    from specray.coordinator.calls import LevelCalls
+    from specray.coordinator.generate import generate
+    from specray.coordinator.state import Level
+    from specray.spec.params import SamplingParams, VerifyMethod
+
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=7 + s) for s in range(len(PROMPTS))]
+
+    def run(method, suffix=True):
+        levels = [Level("target", worker=_target(), method=method)]
+        if suffix:
+            levels.insert(0, Level("suffix", suffix=SuffixDrafter(SuffixConfig(num_speculative_tokens=4))))
+        return [r.token_ids for r in generate(levels, PROMPTS, max_tokens=20, sampling=sp,
+                                              ignore_eos=True).results], levels
+
+    a, levels = run(VerifyMethod.REJECTION)
+    assert LevelCalls(levels, None, None).method(1, 0) is VerifyMethod.DETERMINISTIC
+    assert run(VerifyMethod.REJECTION)[0] == a
+    assert run(VerifyMethod.COUPLED)[0] == run(VerifyMethod.COUPLED, suffix=False)[0]
+
+
+def test_suffix_level_config():
+    from specray.config import CascadeConfig, LevelConfig
+    from specray.coordinator.generate import level_from_config
+
+    lc = LevelConfig(kind="suffix", suffix_decoding_max_tree_depth=16, suffix_decoding_max_cached_requests=5,
+                     suffix_decoding_max_spec_factor=2.0, suffix_decoding_min_token_prob=0.2)
+    assert lc.display_name == "suffix" and lc.is_lookup
+    assert lc.num_speculative_tokens == 16  # K defaults to the tree depth, as in vLLM
+    lvl = level_from_config(lc)
+    assert lvl.is_ngram and lvl.worker is None and lvl.k == 16
+    assert lvl.suffix.config == SuffixConfig(16, 16, 5, 2.0, 0.2)
+    assert LevelConfig(kind="suffix", num_speculative_tokens=3).num_speculative_tokens == 3
+    with pytest.raises(ValueError, match="suffix_decoding_max_spec_factor is for suffix levels"):
+        LevelConfig(kind="hf", model="m", suffix_decoding_max_spec_factor=2.0)
+    with pytest.raises(ValueError, match="takes no `model`"):
+        LevelConfig(kind="suffix", model="m")
+    with pytest.raises(ValueError, match="suffix_decoding_min_token_prob"):
+        LevelConfig(kind="suffix", suffix_decoding_min_token_prob=2)
+    target = {"kind": "hf", "model": "t"}
+    with pytest.raises(ValueError, match=r"lookup level \(suffix\) can only be the first"):
+        CascadeConfig(levels=[target, {"kind": "suffix"}, target])
+    with pytest.raises(ValueError, match="must be a model"):
+        CascadeConfig(levels=[{"kind": "suffix"}])
