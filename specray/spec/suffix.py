@@ -15,12 +15,12 @@ through it, so `count(child) / count(node)` estimates how often the text continu
 each trie; from each match it walks the most frequent child while the path's probability (the product of the
 count ratios) stays >= `min_token_prob`, and drafts at most `max_spec_factor * m` tokens (and max_k). The
 draft with the highest score (the sum of its tokens' path probabilities) wins; equal scores go to the longer
-match, and to the request's own trie over the global one. Equal child counts go to the child a window passed
-through most recently (the text's latest habit), which keeps drafts deterministic for a given history.
+match, and to the request's own trie over the global one. Equal child counts go to the child whose latest window
+started last (the text's latest habit), which keeps drafts deterministic for a given history.
 
-Knob names and defaults are vLLM's `suffix_decoding_*` (without the prefix), except `max_cached_requests`:
-a node here is a Python object per (window, depth), so memory is O(max_tree_depth x cached output tokens),
-and the default caches 1000 requests instead of vLLM's 10000.
+Paths only one window takes are stored as references into its text, so memory is a few Python objects per
+token held (`SuffixTrie`). Knob names and defaults are vLLM's `suffix_decoding_*` (without the prefix),
+except `max_cached_requests`: 1000 instead of vLLM's 10000 (Python objects cost more than its C++ nodes).
 
 Worked example (max_tree_depth 4, max_spec_factor 1, min_token_prob 0.1). Request "a" has prompt
 [1, 2, 3, 4, 1, 2, 3, 5]; drafting after the context [..., 9, 1, 2]: the suffix [2] occurs twice in the prompt
@@ -106,20 +106,30 @@ class SuffixDraft:
 
 
 class _Node:
-    """A trie node: windows through it (`count`), when one last did (`stamp`), children by token."""
+    """A trie node: windows through it (`count`), the latest-started of them (`stamp`), children by token.
 
-    __slots__ = ("children", "count", "stamp")
+    A node only one window passes through may be a tail: `seq` is then that window's sequence, and the chain
+    below the node is seq[pos : min(lim, len(seq))] (implicit nodes of count 1; it grows with the sequence).
+    """
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.stamp = 0
+    __slots__ = ("children", "count", "lim", "pos", "seq", "stamp")
+
+    def __init__(self, count: int = 0, stamp: int = 0, seq: list[int] | None = None, pos: int = 0,
+                 lim: int = 0) -> None:
+        self.count = count
+        self.stamp = stamp
         self.children: dict[int, _Node] | None = None
+        self.seq = seq
+        self.pos = pos
+        self.lim = lim
 
 
 class SuffixTrie:
     """Counts of every window seq[s : s + depth] of a set of growing sequences (keyed), with removal by key.
 
-    Memory: at most depth nodes per token held (fewer where windows share a prefix). `node_count` tracks them.
+    Paths only one window takes are kept as tails (a reference into its sequence) and made explicit one node at a
+    time when a second window arrives, so memory is a few nodes per token held, not depth nodes; `node_count`
+    counts them (tails as one).
     """
 
     def __init__(self, depth: int) -> None:
@@ -129,9 +139,9 @@ class SuffixTrie:
         self.root = _Node()
         self.node_count = 1
         self._seqs: dict[Hashable, list[int]] = {}
-        #: per sequence, the nodes where its windows shorter than depth end (oldest first)
-        self._ends: dict[Hashable, deque[_Node]] = {}
-        self._clock = 0
+        #: per sequence, its windows shorter than depth, oldest first: [node, depth of node, start, window id]
+        self._open: dict[Hashable, deque[list]] = {}
+        self._windows = 0
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._seqs
@@ -143,74 +153,124 @@ class SuffixTrie:
         return self._seqs[key]
 
     def extend(self, key: Hashable, tokens: Sequence[int]) -> None:
-        """Append tokens to sequence `key` (created if new): each extends the open windows and opens one."""
+        """Append tokens to sequence `key` (created if new): each extends the open windows and opens one.
+
+        Per token: (1) each open window finds where it ends now (a node made explicit under it since its last
+        step moves it down its own path); (2) the token is appended, which extends every window inside its own
+        tail for free; (3) the windows that end at an explicit node step into the token's child (created as a
+        tail, counted, or a tail split there). Steps see the token already appended, so a split reproduces
+        the owner's path including it."""
         seq = self._seqs.setdefault(key, [])
-        ends = self._ends.setdefault(key, deque(maxlen=self.depth - 1))
+        wins = self._open.setdefault(key, deque())
+        depth, root = self.depth, self.root
         for t in tokens:
             t = int(t)
-            self._clock += 1
-            clock = self._clock
-            self.root.count += 1
-            moved = []
-            for node in (*ends, self.root):
+            n = len(seq)
+            for w in wins:  # (1)
+                node, d, s = w[0], w[1], w[2]
+                while node.seq is None and d < n - s:
+                    node = node.children[seq[s + d]]  # type: ignore[index]
+                    d += 1
+                w[0], w[1] = node, d
+            seq.append(t)  # (2)
+            self._windows += 1
+            wins.append([root, 0, n, self._windows])
+            root.count += 1
+            for w in wins:  # (3)
+                node = w[0]
+                if node.seq is not None:
+                    continue
                 kids = node.children
                 if kids is None:
                     kids = node.children = {}
                 child = kids.get(t)
                 if child is None:
-                    child = kids[t] = _Node()
+                    kids[t] = child = _Node(1, w[3], seq, n + 1, w[2] + depth)
                     self.node_count += 1
-                child.count += 1
-                child.stamp = clock
-                moved.append(child)
-            ends.clear()
-            ends.extend(moved)  # maxlen drops the window that reached depth
-            seq.append(t)
+                else:
+                    if child.seq is not None:
+                        self._split(child)
+                    child.count += 1
+                    child.stamp = max(child.stamp, w[3])
+                w[0], w[1] = child, w[1] + 1
+            while wins and wins[0][2] + depth <= n + 1:
+                wins.popleft()
+
+    def _split(self, tail: _Node) -> None:
+        """Make a tail explicit: its first implicit node becomes its one child (a tail itself)."""
+        seq, pos, lim = tail.seq, tail.pos, tail.lim
+        tail.seq = None
+        tail.children = {}
+        if pos < min(lim, len(seq)):  # type: ignore[arg-type]
+            tail.children[seq[pos]] = _Node(1, tail.stamp, seq, pos + 1, lim)  # type: ignore[index]
+            self.node_count += 1
 
     def remove(self, key: Hashable) -> None:
         """Take every window of sequence `key` out of the counts; nodes no window passes through are freed."""
         seq = self._seqs.pop(key)
-        del self._ends[key]
+        del self._open[key]
         n = len(seq)
         for s in range(n):
             self.root.count -= 1
             node = self.root
-            end = min(n, s + self.depth)
-            for d in range(s, end):
-                child = node.children[seq[d]]  # type: ignore[index]
+            for d in range(s, min(n, s + self.depth)):
+                kids = node.children
+                child = kids[seq[d]]  # type: ignore[index]
                 child.count -= 1
-                if child.count == 0:
-                    del node.children[seq[d]]  # type: ignore[union-attr]
-                    self.node_count -= end - d  # the rest of this window's path hangs only from here
+                if child.count == 0:  # this window's alone from here: a chain of count-1 nodes, maybe a tail
+                    del kids[seq[d]]  # type: ignore[union-attr]
+                    while child is not None:
+                        self.node_count -= 1
+                        child = next(iter(child.children.values())) if child.children else None
                     break
                 node = child
 
-    def match(self, pattern: Sequence[int]) -> _Node | None:
-        node = self.root
+    def match(self, pattern: Sequence[int]) -> tuple[_Node, int] | None:
+        """Where `pattern` ends in the trie: a node and how far into its tail (0: at the node), or None."""
+        node, off = self.root, 0
         for t in pattern:
-            kids = node.children
-            node = kids.get(int(t)) if kids else None
-            if node is None:
+            if node.seq is not None:
+                i = node.pos + off
+                if i < node.lim and i < len(node.seq) and node.seq[i] == t:
+                    off += 1
+                    continue
                 return None
-        return node
+            kids = node.children
+            child = kids.get(t) if kids else None
+            if child is None:
+                return None
+            node, off = child, 0
+        return node, off
 
-    def walk(self, node: _Node, max_tokens: int, min_token_prob: float) -> tuple[list[int], list[float], bool]:
-        """The most frequent path below `node`: tokens, their path probabilities, and whether no tie decided it."""
+    def walk(self, at: tuple[_Node, int], max_tokens: int, min_token_prob: float
+             ) -> tuple[list[int], list[float], bool]:
+        """The most frequent path below `at`: tokens, their path probabilities, and whether no tie decided it."""
+        node, off = at
         out: list[int] = []
         probs: list[float] = []
         prob, unique = 1.0, True
-        while len(out) < max_tokens and node.children:
+        while len(out) < max_tokens:
+            if node.seq is not None:  # inside a tail: one window, probability unchanged
+                i = node.pos + off
+                if i >= node.lim or i >= len(node.seq):
+                    break
+                out.append(node.seq[i])
+                probs.append(prob)
+                off += 1
+                continue
+            if not node.children:
+                break
             top = max(c.count for c in node.children.values())
             tied = [(c.stamp, t, c) for t, c in node.children.items() if c.count == top]
             if len(tied) > 1:
                 unique = False
-            _, token, child = max(tied, key=lambda x: x[0])  # most recently passed through
+            _, token, child = max(tied, key=lambda x: x[0])  # the latest-started window's
             p = prob * top / node.count
             if p < min_token_prob:
                 break
             out.append(token)
             probs.append(p)
-            prob, node = p, child
+            prob, node, off = p, child, 0
         return out, probs, unique
 
     def speculate(self, context: Sequence[int], max_tokens: int, max_spec_factor: float,
@@ -220,11 +280,11 @@ class SuffixTrie:
         top = min(len(context), self.depth - 1)
         n = len(context)
         for m in range(1, top + 1):
-            node = self.match(context[n - m :])
-            if node is None:
+            at = self.match(context[n - m :])
+            if at is None:
                 break
             limit = max(0, min(max_tokens, int(m * max_spec_factor + 1e-6)))
-            toks, probs, unique = self.walk(node, limit, min_token_prob)
+            toks, probs, unique = self.walk(at, limit, min_token_prob)
             score = sum(probs)
             if toks and abs(score - best.score) < 1e-6:
                 unique = False  # equal up to rounding: the order of comparison decides

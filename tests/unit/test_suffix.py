@@ -44,8 +44,23 @@ def _trie_counts(trie: SuffixTrie) -> Counter:
         for t, ch in (node.children or {}).items():
             assert ch.count > 0  # nodes no window passes through are freed
             c[path + (t,)] = ch.count
-            stack.append((path + (t,), ch))
+            if ch.seq is not None:  # a tail: one window, its path implicit
+                assert ch.count == 1 and not ch.children
+                chain = ch.seq[ch.pos : min(ch.lim, len(ch.seq))]
+                for j in range(1, len(chain) + 1):
+                    c[path + (t, *chain[:j])] = 1
+            else:
+                stack.append((path + (t,), ch))
     return c
+
+
+def _explicit_nodes(trie: SuffixTrie) -> int:
+    n, stack = 0, [trie.root]
+    while stack:
+        node = stack.pop()
+        n += 1
+        stack.extend((node.children or {}).values())
+    return n
 
 
 @settings(max_examples=60, deadline=None)
@@ -67,7 +82,7 @@ def test_trie_counts_are_exact_under_growth_and_removal(depth, ops):
             held.setdefault(key, []).extend(toks)
         want = _window_counts(list(held.values()), depth)
         assert _trie_counts(trie) == +want
-        assert trie.node_count == 1 + len(+want)
+        assert trie.node_count == _explicit_nodes(trie) <= 1 + len(+want)
         assert trie.root.count == sum(len(s) for s in held.values())
 
 
@@ -221,7 +236,7 @@ def _stream(seed: int, n: int):
 
 def test_memory_stays_bounded_over_a_10k_request_stream():
     """10k requests through a cache of 16: nodes never exceed depth x cached output tokens, and after the stream
-    the global trie is exactly the one built from the 16 requests it still holds."""
+    the global trie counts exactly what one built from the 16 requests it still holds counts."""
     cfg = _cfg(max_tree_depth=6, max_cached_requests=16)
     d = SuffixDrafter(cfg)
     outs: dict[int, list[int]] = {}
@@ -245,7 +260,8 @@ def test_memory_stays_bounded_over_a_10k_request_stream():
     for r in d.cached:
         fresh.extend(r, outs[r])
     assert _trie_counts(d._global) == _trie_counts(fresh)
-    assert d._global.node_count == fresh.node_count
+    # paths made explicit by windows since evicted stay explicit (not re-merged into tails): a few more nodes
+    assert fresh.node_count <= d._global.node_count == _explicit_nodes(d._global) <= 2 * fresh.node_count
     assert peak <= 1 + 6 * 16 * 24
 
 
