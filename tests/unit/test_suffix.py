@@ -421,3 +421,27 @@ def test_suffix_level_config():
         CascadeConfig(levels=[target, {"kind": "suffix"}, target])
     with pytest.raises(ValueError, match="must be a model"):
         CascadeConfig(levels=[{"kind": "suffix"}])
+
+
+def test_a_suffix_level_on_tiny_models(tiny):
+    """Real (tiny) transformers models built from a config: suffix > target and suffix > draft > target (drafting
+    ahead on a second thread) give plain greedy decoding's tokens; asking again drafts from the cached outputs."""
+    from specray.config import CascadeConfig, LevelConfig
+    from specray.coordinator.generate import build_levels, generate
+
+    prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, x):", "def is_prime(n: int) -> bool:"]
+    hf = dict(kind="hf", dtype="float32")
+    target = LevelConfig(model=str(tiny.target_dir), **hf)
+    plain = [r.token_ids for r in generate(build_levels(CascadeConfig(levels=[target])), prompts,
+                                           max_tokens=16, ignore_eos=True).results]
+    suffix = LevelConfig(kind="suffix", num_speculative_tokens=6)
+    two = build_levels(CascadeConfig(levels=[suffix, target]))
+    first = generate(two, prompts, max_tokens=16, ignore_eos=True)
+    again = generate(two, prompts, max_tokens=16, ignore_eos=True)
+    assert [r.token_ids for r in first.results] == plain == [r.token_ids for r in again.results]
+    assert again.rounds < first.rounds  # the second time, the first time's outputs are drafted
+    draft = LevelConfig(model=str(tiny.draft_dirs["mid"]), num_speculative_tokens=4, **hf)
+    three = build_levels(CascadeConfig(levels=[suffix, draft, target]))
+    out = generate(three, prompts, max_tokens=16, ignore_eos=True, overlap=True)
+    assert [r.token_ids for r in out.results] == plain
+    assert three[0].suffix.active == set() and len(three[0].suffix.cached) == len(prompts)
