@@ -27,7 +27,8 @@ Worked example (max_tree_depth 4, max_spec_factor 1, min_token_prob 0.1). Reques
 and [1, 2] twice, each time followed by 3 (count 2 of 2: p = 1), and 3 is followed by 4 once and by 5 once
 (p = 1/2; 5 wins the tie, seen last). Match m = 1 drafts 1 token ([3], score 1); m = 2 drafts [3, 5] (score
 1.5); [9, 1, 2] does not occur, so the longest useful match is m = 2 -> draft [3, 5].
-When "a" finishes after writing [7, 8, 9], request "b" (prompt [6, 7]) gets [8, 9] from the global trie.
+When "a" has written [7, 8, 9] and finished, request "b" (prompt [6, 7]) drafts 8 from the global trie (one
+token: its match [7] is one token long), then, once 8 is its own, 9 after the match [7, 8].
 
 >>> d = SuffixDrafter(SuffixConfig(max_tree_depth=4, max_spec_factor=1.0, min_token_prob=0.1))
 >>> d.start("a", [1, 2, 3, 4, 1, 2, 3, 5])
