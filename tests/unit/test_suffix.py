@@ -445,3 +445,23 @@ def test_a_suffix_level_on_tiny_models(tiny):
     out = generate(three, prompts, max_tokens=16, ignore_eos=True, overlap=True)
     assert [r.token_ids for r in out.results] == plain
     assert three[0].suffix.active == set() and len(three[0].suffix.cached) == len(prompts)
+
+
+def test_plain_rounds_feed_the_cache_and_diverging_text_restarts():
+    """Sequences decoded without drafts (a plain plan) still leave their output to later requests; a request whose
+    text stops extending what the drafter holds is restarted from the new text."""
+    from specray.coordinator.cascade import Plan
+    from specray.coordinator.generate import generate
+    from specray.coordinator.state import Level
+
+    sx = SuffixDrafter(SuffixConfig(num_speculative_tokens=8, max_spec_factor=4.0))
+    levels = [Level("suffix", suffix=sx), Level("target", worker=_target())]
+    plain = generate(levels, PROMPTS[:2], max_tokens=20, ignore_eos=True, plan=Plan((1,), ()))
+    assert sx.active == set() and sx.cached == ["seq-0", "seq-1"]
+    out = plain.results[1].token_ids
+    ctx = PROMPTS[1] + out[:6]
+    assert sx.propose_seq("new", ctx, len(PROMPTS[1]), ctx, 8) == out[6:14]
+    sx.propose_seq("new", [9, 9, 9], 2, [9, 9, 9], 4)  # not an extension of what "new" held: restarted
+    assert sx._local["new"].tokens(0) == [9, 9, 9]
+    sx.release("new", [9, 9, 9, 8], 2)
+    assert sx.active == set() and sx._global.tokens(next(reversed(sx._cached))) == [9, 8]
