@@ -228,20 +228,22 @@ class SuffixTrie:
 
     def match(self, pattern: Sequence[int]) -> tuple[_Node, int] | None:
         """Where `pattern` ends in the trie: a node and how far into its tail (0: at the node), or None."""
-        node, off = self.root, 0
-        for t in pattern:
-            if node.seq is not None:
-                i = node.pos + off
-                if i < node.lim and i < len(node.seq) and node.seq[i] == t:
-                    off += 1
-                    continue
-                return None
+        node = self.root
+        it = iter(pattern)
+        for t in it:
             kids = node.children
-            child = kids.get(t) if kids else None
-            if child is None:
+            node = kids.get(t) if kids else None
+            if node is None:
                 return None
-            node, off = child, 0
-        return node, off
+            if node.seq is not None:  # a tail: the rest of the pattern must follow its window's text
+                seq, i = node.seq, node.pos
+                end = min(node.lim, len(seq))
+                for u in it:
+                    if i >= end or seq[i] != u:
+                        return None
+                    i += 1
+                return node, i - node.pos
+        return node, 0
 
     def walk(self, at: tuple[_Node, int], max_tokens: int, min_token_prob: float
              ) -> tuple[list[int], list[float], bool]:
