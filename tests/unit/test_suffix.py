@@ -290,7 +290,8 @@ def test_drafts_match_arctic_inference(stream, depth, cached, factor, min_prob):
     """Peer check against Arctic Inference's SuffixDecodingCache (what vLLM's `suffix` method runs), driven the
     way vLLM drives it: two requests at a time, each drafting then taking one token. Wherever no tie rule
     decided our draft (`unique`), its draft is the same; ties are where their hash-map order and our recency
-    rule may differ."""
+    rule may differ. Skipped without it: `bash scripts/build_arctic_suffix.sh` builds it into .arctic/ (then run
+    with PYTHONPATH=.:.arctic)."""
     arctic = pytest.importorskip("arctic_inference.suffix_decoding")
     import numpy as np
 
