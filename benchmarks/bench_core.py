@@ -6,7 +6,8 @@ Every configuration runs on the same loaded models (Qwen2.5-Coder 0.5B draft, 1.
 default), same prompts (chat template), same max tokens, greedy, side by side in one run, so the ratios are
 comparable even on a noisy machine. Writes benchmarks/results/core-*.json and prints a markdown table.
 
-Configurations (--configs): plain, ngram[:K], draft[:K], cascade[:K0:K1] (n-gram -> 0.5B -> 1.5B), adaptive[:KMAX]
+Configurations (--configs): plain, ngram[:K], suffix[:K] (suffix decoding over this and the earlier prompts' text;
+one drafter per K for the whole run), draft[:K], cascade[:K0:K1] (n-gram -> 0.5B -> 1.5B), adaptive[:KMAX]
 (the live planner over those three levels), hf_plain, hf_assisted, hf_lookup[:K]; suffixes: @earliest (the
 n-gram drafts from the earliest occurrence, as vLLM), +overlap (draft ahead on a second thread), ~C (the 0.5B
 ends a draft after a token it gives less than C), e.g. cascade:6:8@earliest+overlap~0.6. Besides end-to-end
@@ -44,6 +45,7 @@ from specray.engine.models import check_tokenizers
 from specray.spec.bound import expected_accepted_length
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import VerifyMethod
+from specray.spec.suffix import SuffixConfig, SuffixDrafter
 
 
 def chat_ids(tok, text: str) -> list[int]:
@@ -118,11 +120,13 @@ def main() -> None:
     ap.add_argument("--sets", nargs="+", default=list(SETS))
     ap.add_argument("--configs", nargs="+",
                     default=["plain", "ngram", "draft", "cascade", "adaptive", "hf_plain", "hf_assisted", "hf_lookup"],
-                    help="plain | ngram[:K] | draft[:K] | cascade[:K0:K1] | adaptive[:K_MAX] | hf_plain | "
+                    help="plain | ngram[:K] | suffix[:K] | draft[:K] | cascade[:K0:K1] | adaptive[:K_MAX] | hf_plain | "
                          "hf_assisted | hf_lookup[:K]; a suffix @earliest / @recent sets the n-gram occurrence of that "
                          "configuration (default: --ngram-occurrence), +overlap drafts the next round on a second "
                          "thread while the target verifies; e.g. ngram:16@earliest, cascade:6:8@earliest+overlap")
     ap.add_argument("--k-ngram", type=int, default=8, help="n-gram K (standalone n-gram plan)")
+    ap.add_argument("--k-suffix", type=int, default=16,
+                    help="suffix decoding's largest K (its match length usually limits a draft first)")
     ap.add_argument("--k-draft", type=int, default=4, help="draft-model K (standalone draft plan)")
     ap.add_argument("--ngram-occurrence", default="recent", choices=["recent", "earliest"],
                     help="which occurrence of the matched suffix drafts (earliest: vLLM's proposer)")
@@ -147,11 +151,17 @@ def main() -> None:
     from specray.coordinator.cascade import CascadeEngine
     from specray.policy.planner import Planner
 
+    suffix_drafters: dict[int, SuffixDrafter] = {}  # per K, kept across prompts: its global trie learns
+
     def levels_for(base: str, ks: list[int], occ: str, conf: float = 0.0) -> list[Level]:
-        """plain | ngram[:K] | draft[:K] | cascade[:K0:K1], the n-gram drafting from occurrence `occ`, the 0.5B
-        ending drafts after tokens it gives less than `conf`."""
+        """plain | ngram[:K] | suffix[:K] | draft[:K] | cascade[:K0:K1], the n-gram drafting from occurrence
+        `occ`, the 0.5B ending drafts after tokens it gives less than `conf`."""
         if base == "plain":
             return [Level("target", worker=target, method=M)]
+        if base == "suffix":
+            k = ks[0] if ks else args.k_suffix
+            sx = suffix_drafters.setdefault(k, SuffixDrafter(SuffixConfig(num_speculative_tokens=k)))
+            return [Level("suffix", suffix=sx), Level("target", worker=target, method=M)]
         if base == "ngram":
             return [Level("ngram", ngram=NgramConfig(ks[0] if ks else args.k_ngram, 1, 4, occ)),
                     Level("target", worker=target, method=M)]

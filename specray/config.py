@@ -46,13 +46,15 @@ _ENGINE_ARGS_OWNED = frozenset({
 class LevelConfig(_Strict):
     """One level of the cascade, smallest first; the last level is the target."""
 
-    name: str | None = Field(None, description="Display name; defaults to the model name or 'ngram'.")
-    kind: Literal["ngram", "hf", "vllm", "auto"] = Field(
-        "hf", description="Proposer/engine backend of this level. auto: vllm where vLLM is installed (the faster "
-        "engine), else hf, said in a log line; decided where the config is read, and the vllm-only fields "
-        "(engine_verify, engine_args, native_speculation) are dropped on the hf fallback.")
+    name: str | None = Field(None, description="Display name; defaults to the model name, 'ngram' or 'suffix'.")
+    kind: Literal["ngram", "suffix", "hf", "vllm", "auto"] = Field(
+        "hf", description="Proposer/engine backend of this level: a lookup proposer inside the coordinator (ngram: "
+        "prompt lookup; suffix: SuffixDecoding over this and earlier requests' text; first level only) or a model "
+        "engine. auto: vllm where vLLM is installed (the faster engine), else hf, said in a log line; decided where "
+        "the config is read, and the vllm-only fields (engine_verify, engine_args, native_speculation) are dropped "
+        "on the hf fallback.")
     model: str | None = Field(
-        None, description="Known name (see `specray models list`), local folder or hub id. Not for ngram."
+        None, description="Known name (see `specray models list`), local folder or hub id. Not for ngram/suffix."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="Weights and KV dtype. float32 for bit-stable exactness tests."
@@ -68,7 +70,8 @@ class LevelConfig(_Strict):
     )
     max_context: int | None = Field(None, ge=16, description="Context limit; defaults to the model's.")
     num_speculative_tokens: int = Field(
-        4, ge=0, le=64, description="K: tokens this level proposes to the level above per round."
+        4, ge=0, le=64, description="K: tokens this level proposes to the level above per round (a suffix level: "
+        "the most it drafts; defaults to suffix_decoding_max_tree_depth there, as in vLLM)."
     )
     verify_method: VerifyMethod = Field(
         VerifyMethod.REJECTION,
@@ -83,7 +86,19 @@ class LevelConfig(_Strict):
     prompt_lookup_occurrence: Literal["recent", "earliest"] = Field(
         "recent", description="n-gram: which occurrence of the longest matching suffix drafts: the most recent, "
         "or the earliest (what vLLM's own n-gram proposer takes; often better on code editing).")
-    # --- where the level runs (Ray); ignored in-process and for ngram (it runs inside the coordinator) ---
+    suffix_decoding_max_tree_depth: int = Field(
+        24, ge=1, le=1024, description="suffix: depth of its suffix tries; a match plus its draft spans at most this "
+        "many tokens (vLLM's knob and default).")
+    suffix_decoding_max_cached_requests: int = Field(
+        1000, ge=-1, description="suffix: the outputs of this many most recently started requests feed the global "
+        "trie, evicted oldest first (0: only the request's own text; -1: no bound). Memory grows with depth x "
+        "cached output tokens, which is why the default is below vLLM's 10000.")
+    suffix_decoding_max_spec_factor: float = Field(
+        1.0, ge=0, description="suffix: a match of m tokens drafts at most this x m tokens (vLLM's knob and default).")
+    suffix_decoding_min_token_prob: float = Field(
+        0.1, ge=0, le=1, description="suffix: stop a draft before a token whose estimated probability (from "
+        "frequency counts along the path) is below this (vLLM's knob and default).")
+    # --- where the level runs (Ray); ignored in-process and for lookup levels (they run inside the coordinator) ---
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for this level's actor.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for this level's actor (fractions allowed).")
     resources: dict[str, float] = Field(
@@ -142,9 +157,17 @@ class LevelConfig(_Strict):
     def _check(self) -> LevelConfig:
         if self.kind == "auto":
             self._resolve_auto()
+        suffix_knobs = sorted(f for f in self.model_fields_set if f.startswith("suffix_decoding_"))
+        if suffix_knobs and self.kind != "suffix":
+            raise ValueError(f"{suffix_knobs[0]} is for suffix levels, not a {self.kind} level")
+        if self.kind == "suffix" and "num_speculative_tokens" not in self.model_fields_set:
+            self.num_speculative_tokens = min(64, self.suffix_decoding_max_tree_depth)
         if self.kind == "ngram":
             if self.prompt_lookup_max < self.prompt_lookup_min:
                 raise ValueError("prompt_lookup_max must be >= prompt_lookup_min")
+        elif self.kind == "suffix":
+            if self.model:
+                raise ValueError("a suffix level takes no `model` (it drafts from text it has seen)")
         elif not self.model:
             raise ValueError(f"a {self.kind} level needs `model`")
         if self.engine_args:
@@ -215,8 +238,13 @@ class LevelConfig(_Strict):
         return int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
 
     @property
+    def is_lookup(self) -> bool:
+        """A lookup proposer (ngram, suffix): runs inside the coordinator, no model, no actor."""
+        return self.kind in ("ngram", "suffix")
+
+    @property
     def display_name(self) -> str:
-        return self.name or (self.model if self.kind != "ngram" else "ngram") or self.kind
+        return self.name or (self.kind if self.is_lookup else self.model) or self.kind
 
 
 class PlacementConfig(_Strict):
@@ -254,9 +282,9 @@ class CascadeConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> CascadeConfig:
         for i, lvl in enumerate(self.levels):
-            if lvl.kind == "ngram" and i != 0:
-                raise ValueError("an ngram level can only be the first level")
-        if self.levels[-1].kind == "ngram":
+            if lvl.is_lookup and i != 0:
+                raise ValueError(f"a lookup level ({lvl.kind}) can only be the first level")
+        if self.levels[-1].is_lookup:
             raise ValueError("the last level (the target) must be a model")
         for lvl in self.levels[:-1]:
             if lvl.native_speculation is not None:

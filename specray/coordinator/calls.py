@@ -116,7 +116,11 @@ class LevelCalls:
             raise LevelCallError(i, self.levels[i].name, exc) from exc
 
     def release(self, s: Seq) -> None:
-        """Free the sequence on every level that has seen it (idempotent; a dead level lost it anyway)."""
+        """Free the sequence on every level that has seen it (idempotent; a dead level lost it anyway). A suffix
+        level keeps its output for later requests."""
+        for lvl in self.levels:
+            if lvl.suffix is not None:
+                lvl.suffix.release(s.seq_id, s.tokens, s.prompt_len)
         for i in list(s.mirror):
             worker = self.levels[i].worker
             if worker is not None:

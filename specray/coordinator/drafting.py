@@ -2,10 +2,11 @@
 `DraftSource` for them: `Immediate` drafts now, before the target verifies; `specray.coordinator.lookahead`
 drafts the next round while the target verifies this one.
 
-The first level of a chain drafts in one call (a model) or by lookup (the n-gram). A middle level runs inner
-rounds until each row has what the level above asked for: its drafter proposes, it verifies, and what it
-emitted (accepted tokens plus one correction or bonus token) is its draft (`specray.coordinator.inner`: the
-loop, run from here or, with a `Nesting` transport, beside the middle level's model). Each level's accepted
+The first level of a chain drafts in one call (a model) or by lookup (the n-gram, or the suffix drafter, which
+also learns from earlier requests' outputs: `LevelCalls.release` hands it each sequence's final text). A middle
+level runs inner rounds until each row has what the level above asked for: its drafter proposes, it verifies,
+and what it emitted (accepted tokens plus one correction or bonus token) is its draft (`specray.coordinator.inner`:
+the loop, run from here or, with a `Nesting` transport, beside the middle level's model). Each level's accepted
 stream is an exact sample from that level, so the target's is an exact sample from the target.
 """
 
@@ -129,6 +130,10 @@ class Drafter:
         boundary with what they have (at least one step runs); no probabilities then."""
         i = r.chain[ci]
         lvl = self.levels[i]
+        if lvl.suffix is not None:
+            sx = lvl.suffix
+            return Drafts([sx.propose_seq(s.seq_id, s.tokens, s.prompt_len, s.tokens + t if t else s.tokens, w)
+                           if w > 0 else [] for s, t, w in zip(rows, tails, want)])
         if lvl.is_ngram:
             ng = lvl.ngram
             return Drafts([ng.propose(s.tokens + t if t else s.tokens, w) if w > 0 else []

@@ -25,6 +25,7 @@ from specray.coordinator.stats import named_stats
 from specray.engine.protocol import Worker
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams
+from specray.spec.suffix import SuffixConfig, SuffixDrafter
 
 
 def create_worker(cfg: LevelConfig) -> Worker:
@@ -76,6 +77,11 @@ def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
         ng = NgramConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                          cfg.prompt_lookup_occurrence)
         return Level(cfg.display_name, ngram=ng, k=cfg.num_speculative_tokens, method=cfg.verify_method)
+    if cfg.kind == "suffix":
+        sx = SuffixDrafter(SuffixConfig(
+            cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
+            cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob))
+        return Level(cfg.display_name, suffix=sx, k=cfg.num_speculative_tokens, method=cfg.verify_method)
     # native_k (a native vLLM target's own K) comes from the worker (`Level.__post_init__`)
     return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
                  method=cfg.verify_method, confidence=cfg.draft_confidence)

@@ -10,6 +10,7 @@ from specray.coordinator.stats import LevelStats, StatsKey
 from specray.engine.caps import WorkerCaps
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.suffix import SuffixDrafter
 
 if TYPE_CHECKING:
     from specray.engine.protocol import Worker
@@ -19,7 +20,7 @@ __all__ = ["Level", "Plan", "Seq"]
 
 @dataclass
 class Level:
-    """One level of a cascade: an n-gram proposer (level 0 only) or a model worker.
+    """One level of a cascade: a lookup proposer (level 0 only: n-gram or suffix) or a model worker.
 
     k: tokens this level proposes to the level above per round (unused for the target).
     method: how this level verifies the level below (unused for level 0).
@@ -33,6 +34,8 @@ class Level:
     name: str
     worker: Worker | None = None
     ngram: NgramConfig | None = None
+    #: a suffix drafter (SuffixDecoding): a lookup level like the n-gram, over this and earlier requests' text
+    suffix: SuffixDrafter | None = None
     k: int = 4
     method: VerifyMethod = VerifyMethod.DETERMINISTIC
     native_k: int | None = None
@@ -45,8 +48,8 @@ class Level:
     def __post_init__(self) -> None:
         if not 0.0 <= self.confidence < 1.0:
             raise ValueError(f"level {self.name!r}: confidence must be in [0, 1)")
-        if (self.worker is None) == (self.ngram is None):
-            raise ValueError(f"level {self.name!r}: give exactly one of worker or ngram")
+        if sum(x is not None for x in (self.worker, self.ngram, self.suffix)) != 1:
+            raise ValueError(f"level {self.name!r}: give exactly one of worker, ngram or suffix")
         if self.worker is not None and self.caps is None:
             self.caps = self.worker.capabilities()
         caps = self.caps or WorkerCaps(self.name, 0)
@@ -55,11 +58,15 @@ class Level:
         self.engine_verify = int(self.engine_verify or caps.engine_verify)
         if self.ngram is not None and self.k == 4:
             self.k = self.ngram.num_speculative_tokens
+        if self.suffix is not None and self.k == 4:
+            self.k = self.suffix.config.num_speculative_tokens
         self.method = VerifyMethod(self.method)
 
     @property
     def is_ngram(self) -> bool:
-        return self.ngram is not None
+        """A lookup level (n-gram or suffix): drafts inside the coordinator at ~no cost, deterministically (so
+        rejection over it is the deterministic method), and only as level 0."""
+        return self.ngram is not None or self.suffix is not None
 
 
 @dataclass(frozen=True)

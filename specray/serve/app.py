@@ -67,7 +67,7 @@ class Coordinator:
             from specray.coordinator.generate import build_levels, level_from_config
 
             if factories is not None:
-                levels = [level_from_config(lc, worker=f() if f and lc.kind != "ngram" else None)
+                levels = [level_from_config(lc, worker=f() if f and not lc.is_lookup else None)
                           for lc, f in zip(self.config.cascade.levels, factories)]
             else:
                 levels = build_levels(self.config.cascade)

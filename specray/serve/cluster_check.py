@@ -148,7 +148,7 @@ def serve_demands(serve_cfg: Mapping[str, Any]) -> list[Demand]:
         replicas = dep.get("num_replicas", 1)
         replicas = int(auto["max_replicas"]) if "max_replicas" in auto else (replicas if isinstance(replicas, int)
                                                                              else 1)
-        models = [lc for lc in cfg.cascade.levels if lc.kind != "ngram"]
+        models = [lc for lc in cfg.cascade.levels if not lc.is_lookup]
         out.append(Demand(
             app=app.get("name", "?"), replicas=replicas, coordinator=_actor_resources(dep.get("ray_actor_options")),
             bundles=[(lc.display_name, level_bundle(lc)) for lc in models],

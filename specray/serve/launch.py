@@ -110,7 +110,7 @@ def launch_levels(
 
     if factories is not None and len(factories) != len(cfg.levels):
         raise ValueError(f"factories must be aligned with the {len(cfg.levels)} levels, got {len(factories)}")
-    model_idx = [i for i, lc in enumerate(cfg.levels) if lc.kind != "ngram"]
+    model_idx = [i for i, lc in enumerate(cfg.levels) if not lc.is_lookup]
     names = [cfg.levels[i].display_name for i in model_idx]
     placement_timeout_s = cfg.placement.timeout_s if placement_timeout_s is None else placement_timeout_s
     start_timeout_s = cfg.start_timeout_s if start_timeout_s is None else start_timeout_s
@@ -143,7 +143,7 @@ def launch_levels(
                 infos[name]["expected_bundle_index"] = j
                 infos[name]["bundle_node_id"] = where.get(j)
         for lc in cfg.levels:
-            if lc.kind == "ngram":
+            if lc.is_lookup:
                 launched.levels.append(level_from_config(lc))
                 continue
             w = ActorWorker(launched.actors[lc.display_name], timeout_s=call_timeout_s, info=infos[lc.display_name],

@@ -108,7 +108,7 @@ class PoolCoordinator(Coordinator):
 def _request_check(cfg: AppConfig) -> SimpleNamespace:
     """`plan_for` of the speculative pool's scheduler, run over the level layout from the config, so the
     router rejects an impossible `speculation` override (400) before it streams anything."""
-    levels = [SimpleNamespace(is_ngram=lc.kind == "ngram", k=lc.num_speculative_tokens) for lc in cfg.cascade.levels]
+    levels = [SimpleNamespace(is_ngram=lc.is_lookup, k=lc.num_speculative_tokens) for lc in cfg.cascade.levels]
     top = len(levels) - 1
     engine = SimpleNamespace(levels=levels, top=top, default_plan=Plan(tuple(range(top + 1)),
                                                                        tuple(lv.k for lv in levels[:-1])))

@@ -310,6 +310,19 @@ def test_each_level_lands_in_its_bundle_with_its_resources():
         assert generate(lc.levels, PROMPTS[:1], max_tokens=5, ignore_eos=True).results[0].token_ids
 
 
+def test_a_suffix_level_launches_in_the_coordinator():
+    """A suffix level gets no actor (it drafts inside the coordinator); over an actor target it is exact, and its
+    global trie learns each sequence's output."""
+    cfg = CascadeConfig(levels=[LevelConfig(kind="suffix", num_speculative_tokens=5), level("t")])
+    plain = generate([Level("t", worker=FakeWorker("t", vocab=16, order=2, table_seed=0))], PROMPTS, max_tokens=20,
+                     ignore_eos=True)
+    with launch_levels(cfg, [None, fake("t")], name_prefix="sfx") as lc:
+        assert lc.levels[0].suffix is not None and set(lc.actors) == {"t"}
+        out = generate(lc.levels, PROMPTS, max_tokens=20, ignore_eos=True)
+        assert [r.token_ids for r in out.results] == [r.token_ids for r in plain.results]
+        assert len(lc.levels[0].suffix.cached) == len(PROMPTS)
+
+
 def test_killed_level_is_restarted_and_reports_lost_sequences():
     cfg = CascadeConfig(levels=[level("d2", num_speculative_tokens=3), level("target")])
     with launch_levels(cfg, [fake("d2", *FAKES["d2"]), fake("target")], name_prefix="kill") as lc:
