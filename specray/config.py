@@ -157,7 +157,9 @@ class LevelConfig(_Strict):
     def _check(self) -> LevelConfig:
         if self.kind == "auto":
             self._resolve_auto()
-        suffix_knobs = sorted(f for f in self.model_fields_set if f.startswith("suffix_decoding_"))
+        # set to something else than their defaults (a dumped config carries every field, so "set" is not enough)
+        suffix_knobs = sorted(f for f, info in type(self).model_fields.items()
+                              if f.startswith("suffix_decoding_") and getattr(self, f) != info.default)
         if suffix_knobs and self.kind != "suffix":
             raise ValueError(f"{suffix_knobs[0]} is for suffix levels, not a {self.kind} level")
         if self.kind == "suffix" and "num_speculative_tokens" not in self.model_fields_set:
@@ -283,7 +285,8 @@ class CascadeConfig(_Strict):
     def _check(self) -> CascadeConfig:
         for i, lvl in enumerate(self.levels):
             if lvl.is_lookup and i != 0:
-                raise ValueError(f"a lookup level ({lvl.kind}) can only be the first level")
+                raise ValueError(f"a lookup level ({lvl.kind}) can only be the first level: it drafts from the text, "
+                                 "never from a level below it")
         if self.levels[-1].is_lookup:
             raise ValueError("the last level (the target) must be a model")
         for lvl in self.levels[:-1]:

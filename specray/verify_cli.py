@@ -130,7 +130,7 @@ def run_verify(args: argparse.Namespace, build: LevelBuilder | None = None) -> t
         raise ValueError("--temperature > 0 needs --seed: only a seed's output can be compared token for token")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if seeded:  # the coupled method: a seed's output does not depend on the drafter
-        cfg = CascadeConfig(levels=[lc.model_copy(update={"method": VerifyMethod.COUPLED}) for lc in cfg.levels])
+        cfg = CascadeConfig(levels=[lc.model_copy(update={"verify_method": VerifyMethod.COUPLED}) for lc in cfg.levels])
     dtype = _dtype(cfg)
     identical, divs = compare_outputs(build(cfg), rows, max_tokens=args.max_tokens, sampling=sampling)
     report = VerifyReport(len(rows), identical, args.temperature, args.seed, dtype, divs)

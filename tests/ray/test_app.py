@@ -128,6 +128,16 @@ def test_eight_concurrent_requests_batch_and_match_alone(serve_app):
     assert "specray_batch_size" in text
 
 
+def test_vllm_benchmark_client_through_serve(serve_app, tiny, tmp_path):
+    """vLLM's own serving benchmark client against the app deployed on Serve (as `serve run` deploys it): every
+    request succeeds and its TTFT agrees with the server's histogram (the one replica's /metrics)."""
+    pytest.importorskip("vllm")
+    from tests.e2e.test_vllm_bench_client import check_client_against_server
+
+    _, url = serve_app
+    check_client_against_server(url, MODEL, str(tiny.target_dir), tmp_path)
+
+
 def test_coordinator_replica_crash_is_restarted_by_serve(serve_app):
     """Runs last in this module: SIGKILL the coordinator replica; Serve starts a new one (with new level
     actors: the old ones die with their owner) and the app answers again, with the same greedy output."""

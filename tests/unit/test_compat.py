@@ -87,7 +87,8 @@ def test_vllm_flat_shape_draft_model_and_cascade():
      r"\['quantization'\] not supported by specray"),
     ({"method": "cascade", "drafters": []}, r"drafters: a non-empty list"),
     ({"method": "cascade", "drafters": [{"model": "d", "num_speculative_tokens": 2},
-                                        {"method": "ngram", "num_speculative_tokens": 2}]}, r"ngram level can only"),
+                                        {"method": "ngram", "num_speculative_tokens": 2}]},
+     r"lookup level \(ngram\) can only"),
 ])
 def test_speculative_config_errors_name_the_field(spec, message):
     with pytest.raises(ValidationError, match=message):
