@@ -200,14 +200,16 @@ def test_a_level_killed_during_nested_drafting_fails_over_exactly(victim):
         eng = CascadeEngine(lc.levels, nesting=lc.nesting)
         eng.retry_after_s = 0.0
         seqs = [eng.new_sequence(p, SamplingParams(), 60) for p in PROMPTS]
-        pid, seen, r = lc.info[victim]["pid"], set(), 0
+        pid, r = lc.info[victim]["pid"], 0
+        index = [lv.name for lv in eng.levels].index(victim)
         while any(not s.finished for s in seqs):
             if r == 2:
                 os.kill(pid, signal.SIGKILL)
             eng.step(seqs)
-            seen.add(eng.level_status()[victim])
             r += 1
-        assert "down" in seen, "the killed level was never dropped"
+        # marked down (its epoch bumped); with retry_after_s 0 the restarted actor may already be back in the
+        # same step, so the status after a step need not show it
+        assert eng.failover.epoch[index] > 0, "the killed level was never dropped"
         want = generate([Level("target", worker=in_process()["target"])], PROMPTS, max_tokens=60, ignore_eos=True)
         assert [s.output for s in seqs] == [x.token_ids for x in want.results]
         for s in seqs:
