@@ -148,14 +148,16 @@ class CascadeEngine:
             # at temperature 0 every method verifies greedily (same tokens); saying so lets a greedy batch draft
             # ahead (overlap) and skip draft probabilities under a configured rejection method
             override = VerifyMethod.GREEDY
+        failed: set[int] = set()  # levels that failed in this round: its retries run without them
         for _ in range(len(self.levels)):
-            r = new_round(active, self.failover.available(plan), override, self.immediate, self.lookahead)
+            r = new_round(active, self.failover.available(plan, failed), override, self.immediate, self.lookahead)
             try:
                 committed = run_round(r, self.calls)
                 break
             except LevelCallError as exc:
                 if exc.level == self.top:
                     raise
+                failed.add(exc.level)
                 self.failover.mark_down(exc.level, exc)
         else:  # pragma: no cover - every draft level failed in turn; the target alone cannot fail over
             raise RuntimeError("no plan could run")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from specray.coordinator.state import Level, Plan
 
@@ -42,11 +42,13 @@ class Failover:
         self._probing: set[int] = set()
         self._lock = threading.Lock()
 
-    def available(self, plan: Plan) -> Plan:
-        """The plan without levels that are down (probing those whose retry time has come)."""
-        if not self.down:
+    def available(self, plan: Plan, failed: Collection[int] = ()) -> Plan:
+        """The plan without levels that are down (probing those whose retry time has come) and without `failed`
+        (levels that failed earlier in this round: never probed back within it, so a round's retries end)."""
+        if not self.down and not failed:
             return plan
-        keep = [(i, k) for i, k in zip(plan.levels[:-1], plan.k) if i not in self.down or self.probe(i)]
+        keep = [(i, k) for i, k in zip(plan.levels[:-1], plan.k)
+                if i not in failed and (i not in self.down or self.probe(i))]
         return Plan((*[i for i, _ in keep], self.top), tuple(k for _, k in keep))
 
     def probe(self, i: int) -> bool:
