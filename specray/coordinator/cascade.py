@@ -23,7 +23,7 @@ from specray.coordinator.lookahead import LookAhead
 from specray.coordinator.round import new_round, run_round
 from specray.coordinator.state import Level, Plan, Seq
 from specray.coordinator.stats import LevelStats
-from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
 
 __all__ = ["CascadeEngine", "GenerationResult", "Level", "LevelCallError", "LevelStats", "Plan", "Seq",
            "run_to_completion"]
@@ -121,8 +121,14 @@ class CascadeEngine:
             if len(prompt_ids) >= self.max_context:
                 raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context {self.max_context}")
             max_tokens = min(max_tokens, self.max_context - len(prompt_ids))
+        caps = self.levels[-1].caps
+        if sampling.penalized and not (caps is not None and caps.penalties):
+            raise ValueError(f"the target {self.levels[-1].name!r} does not apply penalties (its backend lacks them)")
+        if sampling.logprobs is not None and not (caps is not None and caps.logprobs):
+            raise ValueError(f"logprobs: the target {self.levels[-1].name!r} does not report log-probabilities")
         sid = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
-        return Seq(sid, len(prompt_ids), list(prompt_ids), sampling.with_seed(), max_tokens, frozenset(stop_ids))
+        sampling = sampling.with_seed().for_prompt(len(prompt_ids))
+        return Seq(sid, len(prompt_ids), list(prompt_ids), sampling, max_tokens, frozenset(stop_ids))
 
     def release(self, seq: Seq) -> None:
         """Free the sequence on every level that has seen it (idempotent)."""
@@ -173,6 +179,8 @@ class GenerationResult:
     stats: dict[str, LevelStats]
     #: seconds from the start of the call to this sequence's first token (its prefill and first round)
     ttft_s: float | None = None
+    #: the target's log-probabilities of token_ids (`SamplingParams.logprobs` set; else None)
+    logprobs: list[TokenLogprob] | None = None
 
 
 def run_to_completion(

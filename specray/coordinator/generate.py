@@ -202,5 +202,6 @@ def generate(
         for name, st in stats.items():
             total.setdefault(name, LevelStats()).merge(st)
         results.append(GenerationResult(s.output, text, s.finish_reason or "length", s.rounds, stats,
-                                        first.get(s.seq_id)))
+                                        first.get(s.seq_id),
+                                        list(s.logprobs) if s.sampling.logprobs is not None else None))
     return Batch(results, total)

@@ -58,6 +58,8 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
     for b, s in enumerate(r.rows):
         toks = res.token_ids[b]
         new = committed[s.seq_id] = s.commit(toks)
+        if res.logprobs is not None and res.logprobs[b]:
+            s.logprobs.extend(res.logprobs[b][: len(new)])
         s.rounds += 1
         who = drafter_of(r.lower, bool(drafts.token_ids[b]), res.native_drafts is not None)
         s.stats.setdefault((r.top, who), LevelStats()).record(fed[b], res.num_accepted[b], len(toks))

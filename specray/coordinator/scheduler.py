@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from specray.coordinator.cascade import CascadeEngine, Plan, Seq
 from specray.coordinator.stats import LevelStats, named_stats
 from specray.coordinator.stream import IncrementalDetokenizer, StopChecker
-from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: BaseException | None = None
+    #: the target's log-probabilities of `token_ids`, one each (None: the request asked for none)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -329,7 +331,15 @@ class Scheduler:
         if seq.finished:
             self._finish(live, seq.finish_reason or "length", text=text, toks=toks)
         elif toks or text:
-            live.queue.put_nowait(Event(toks, text))
+            live.queue.put_nowait(Event(toks, text, logprobs=self._logprobs(seq, toks)))
+
+    @staticmethod
+    def _logprobs(seq: Seq, toks: Sequence[int]) -> list[TokenLogprob] | None:
+        """The log-probabilities of `toks`, the last tokens committed to `seq` (None: it asked for none)."""
+        if seq.sampling.logprobs is None:
+            return None
+        end = len(seq.output)
+        return seq.logprobs[end - len(toks) : end]
 
     def _finish(self, live: _Live, reason: str, text: str = "", toks: Sequence[int] = (),
                 error: BaseException | None = None) -> None:
@@ -340,7 +350,8 @@ class Scheduler:
         except Exception:  # a dead level cannot free; it lost the state anyway
             log.warning("release of %s failed", seq.seq_id, exc_info=True)
         stats = named_stats([lv.name for lv in self.engine.levels], seq.stats)
-        live.queue.put_nowait(Event(list(toks), text, True, reason, stats, seq.prompt_len, len(seq.output), error))
+        live.queue.put_nowait(Event(list(toks), text, True, reason, stats, seq.prompt_len, len(seq.output), error,
+                                    self._logprobs(seq, toks)))
 
     def _fail_group(self, members: list[_Live], exc: BaseException) -> None:
         log.error("round failed for %d sequences: %s", len(members), exc)

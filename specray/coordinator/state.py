@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from specray.coordinator.stats import LevelStats, StatsKey
 from specray.engine.caps import WorkerCaps
 from specray.spec.ngram import NgramConfig
-from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
 from specray.spec.suffix import SuffixDrafter
 
 if TYPE_CHECKING:
@@ -110,6 +110,8 @@ class Seq:
     epoch: dict[int, int] = field(default_factory=dict)
     #: overlap: (plan it was drafted for, len(tokens) it continues, draft tokens) for the next round
     ahead: tuple[Plan, int, list[int]] | None = None
+    #: the target's log-probabilities of the output tokens, one per token (`SamplingParams.logprobs` set)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def output(self) -> list[int]:

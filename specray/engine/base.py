@@ -17,8 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerCaps, WorkerStats
-from specray.spec.params import PLACEHOLDER_TOKEN_ID, SamplingParams, VerifyMethod
-from specray.spec.sampling import SamplingBatch, processed_probs, sample_tokens
+from specray.spec.params import PLACEHOLDER_TOKEN_ID, SamplingParams, TokenLogprob, VerifyMethod
+from specray.spec.sampling import (
+    SamplingBatch,
+    TokenHistory,
+    apply_penalties,
+    processed_probs,
+    raw_logprobs,
+    sample_tokens,
+)
 from specray.spec.verify import verify as verify_batch
 
 
@@ -27,6 +34,8 @@ class SeqState:
     slot: int
     tokens: list[int]
     kv_len: int = 0
+    #: (prompt length, [V] bool: the tokens of the prompt), kept for the penalties (the prompt never changes)
+    prompt_seen: tuple[int, torch.Tensor] | None = None
 
 
 def token_confidence(
@@ -79,7 +88,8 @@ class LogitsWorker(abc.ABC):
     def capabilities(self) -> WorkerCaps:
         return WorkerCaps(self.name, int(self.vocab_size), self.max_context, tuple(int(t) for t in self.eos_token_ids),
                           native_k=int(self.native_k), live_decode=bool(self.live_decode),
-                          engine_verify=int(self.engine_verify), draft_confidence=True)
+                          engine_verify=int(self.engine_verify), draft_confidence=True, penalties=True,
+                          logprobs=True)
 
     # ----- sequence state -----------------------------------------------------------------------
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
@@ -121,6 +131,8 @@ class LogitsWorker(abc.ABC):
         if not 0 < sync.keep <= len(seq.tokens):
             raise ValueError(f"{self.name}: cannot keep {sync.keep} of {len(seq.tokens)} tokens")
         del seq.tokens[sync.keep :]
+        if seq.prompt_seen is not None and sync.keep < seq.prompt_seen[0]:
+            seq.prompt_seen = None  # the prompt itself changed (never from the coordinator): recount it
         seq.tokens.extend(sync.append)
         seq.kv_len = min(seq.kv_len, sync.keep)  # rollback: a length, no copy
 
@@ -167,6 +179,7 @@ class LogitsWorker(abc.ABC):
         probs = None
         if mode == DraftMode.RANDOM and kmax > 0:
             probs = torch.zeros(len(seqs), kmax, self.vocab_size, dtype=torch.float32)
+        history = self._history(seqs, sampling, sb_all) if kmax > 0 else None
         for t in range(kmax):
             rows = [b for b in range(len(seqs)) if k[b] > t and not stopped[b]]
             if not rows:
@@ -174,9 +187,12 @@ class LogitsWorker(abc.ABC):
             batch = [seqs[b] for b in rows]
             logits = self._forward(batch, [s.tokens[s.kv_len :] for s in batch], [1] * len(batch))  # [B_t, V]
             sb = sb_all.select(rows)
-            p = processed_probs(logits[:, None, :], sb)[:, 0]  # [B_t, V]
+            hist = history.select(rows) if history is not None else None
+            p = processed_probs(apply_penalties(logits[:, None, :], sb, hist), sb)[:, 0]  # [B_t, V]
             positions = torch.tensor([len(s.tokens) for s in batch], dtype=torch.long)
             sampled = sample_tokens(p, sb, positions, mode, level)  # [B_t]
+            if history is not None:
+                history.add(rows, sampled)
             conf = token_confidence(logits, p, sampled, sb).tolist() if stop_below > 0 else None
             toks = sampled.tolist()
             for i, (b, s) in enumerate(zip(rows, batch)):
@@ -217,7 +233,7 @@ class LogitsWorker(abc.ABC):
             if d:
                 draft[b, : len(d)] = torch.tensor(list(d), dtype=torch.long)
         sb = SamplingBatch.from_params(sampling)
-        p = processed_probs(logits, sb)  # [B, K+1, V]
+        p = processed_probs(apply_penalties(logits, sb, self._history(seqs, sampling, sb), draft), sb)  # [B, K+1, V]
         positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
         q = None
         if method == VerifyMethod.REJECTION:
@@ -241,4 +257,43 @@ class LogitsWorker(abc.ABC):
                                  ids.reshape(-1), sb.select([b for b in range(len(seqs)) for _ in range(n)]))
             c = c.view(len(seqs), n).tolist()
             conf = [row[: len(e)] for row, e in zip(c, emitted)]
-        return VerifyResult(emitted, n_acc, out_probs, confidence=conf)
+        return VerifyResult(emitted, n_acc, out_probs, confidence=conf,
+                            logprobs=_logprobs(logits, emitted, sampling))
+
+    def _history(self, seqs: Sequence[SeqState], sampling: Sequence[SamplingParams],
+                 sb: SamplingBatch) -> TokenHistory | None:
+        """The tokens each row's penalties count (None when no row is penalized): a sequence's tokens past its
+        prompt are output, whether committed or drafted by this level in this call."""
+        if not sb.penalized:
+            return None
+        masks = []
+        for s, sp in zip(seqs, sampling):
+            n = min(sp.prompt_len, len(s.tokens))
+            if s.prompt_seen is None or s.prompt_seen[0] != n:
+                s.prompt_seen = (n, TokenHistory.seen_mask([s.tokens[:n]], self.vocab_size)[0])
+            masks.append(s.prompt_seen[1])
+        return TokenHistory.from_parts(torch.stack(masks), [s.tokens[s.prompt_seen[0] :] for s in seqs])
+
+
+def _logprobs(
+    logits: torch.Tensor,  # [B, K+1, V] raw logits; slot j predicts a row's j-th emitted token
+    emitted: list[list[int]],
+    sampling: Sequence[SamplingParams],
+) -> list[list[TokenLogprob]] | None:
+    """Raw log-probabilities of the emitted tokens (and the asked-for alternatives) of the rows that ask."""
+    rows = [b for b, sp in enumerate(sampling) if sp.logprobs is not None]
+    if not rows:
+        return None
+    top = max(sampling[b].logprobs or 0 for b in rows)
+    flat = torch.cat([logits[b, : len(emitted[b])] for b in rows])  # [N, V]
+    toks = torch.tensor([t for b in rows for t in emitted[b]], dtype=torch.long)
+    chosen, ids, vals = raw_logprobs(flat, toks, top)
+    chosen, ids, vals = chosen.tolist(), ids.tolist(), vals.tolist()
+    out: list[list[TokenLogprob]] = [[] for _ in sampling]
+    i = 0
+    for b in rows:
+        n = sampling[b].logprobs or 0
+        for _ in emitted[b]:
+            out[b].append(TokenLogprob(chosen[i], tuple(zip(ids[i][:n], vals[i][:n]))))
+            i += 1
+    return out

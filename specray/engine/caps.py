@@ -21,6 +21,10 @@ class WorkerCaps:
     pass over the draft.
     draft_confidence: the worker honours `propose(stop_below=)` and reports `verify(confidence=True)`; without
     it, drafts run their full length and `VerifyResult.confidence` is None (both still exact).
+    penalties: the worker applies `SamplingParams`' presence / frequency / repetition penalties to its own
+    distribution (a target without it cannot serve a penalized request; a drafter without it drafts from its
+    unpenalized distribution, which stays exact: the target verifies).
+    logprobs: the worker reports `VerifyResult.logprobs` for rows whose `SamplingParams.logprobs` is set.
     """
 
     name: str
@@ -31,3 +35,5 @@ class WorkerCaps:
     live_decode: bool = False
     engine_verify: int = 0
     draft_confidence: bool = False
+    penalties: bool = False
+    logprobs: bool = False

@@ -18,7 +18,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 
 from specray.engine.caps import WorkerCaps
-from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
 
 __all__ = ["DraftMode", "DraftProposal", "SeqSync", "VerifyResult", "Worker", "WorkerCaps", "WorkerStats"]
 
@@ -85,6 +85,10 @@ class VerifyResult:
     #: per sequence, the probability this level gave each emitted token (`verify(..., confidence=True)`; None
     #: where the worker does not report it): a middle level's drafting stops after an unsure token
     confidence: list[list[float]] | None = None
+    #: per sequence, the target's raw log-probabilities of the emitted tokens with the top alternatives the row's
+    #: `SamplingParams.logprobs` asks for (an empty list for a row that asks for none); None when no row asks, or
+    #: from a worker without `WorkerCaps.logprobs`
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 @dataclass

@@ -166,8 +166,9 @@ class LiveRequests:
         if not self.live_decode or return_probs:
             return False
         if sp.temperature != 0 and (sp.reproducible or method is VerifyMethod.COUPLED
-                                    or (draft and method is not VerifyMethod.DETERMINISTIC)):
-            return False
+                                    or (draft and method is not VerifyMethod.DETERMINISTIC)
+                                    or sp.min_p > 0 or sp.penalized):
+            return False  # min_p and penalties: the keyed path applies them as every level does
         return not draft or self.engine_verify > 0
 
     def _set_drafts(self, lv: _Live, draft: Sequence[int]) -> None:

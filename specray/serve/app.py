@@ -189,7 +189,9 @@ class Coordinator:
         self, prompt_ids: list[int], *, max_tokens: int | None, temperature: float = 0.0, top_p: float = 1.0,
         top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str | None = None,
         speculation: Mapping[str, Any] | SpeculationOptions | None = None, ignore_eos: bool = False,
-        stop_token_ids: Sequence[int] | None = None, arrival: float | None = None,
+        stop_token_ids: Sequence[int] | None = None, arrival: float | None = None, min_p: float = 0.0,
+        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+        logprobs: int | None = None,
     ) -> Request:
         """A scheduler request; `arrival` (`time.perf_counter()` when the HTTP server received it) starts its
         latency clock (`run`)."""
@@ -201,9 +203,12 @@ class Coordinator:
             raise RequestError(f"max_tokens: at most {room} for this prompt (context {self.max_context})")
         try:
             sampling = SamplingParams(float(temperature), int(top_k if top_k and top_k > 0 else 0), float(top_p),
-                                      seed)
+                                      seed, min_p=float(min_p), presence_penalty=float(presence_penalty),
+                                      frequency_penalty=float(frequency_penalty),
+                                      repetition_penalty=float(repetition_penalty), logprobs=logprobs)
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
+        self.check_target_supports(sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         spec = _speculation(speculation)
         if seed is not None and sampling.temperature > 0 and (spec is None or spec.verify_method is None):
@@ -217,16 +222,35 @@ class Coordinator:
         return Request(prompt_ids, sampling, max_tokens or room, stops, ignore_eos, spec,
                        stop_token_ids=tuple(stop_token_ids or ()), arrival=arrival)
 
+    def check_target_supports(self, sampling: SamplingParams) -> None:
+        """Refuse (400, naming the field) what the target's backend cannot serve exactly: penalties and
+        log-probabilities need a worker that declares them (`WorkerCaps`; the hf backend does, vLLM's do not)."""
+        caps = self.levels[-1].caps
+        backend = f"the target level {self.levels[-1].name!r}"
+        if sampling.penalized and not (caps is not None and caps.penalties):
+            field = next(name for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                                     ("repetition_penalty", 1.0))
+                         if getattr(sampling, name) != neutral)
+            raise RequestError(f"{field}: penalties are not supported by {backend} (its backend does not apply "
+                               "them); use a level of kind hf as the target")
+        if sampling.logprobs is not None and not (caps is not None and caps.logprobs):
+            raise RequestError(f"logprobs: log-probabilities are not reported by {backend} (its backend does not "
+                               "give them); use a level of kind hf as the target")
+
     # ----- Python handle API ----------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                        stop: Sequence[str] | str | None = None, speculation: Mapping[str, Any] | None = None,
                        chat: bool = False, ignore_eos: bool = False,
-                       stop_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+                       stop_token_ids: Sequence[int] | None = None, min_p: float = 0.0,
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       repetition_penalty: float = 1.0) -> dict[str, Any]:
         """Generate to completion; returns text, token ids, finish reason and usage (with speculation)."""
         req = self.make_request(self.tokenize_prompt(prompt, chat), max_tokens=max_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop, speculation=speculation,
-                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, min_p=min_p,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty)
         text, ids, last = [], [], None
         async for ev in self.run(req):
             text.append(ev.text)
@@ -241,11 +265,14 @@ class Coordinator:
                               stop: Sequence[str] | str | None = None,
                               speculation: Mapping[str, Any] | None = None, chat: bool = False,
                               ignore_eos: bool = False, stop_token_ids: Sequence[int] | None = None,
-                              ) -> AsyncIterator[dict[str, Any]]:
+                              min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                              repetition_penalty: float = 1.0) -> AsyncIterator[dict[str, Any]]:
         """Stream dicts {text, token_ids, finished, finish_reason[, usage]} as tokens are accepted."""
         req = self.make_request(self.tokenize_prompt(prompt, chat), max_tokens=max_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop, speculation=speculation,
-                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, min_p=min_p,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty)
         async for ev in self.run(req):
             out: dict[str, Any] = {"text": ev.text, "token_ids": ev.token_ids, "finished": ev.finished,
                                    "finish_reason": ev.finish_reason}

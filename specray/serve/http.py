@@ -11,11 +11,13 @@ sent as a final SSE event when streaming had started). Request bodies are only e
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -25,8 +27,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from specray.coordinator.scheduler import Event, RequestError
 from specray.coordinator.scheduler import Request as GenRequest
-from specray.coordinator.scheduler import RequestError
+from specray.coordinator.stats import LevelStats
 from specray.serve.protocol import (
     SSE_DONE,
     ChatChoice,
@@ -35,6 +38,7 @@ from specray.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     ChatResponseMessage,
     CompletionChoice,
     CompletionRequest,
@@ -44,6 +48,7 @@ from specray.serve.protocol import (
     InvalidRequest,
     ModelCard,
     ModelList,
+    Usage,
     error_response_body,
     model_not_found_body,
     new_id,
@@ -51,6 +56,8 @@ from specray.serve.protocol import (
     usage_from_stats,
     validation_error_to_openai,
 )
+from specray.serve.protocol.logprobs import LogprobFormatter
+from specray.spec.params import TokenLogprob
 
 if TYPE_CHECKING:
     from specray.serve.app import Coordinator
@@ -200,6 +207,55 @@ def _finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
 
+def _usage(finals: list[Event]) -> Usage:
+    """Usage of a request's choices: the prompt once, the completions summed, the levels' statistics merged."""
+    stats: dict[str, LevelStats] = {}
+    for ev in finals:
+        for name, st in (ev.stats or {}).items():
+            stats.setdefault(name, LevelStats()).merge(st)
+    prompt = finals[0].prompt_tokens if finals else 0
+    return usage_from_stats(prompt, sum(ev.completion_tokens for ev in finals), stats)
+
+
+async def _merged(gens: list[AsyncIterator[Event]]) -> AsyncIterator[tuple[int, Event]]:
+    """(choice index, event) from each choice's event stream as they come; closing it (or a failing choice)
+    closes every stream, which cancels their sequences."""
+    if len(gens) == 1:
+        try:
+            async for ev in gens[0]:
+                yield 0, ev
+        finally:
+            await gens[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, Event | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[Event]) -> None:
+        try:
+            async for ev in gen:
+                await queue.put((i, ev, None))
+            await queue.put((i, None, None))
+        except Exception as exc:
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, ev, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if ev is None:
+                left -= 1
+                continue
+            yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+
+
 def build_http_app(coord: Coordinator) -> FastAPI:
     app = FastAPI(title="specray", description="OpenAI-compatible API with lossless speculative decoding")
 
@@ -244,14 +300,21 @@ def build_http_app(coord: Coordinator) -> FastAPI:
         return _error(400, str(exc), param=param)
 
     async def prepare(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                      arrival: float) -> GenRequest:
+                      arrival: float) -> list[GenRequest]:
+        """One engine request per choice (n): each an independent sequence of the batch; a seeded request's
+        choice i is seeded with seed + i (`choice_seed`)."""
         max_tokens = body.resolve_max_tokens(len(prompt_ids), coord.max_context)
         sp = body.to_sampling_params()
-        req = coord.make_request(prompt_ids, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                 top_k=sp.top_k, seed=sp.seed, stop=body.stop, speculation=body.speculation,
-                                 ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids, arrival=arrival)
-        coord.scheduler.plan_for(req.speculation)  # e.g. method "draft" without a draft level: 400 before streaming
-        return req
+        reqs = [coord.make_request(prompt_ids, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                                   top_k=sp.top_k, seed=body.choice_seed(i), stop=body.stop,
+                                   speculation=body.speculation, ignore_eos=body.ignore_eos,
+                                   stop_token_ids=body.stop_token_ids, min_p=sp.min_p,
+                                   presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+                                   repetition_penalty=sp.repetition_penalty, logprobs=sp.logprobs,
+                                   arrival=arrival)
+                for i in range(body.n)]
+        coord.scheduler.plan_for(reqs[0].speculation)  # e.g. method "draft" without a draft level: 400 first
+        return reqs
 
     async def serve_request(body, make_prompt, chat: bool, arrival: float) -> Response:
         if (resp := check_model(body.model)) is not None:
@@ -269,7 +332,7 @@ def build_http_app(coord: Coordinator) -> FastAPI:
                 raise InvalidRequest(str(exc), param=param) from exc
             if not prompt_ids:
                 raise InvalidRequest(f"{param}: the prompt is empty after tokenization", param=param)
-            req = await prepare(body, prompt_ids, arrival)
+            reqs = await prepare(body, prompt_ids, arrival)
         except InvalidRequest as exc:
             return _ErrorResponse(exc.body(), status_code=400)
         except RequestError as exc:
@@ -277,58 +340,89 @@ def build_http_app(coord: Coordinator) -> FastAPI:
         if coord.config.server.log_prompts:
             log.info("request: %r", body.model_dump(mode="json"))
         else:
-            log.info("request: %d prompt tokens, max_tokens %d", len(prompt_ids), req.max_tokens)
+            log.info("request: %d prompt tokens, max_tokens %d, n %d", len(prompt_ids), reqs[0].max_tokens, len(reqs))
         if body.stream:
-            return StreamingResponse(stream(body, req, chat), media_type="text/event-stream",
+            return StreamingResponse(stream(body, reqs, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await complete(body, req, chat)
+        return await complete(body, reqs, chat)
 
-    async def complete(body, req: GenRequest, chat: bool) -> Response:
-        parts, last = [], None
+    def decode_token(tid: int) -> str:
+        return coord.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def formatter() -> LogprobFormatter:
+        return LogprobFormatter(decode_token if coord.tokenizer is not None else None)
+
+    async def complete(body, reqs: list[GenRequest], chat: bool) -> Response:
+        n = len(reqs)
+        parts: list[list[str]] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        last: list[Event | None] = [None] * n
         try:
-            async for ev in coord.run(req):
-                parts.append(ev.text)
-                last = ev
+            async with aclosing(_merged([coord.run(r) for r in reqs])) as events:
+                async for i, ev in events:
+                    parts[i].append(ev.text)
+                    last[i] = ev
+                    if ev.logprobs is not None:
+                        ids[i].extend(ev.token_ids)
+                        lps[i].extend(ev.logprobs)
         except RequestError as exc:
             return _error(400, str(exc))
         except Exception as exc:
             return _error(503, str(exc), "server_error", code="model_unavailable")
-        assert last is not None
-        usage = usage_from_stats(last.prompt_tokens, last.completion_tokens, last.stats)
-        text, reason = "".join(parts), _finish_reason(last.finish_reason)
-        if chat:
-            out: Any = ChatCompletionResponse(model=coord.model_name, usage=usage, choices=[
-                ChatChoice(message=ChatResponseMessage(content=text), finish_reason=reason)])
-        else:
-            out = CompletionResponse(model=coord.model_name, usage=usage,
-                                     choices=[CompletionChoice(text=text, finish_reason=reason)])
-        return JSONResponse(out.model_dump(mode="json"))
+        finals = [ev for ev in last if ev is not None]
+        assert len(finals) == n
+        usage = _usage(finals)
+        logprobs = body.num_logprobs is not None
+        choices: list[Any] = []
+        for i, ev in enumerate(finals):
+            text, reason = "".join(parts[i]), _finish_reason(ev.finish_reason)
+            if chat:
+                lp = ChatLogprobs(content=formatter().chat(ids[i], lps[i])) if logprobs else None
+                choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=text), logprobs=lp,
+                                          finish_reason=reason))
+            else:
+                clp = formatter().completion(ids[i], lps[i]) if logprobs else None
+                choices.append(CompletionChoice(index=i, text=text, logprobs=clp, finish_reason=reason))
+        cls: Any = ChatCompletionResponse if chat else CompletionResponse
+        return JSONResponse(cls(model=coord.model_name, usage=usage, choices=choices).model_dump(mode="json"))
 
-    async def stream(body, req: GenRequest, chat: bool) -> AsyncIterator[str]:
+    async def stream(body, reqs: list[GenRequest], chat: bool) -> AsyncIterator[str]:
         rid = new_id("chatcmpl" if chat else "cmpl")
         model = coord.model_name
-        role_sent = not chat
+        n = len(reqs)
+        role_sent = [not chat] * n
+        fmts = [formatter() for _ in range(n)]
+        finals: list[Event] = []
+        prompt_tokens, completion = len(reqs[0].prompt_ids), [0] * n
+        chunk_cls: Any = ChatCompletionChunk if chat else CompletionStreamChunk
         try:
-            async for ev in coord.run(req):
-                reason = _finish_reason(ev.finish_reason) if ev.finished else None
-                if not ev.text and reason is None:
-                    continue
-                if not role_sent:  # with the first token, as vLLM does: clients time the first token by it
-                    role_sent = True
-                    yield sse_event(ChatCompletionChunk(id=rid, model=model,
-                                                        choices=[ChatChunkChoice(delta=ChatDelta(role="assistant"))]))
-                if chat:
-                    delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
-                    chunk: Any = ChatCompletionChunk(id=rid, model=model,
-                                                     choices=[ChatChunkChoice(delta=delta, finish_reason=reason)])
-                else:
-                    chunk = CompletionStreamChunk(id=rid, model=model, choices=[
-                        CompletionStreamChoice(text=ev.text, finish_reason=reason)])
-                yield sse_event(chunk)
-                if ev.finished and body.include_usage_chunk:
-                    usage = usage_from_stats(ev.prompt_tokens, ev.completion_tokens, ev.stats)
-                    cls = ChatCompletionChunk if chat else CompletionStreamChunk
-                    yield sse_event(cls(id=rid, model=model, choices=[], usage=usage))
+            async with aclosing(_merged([coord.run(r) for r in reqs])) as events:
+                async for i, ev in events:
+                    completion[i] += len(ev.token_ids)
+                    reason = _finish_reason(ev.finish_reason) if ev.finished else None
+                    if ev.finished:
+                        finals.append(ev)
+                    lp = ev.logprobs if ev.logprobs and ev.token_ids else None
+                    if not ev.text and reason is None and lp is None:
+                        continue
+                    usage = None
+                    if body.continuous_usage:
+                        usage = usage_from_stats(prompt_tokens, sum(completion))
+                    if not role_sent[i]:  # with the first token, as vLLM does: clients time the first token by it
+                        role_sent[i] = True
+                        yield sse_event(ChatCompletionChunk(id=rid, model=model, usage=usage, choices=[
+                            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant"))]))
+                    if chat:
+                        delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
+                        clp = ChatLogprobs(content=fmts[i].chat(ev.token_ids, lp)) if lp is not None else None
+                        choice: Any = ChatChunkChoice(index=i, delta=delta, logprobs=clp, finish_reason=reason)
+                    else:
+                        tlp = fmts[i].completion(ev.token_ids, lp) if lp is not None else None
+                        choice = CompletionStreamChoice(index=i, text=ev.text, logprobs=tlp, finish_reason=reason)
+                    yield sse_event(chunk_cls(id=rid, model=model, choices=[choice], usage=usage))
+            if body.include_usage_chunk:
+                yield sse_event(chunk_cls(id=rid, model=model, choices=[], usage=_usage(finals)))
         except Exception as exc:
             status = 400 if isinstance(exc, RequestError) else 503
             body_ = error_response_body(str(exc), type="server_error" if status == 503 else "invalid_request_error",

@@ -24,6 +24,7 @@ from specray.spec.verify import RESIDUAL_EPS, VerifyOutput
 __all__ = [
     "ref_coupled_token",
     "ref_inverse_cdf",
+    "ref_penalized_logits_row",
     "ref_processed_probs_row",
     "ref_sample_token",
     "ref_uniform",
@@ -45,19 +46,47 @@ def _first_argmax(values: list[float]) -> int:
     return best
 
 
+def ref_penalized_logits_row(
+    logits: torch.Tensor,  # [V]
+    prompt: list[int],
+    output: list[int],
+    presence: float,
+    frequency: float,
+    repetition: float,
+) -> torch.Tensor:  # [V] float32
+    """vLLM's penalties on one row, token by token: repetition over the prompt and the output, then frequency
+    (times the count in the output), then presence (once for a token in the output); float32 arithmetic."""
+    f32 = torch.float32
+    rep, freq, pres = (torch.tensor(v, dtype=f32) for v in (repetition, frequency, presence))
+    out = []
+    for v, x in enumerate(logits.float()):
+        count = output.count(v)
+        if v in prompt or count:
+            x = x / rep if x > 0 else x * rep
+        x = x - freq * torch.tensor(float(count), dtype=f32)
+        x = x - pres * torch.tensor(1.0 if count else 0.0, dtype=f32)
+        out.append(x)
+    return torch.stack(out)
+
+
 def ref_processed_probs_row(
     logits: torch.Tensor,  # [V]
     temperature: float,
     top_k: int,
     top_p: float,
+    min_p: float = 0.0,
 ) -> torch.Tensor:  # [V] float32
-    """Temperature, then top-k, then top-p, then softmax, for one row; ties at a cut are all kept."""
+    """Temperature, then min_p, then top-k, then top-p, then softmax, for one row; ties at a cut are all kept."""
     vocab = logits.shape[0]
     if temperature == 0:
         out = torch.zeros(vocab, dtype=torch.float32)
         out[_first_argmax(logits.float().tolist())] = 1.0
         return out
     x = (logits.float() / torch.tensor(temperature, dtype=torch.float32)).tolist()
+    if min_p > 0:  # p(v) >= min_p * max p  <=>  x_v - max x >= log(min_p)
+        log_min = float(torch.tensor(min_p, dtype=torch.float32).double().log())
+        top = max(x)
+        x = [v if v - top >= log_min else -math.inf for v in x]
     if 0 < top_k < vocab:
         kth = sorted(x, reverse=True)[top_k - 1]
         x = [v if v >= kth else -math.inf for v in x]

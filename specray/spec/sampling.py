@@ -3,8 +3,9 @@
 Two ideas make speculative decoding in specray exact *and* reproducible:
 
 1. `processed_probs` turns logits into exactly the distribution plain sampling would draw from
-   (temperature, then top-k, then top-p). Verification then works on these probabilities, so a
-   verified stream is an exact sample from what the user asked for, filters included.
+   (penalties via `apply_penalties`, then temperature, min_p, top-k, top-p: vLLM's order). Verification
+   then works on these probabilities, so a verified stream is an exact sample from what the user asked
+   for, filters and penalties included.
 2. Every random number is *keyed*: `keyed_uniform` is a counter-based hash (Philox-4x32-10) of
    (request seed, absolute position, stream, index). No global RNG state is consumed, so the same
    request produces the same tokens whatever the batch it lands in, the machine, or the number of
@@ -30,7 +31,9 @@ __all__ = [
     "COUPLED_STREAM",
     "SAMPLE_MODES",
     "SamplingBatch",
+    "TokenHistory",
     "accept_stream",
+    "apply_penalties",
     "coupled_argmax",
     "gumbel_noise",
     "inverse_cdf_sample",
@@ -38,6 +41,7 @@ __all__ = [
     "keyed_uniform_at",
     "philox4x32",
     "processed_probs",
+    "raw_logprobs",
     "residual_stream",
     "sample_tokens",
 ]
@@ -81,13 +85,18 @@ def residual_stream(salt: int) -> int:
 class SamplingBatch:
     """Sampling parameters of a batch of rows, as tensors so that all rows are processed at once.
 
-    top_k 0 disables top-k; top_p 1 disables nucleus filtering; temperature 0 means greedy.
+    top_k 0 disables top-k; top_p 1 disables nucleus filtering; min_p 0 disables min_p; temperature 0 means
+    greedy; penalties at 0 (presence, frequency) and 1 (repetition) are off.
     """
 
     temperature: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64
     top_p: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64
+    min_p: torch.Tensor | None = None  # [B] float32; None: 0 for every row
+    presence: torch.Tensor | None = None  # [B] float32; None: no row is penalized (all three None)
+    frequency: torch.Tensor | None = None  # [B] float32
+    repetition: torch.Tensor | None = None  # [B] float32
 
     @classmethod
     def from_params(
@@ -97,22 +106,36 @@ class SamplingBatch:
         for i, p in enumerate(params):
             if p.seed is None:
                 raise ValueError(f"params[{i}].seed is None: call SamplingParams.with_seed() on admission")
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        penalized = any(p.penalized for p in params)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            temperature=f32([p.temperature for p in params]),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_p=f32([p.top_p for p in params]),
             seed=torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
+            min_p=f32([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
+            presence=f32([p.presence_penalty for p in params]) if penalized else None,
+            frequency=f32([p.frequency_penalty for p in params]) if penalized else None,
+            repetition=f32([p.repetition_penalty for p in params]) if penalized else None,
         )
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingBatch:
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return SamplingBatch(fn(self.temperature), fn(self.top_k), fn(self.top_p), fn(self.seed), opt(self.min_p),
+                             opt(self.presence), opt(self.frequency), opt(self.repetition))
 
     def select(self, rows: torch.Tensor | list[int]) -> SamplingBatch:
         """The sub-batch made of `rows` (indices), in that order."""
         idx = torch.as_tensor(rows, dtype=torch.int64, device=self.temperature.device)
-        return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.seed[idx])
+        return self._map(lambda t: t[idx])
 
     def to(self, device: torch.device | str) -> SamplingBatch:
-        return SamplingBatch(
-            self.temperature.to(device), self.top_k.to(device), self.top_p.to(device), self.seed.to(device)
-        )
+        return self._map(lambda t: t.to(device))
 
     def __len__(self) -> int:
         return int(self.temperature.shape[0])
@@ -124,6 +147,127 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         return bool(self.greedy.all())
+
+    @property
+    def penalized(self) -> bool:
+        """Whether some row has a penalty (its logits then depend on the tokens seen so far)."""
+        return self.repetition is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# Penalties: the logits given the tokens seen so far
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenHistory:
+    """What the penalties of each row depend on: how often each token occurs in the output so far, and
+    which tokens occur anywhere (prompt or output)."""
+
+    output_counts: torch.Tensor  # [B, V] float32
+    seen: torch.Tensor  # [B, V] bool
+
+    @classmethod
+    def from_tokens(
+        cls, tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int], vocab: int,
+        device: torch.device | str | None = None,
+    ) -> TokenHistory:
+        """tokens[b] is row b's whole context (prompt, then output); its first prompt_lens[b] are the prompt."""
+        prompts = [row[:n] for row, n in zip(tokens, prompt_lens)]
+        return cls.from_parts(cls.seen_mask(prompts, vocab, device), [row[n:] for row, n in zip(tokens, prompt_lens)])
+
+    @staticmethod
+    def seen_mask(
+        tokens: Sequence[Sequence[int]], vocab: int, device: torch.device | str | None = None,
+    ) -> torch.Tensor:  # [B, V] bool
+        """Which tokens occur in each row (a prompt's part of `seen`, which a worker can keep per sequence)."""
+        seen = torch.zeros(len(tokens), vocab, dtype=torch.bool, device=device)
+        lens = torch.tensor([len(row) for row in tokens], dtype=torch.int64, device=device)
+        if int(lens.sum()) > 0:
+            flat = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=device)
+            seen[torch.repeat_interleave(torch.arange(len(tokens), device=device), lens), flat] = True
+        return seen
+
+    @classmethod
+    def from_parts(
+        cls, prompt_seen: torch.Tensor,  # [B, V] bool
+        outputs: Sequence[Sequence[int]],
+    ) -> TokenHistory:
+        """The history of rows whose prompts' tokens are `prompt_seen` and whose outputs so far are `outputs`."""
+        bsz, vocab = prompt_seen.shape
+        dev = prompt_seen.device
+        counts = torch.zeros(bsz, vocab, dtype=torch.float32, device=dev)
+        lens = torch.tensor([len(row) for row in outputs], dtype=torch.int64, device=dev)
+        if int(lens.sum()) > 0:
+            flat = torch.tensor([t for row in outputs for t in row], dtype=torch.int64, device=dev)
+            row = torch.repeat_interleave(torch.arange(bsz, device=dev), lens)
+            counts.index_put_((row, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+        return cls(counts, prompt_seen | (counts > 0))
+
+    def select(self, rows: torch.Tensor | list[int]) -> TokenHistory:
+        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.seen.device)
+        return TokenHistory(self.output_counts[idx], self.seen[idx])
+
+    def add(self, rows: torch.Tensor | list[int], tokens: torch.Tensor) -> None:
+        """Row rows[i] emitted tokens[i] (an output token): count it, in place."""
+        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.seen.device)
+        tok = tokens.to(self.seen.device, torch.int64)
+        self.output_counts.index_put_((idx, tok), torch.ones_like(tok, dtype=torch.float32), accumulate=True)
+        self.seen[idx, tok] = True
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [B, T, V]
+    sb: SamplingBatch,
+    history: TokenHistory | None,
+    draft_ids: torch.Tensor | None = None,  # [B, T-1] int64, PLACEHOLDER-padded: the tokens before slots 1..T-1
+) -> torch.Tensor:  # [B, T, V] float32
+    """The logits after each row's repetition, frequency and presence penalties, as vLLM applies them.
+
+    Slot j of a row follows the row's history plus draft_ids[:, :j] (the drafts are the output if they are
+    accepted), so verification of K drafts penalizes each slot exactly as plain decoding would at that position.
+    Rows without penalties come out unchanged (their logits in float32). In order: repetition (logit / r where
+    positive, logit * r otherwise, for every token seen in the prompt or the output), then - frequency * count,
+    then - presence for every token in the output.
+    """
+    x = logits.float()
+    if not sb.penalized:
+        return x
+    if history is None:
+        raise ValueError("penalized rows need their TokenHistory")
+    bsz, steps, vocab = x.shape
+    dev = x.device
+    counts = history.output_counts.to(dev).unsqueeze(1).expand(bsz, steps, vocab)  # [B, T, V]
+    if steps > 1:
+        if draft_ids is None or draft_ids.shape != (bsz, steps - 1):
+            raise ValueError(f"draft_ids must be [B, T-1] = {(bsz, steps - 1)} for {steps} slots")
+        d = draft_ids.to(dev, torch.int64)
+        one_hot = torch.zeros(bsz, steps, vocab, dtype=torch.float32, device=dev)
+        one_hot[:, 1:].scatter_(-1, d.clamp(min=0).unsqueeze(-1), (d >= 0).float().unsqueeze(-1))
+        counts = counts + one_hot.cumsum(dim=1)  # slot j: the history and drafts 0..j-1
+    in_output = counts > 0
+    seen = history.seen.to(dev).unsqueeze(1) | in_output
+    rep = sb.repetition.to(dev).view(bsz, 1, 1)
+    penalty = torch.where(seen, rep, torch.ones_like(rep))
+    x = torch.where(x > 0, x / penalty, x * penalty)
+    x = x - sb.frequency.to(dev).view(bsz, 1, 1) * counts
+    return x - sb.presence.to(dev).view(bsz, 1, 1) * in_output.float()
+
+
+def raw_logprobs(
+    logits: torch.Tensor,  # [N, V] raw logits
+    tokens: torch.Tensor,  # [N] int64
+    top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [N], [N, top] int64, [N, top] float32
+    """log_softmax of the raw logits (before penalties, temperature and filters: vLLM's default
+    `logprobs_mode`, "raw_logprobs"): each token's log-probability and the `top` most likely tokens with theirs
+    (descending)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(-1, tokens.view(-1, 1).to(lp.device)).squeeze(-1)
+    if top <= 0:
+        return chosen, torch.zeros(lp.shape[0], 0, dtype=torch.int64), lp.new_zeros(lp.shape[0], 0)
+    vals, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+    return chosen, ids, vals
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,15 +329,17 @@ def processed_probs(
 ) -> torch.Tensor:  # [B, T, V] float32
     """The distribution plain sampling from these logits would draw from, per row's parameters.
 
-    Order: logits / temperature, then top-k, then top-p, then softmax. Filters are *value thresholds*,
-    so ties are resolved by keeping every tied token (and the result never depends on sort order):
+    Order: logits / temperature, then min_p, then top-k, then top-p, then softmax (vLLM's order; penalties come
+    before, on the logits: `apply_penalties`). Filters are *value thresholds*, so ties are resolved by keeping
+    every tied token (and the result never depends on sort order):
 
+    - min_p keeps every token whose probability is >= min_p times the top token's (x - max x >= log min_p);
     - top-k keeps every token whose logit is >= the k-th largest logit (may keep more than k on ties);
     - top-p takes the smallest prefix of tokens by decreasing probability whose cumulative probability
       (of the top-k renormalised distribution, summed in float64) is >= top_p, and keeps every token whose
       logit is >= the smallest logit of that prefix. The top token is always kept. top_p == 1 is off.
 
-    Rows with temperature 0 give a one-hot at the argmax of the raw logits (first index on ties), so
+    Rows with temperature 0 give a one-hot at the argmax of the given logits (first index on ties), so
     every verification method reduces to greedy verification on them.
     """
     if logits.dim() != 3:
@@ -210,6 +356,14 @@ def processed_probs(
     top_k = sb.top_k.to(dev)
     top_p = sb.top_p.to(dev, torch.float32)
     needs_filter = ~greedy & ((top_k > 0) & (top_k < vocab) | (top_p < 1))
+    if sb.min_p is not None:
+        min_p = sb.min_p.to(dev, torch.float32)
+        use_min_p = ~greedy & (min_p > 0)
+        if bool(use_min_p.any()):
+            # vLLM's min_p: drop p(v) < min_p * max p, i.e. x_v - max x < log(min_p) (in float64)
+            log_min = torch.where(use_min_p, min_p.double().log(), float("-inf")).view(bsz, 1, 1)
+            drop = (x.double() - x.amax(dim=-1, keepdim=True).double()) < log_min
+            x = x.masked_fill_(drop, float("-inf"))
     if bool(needs_filter.all()):  # no gather/scatter copies of the (large) logits
         flat = x.view(-1, vocab)
         thr = _filter_thresholds(flat, top_k.repeat_interleave(steps), top_p.repeat_interleave(steps))

@@ -96,9 +96,9 @@ def test_unknown_model_is_404(client):
 
 
 @pytest.mark.parametrize("bad", [
-    {"temperature": -1}, {"temperature": 5}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}, {"n": 2},
+    {"temperature": -1}, {"temperature": 5}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}, {"n": 0},
     {"max_tokens": 100000}, {"speculation": {"method": "warp"}}, {"speculation": {"num_speculative_tokens": 999}},
-    {"stop": ["a", "b", "c", "d", "e"]}, {"prompt": ""}, {"repetition_penalty": 1.3},
+    {"stop": ["a", "b", "c", "d", "e"]}, {"prompt": ""}, {"repetition_penalty": 0},
 ])
 def test_invalid_parameters_are_400_with_openai_body(client, bad):
     kw = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **bad}

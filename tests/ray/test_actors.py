@@ -187,6 +187,25 @@ def test_nested_drafting_over_actors_equals_in_process(fakes):
         del mid.nested
 
 
+def test_penalties_min_p_and_logprobs_over_actors_equal_in_process(fakes):
+    """Per-sequence penalties, min_p and logprobs travel with the sampling parameters (sent once per sequence)
+    to every level's actor, the nested middle level's included; the log-probabilities come back with the
+    target's verdict: tokens and log-probabilities equal the in-process loop's."""
+    from specray.coordinator.cascade import CascadeEngine
+
+    sp = [SamplingParams(temperature=0.9 if s % 2 else 0.0, seed=s, min_p=0.05, presence_penalty=0.6,
+                         frequency_penalty=0.4, repetition_penalty=1.4, logprobs=2) for s in range(len(PROMPTS))]
+    for method in (VerifyMethod.REJECTION, VerifyMethod.COUPLED):
+        want = generate(fake_cascade("models3", method, in_process()), PROMPTS, max_tokens=16, sampling=sp,
+                        ignore_eos=True)
+        eng = CascadeEngine(fake_cascade("models3", method, fakes.workers), nesting=fakes.nesting)
+        got = generate(eng, PROMPTS, max_tokens=16, sampling=sp, ignore_eos=True)
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], method
+        assert [r.logprobs for r in got.results] == [r.logprobs for r in want.results], method
+        assert all(len(r.logprobs) == 16 and all(len(lp.top) == 2 for lp in r.logprobs) for r in got.results)
+        assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
+
+
 @pytest.mark.parametrize("victim", ["d1", "d2"])
 def test_a_level_killed_during_nested_drafting_fails_over_exactly(victim):
     """d1 -> d2 -> target with d2 drafting nested: killing the level below (d1, reached from d2's actor) or the

@@ -200,3 +200,62 @@ def test_cpu_prepack_keeps_greedy_output(tiny):
     assert run(True) == run(False)
     with pytest.raises(ValueError, match="cpu_prepack"):
         HFWorker(str(tiny.target_dir), dtype="bfloat16", cpu_prepack=True)
+
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    """The target and both drafters, loaded once: a worker serves one cascade after another (every sequence is
+    freed at the end of `generate`)."""
+    return {name: HFWorker(str(path), name=name, dtype="float32")
+            for name, path in (("t", tiny.target_dir), ("mid", tiny.draft_dirs["mid"]),
+                               ("small", tiny.draft_dirs["small"]))}
+
+
+def _shared_levels(models, setup: str, method: VerifyMethod) -> list[Level]:
+    t = Level("t", worker=models["t"], method=method)
+    mid = Level("mid", worker=models["mid"], k=4, method=method)
+    return {
+        "plain": lambda: [t],
+        "ngram": lambda: [Level("ngram", ngram=NgramConfig(4, 1, 3)), t],
+        "draft": lambda: [mid, t],
+        "cascade_ngram": lambda: [Level("ngram", ngram=NgramConfig(3, 1, 3)), mid, t],
+        "cascade_models": lambda: [Level("small", worker=models["small"], k=2), mid, t],
+    }[setup]()
+
+
+@pytest.mark.parametrize("method", list(VerifyMethod))
+def test_penalties_and_logprobs_at_temperature_zero_equal_plain_under_every_method(models, ref, method):
+    """Greedy rows with penalties and logprobs, beside a sampled row (so the configured method really verifies
+    the batch: greedy rows alone are verified greedily whatever the method): under every speculation method the
+    tokens equal plain decoding's, and so do the target's raw log-probabilities at every emitted position, which
+    also equal a whole-sequence forward of the model."""
+    greedy = SamplingParams(0.0, presence_penalty=1.0, frequency_penalty=0.8, repetition_penalty=1.8, logprobs=3)
+    sps = [greedy] * len(PROMPTS)
+    sps[1] = SamplingParams(0.8, seed=11, min_p=0.05, repetition_penalty=1.2, logprobs=3)
+    rows = [b for b in range(len(PROMPTS)) if b != 1]
+    got = {}
+    for setup in ["plain", "ngram", "draft", "cascade_ngram", "cascade_models"]:
+        batch = generate(_shared_levels(models, setup, method), PROMPTS, max_tokens=12, sampling=sps,
+                         ignore_eos=True)
+        assert all(len(r.logprobs) == len(r.token_ids) == 12 for r in batch.results)
+        assert setup in ("plain", "ngram") or batch.stats["t"].accepted_tokens > 0, setup
+        got[setup] = [(batch.results[b].token_ids, batch.results[b].logprobs) for b in rows]
+    for setup, out in got.items():
+        for (toks, lps), (toks0, lps0) in zip(out, got["plain"]):
+            assert toks == toks0, setup
+            assert [[a for a, _ in lp.top] for lp in lps] == [[a for a, _ in lp.top] for lp in lps0], setup
+            torch.testing.assert_close(torch.tensor([[lp.logprob, *(v for _, v in lp.top)] for lp in lps]),
+                                       torch.tensor([[lp.logprob, *(v for _, v in lp.top)] for lp in lps0]),
+                                       atol=1e-4, rtol=0)
+    unpenalized = generate(_shared_levels(models, "plain", method), [PROMPTS[b] for b in rows], max_tokens=12,
+                           ignore_eos=True)
+    assert [r.token_ids for r in unpenalized.results] != [toks for toks, _ in got["plain"]]
+    tok = models["t"].tokenizer
+    for b, (toks, lps) in zip(rows, got["plain"]):
+        ids = tok.encode(PROMPTS[b])
+        want = torch.log_softmax(full_logits(ref, ids + toks)[len(ids) - 1 : -1], dim=-1)  # [12, V]
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in lps]),
+                                   want.gather(1, torch.tensor(toks).view(-1, 1))[:, 0], atol=1e-4, rtol=0)
+        top = want.topk(3, dim=-1)
+        assert [[a for a, _ in lp.top] for lp in lps] == top.indices.tolist()

@@ -1,12 +1,13 @@
 """Request schemas of /v1/completions and /v1/chat/completions (pydantic v2, strict types).
 
-OpenAI's parameters and vLLM's extra sampling parameters are declared. Those specray cannot honour (n > 1,
-echo, logprobs, penalties, min_p, logit_bias, tools, guided decoding, ...) are accepted only at their neutral
-value (what vLLM's benchmark client and evaluation harnesses send by default), with a 400 naming the field
-otherwise. A field neither declares is accepted and named in a warning, as vLLM does (`unknown_fields`;
-`server.strict_fields` turns it into a 400). Ignored without semantics: `user`, `request_id`,
-`parallel_tool_calls`, and for chat `metadata` and `store`. Nested objects (`speculation`, `stream_options`,
-messages) refuse unknown fields: a typo there is ours to catch.
+OpenAI's parameters and vLLM's extra sampling parameters are declared. Supported beyond the basics: n,
+logprobs / top_logprobs, presence / frequency / repetition penalties, min_p (exact under speculation: they
+are part of the target's distribution). Those specray cannot honour (echo, logit_bias, tools, response_format
+other than text, guided decoding, ...) are accepted only at their neutral value (what vLLM's benchmark client
+and evaluation harnesses send by default), with a 400 naming the field otherwise. A field neither declares is
+accepted and named in a warning, as vLLM does (`unknown_fields`; `server.strict_fields` turns it into a 400).
+Ignored without semantics: `user`, `request_id`, `parallel_tool_calls`, and for chat `metadata` and `store`.
+Nested objects (`speculation`, `stream_options`, messages) refuse unknown fields: a typo there is ours to catch.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from pydantic import (
 )
 
 from specray.serve.protocol.errors import InvalidRequest
-from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.params import MAX_LOGPROBS, SamplingParams, VerifyMethod
 
 MAX_STOP_STRINGS = 4
+#: Most choices per request (each is a sequence of the running batch)
+MAX_N = 64
 
 
 class _Request(BaseModel):
@@ -71,6 +74,9 @@ class SpeculationOptions(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="Send a last chunk with usage (and speculation stats).")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM extension: every chunk carries the usage so far (with include_usage)."
+    )
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...], message: str) -> Any:
@@ -82,8 +88,6 @@ def _neutral(value: Any, neutral: tuple[Any, ...], message: str) -> Any:
 
 #: vLLM's extra request fields that specray accepts only at these values (None: the field was not set)
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (None, 1.0),
-    "min_p": (None, 0.0),
     "min_tokens": (None, 0),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
@@ -142,11 +146,15 @@ class _SamplingFields(_Request):
     stop: list[str] | None = Field(
         None, description="Up to 4 stop strings (a single string is accepted); not included in the output."
     )
-    n: int = Field(1, description="Only 1 is supported.")
+    n: int = Field(1, ge=1, le=MAX_N, description="Choices to sample, each an independent sequence.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(0.0, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(0.0, description="Only 0 is supported.")
+    presence_penalty: float | None = Field(
+        0.0, ge=-2, le=2, allow_inf_nan=False, description="Subtracted once from the logit of each token in the output."
+    )
+    frequency_penalty: float | None = Field(
+        0.0, ge=-2, le=2, allow_inf_nan=False, description="Subtracted from a logit per occurrence in the output."
+    )
     logit_bias: dict[str, float] | None = Field(None, description="Not supported; only empty.")
     user: str | None = Field(None, description="Accepted and ignored.")
     speculation: SpeculationOptions | None = Field(None, description="Extension: speculation control.")
@@ -156,8 +164,14 @@ class _SamplingFields(_Request):
     )
     request_id: str | None = Field(None, description="vLLM extension: accepted and ignored.")
     parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (there are no tools).")
-    repetition_penalty: float | None = Field(None, description="vLLM extension: only 1 is supported.")
-    min_p: float | None = Field(None, description="vLLM extension: only 0 is supported.")
+    repetition_penalty: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="vLLM extension: tokens of the prompt or output get logit / r (if > 0) or logit * r; 1 is off.",
+    )
+    min_p: float | None = Field(
+        None, ge=0, le=1, allow_inf_nan=False,
+        description="vLLM extension: drop tokens less likely than min_p times the most likely one; 0 is off.",
+    )
     min_tokens: int | None = Field(None, description="vLLM extension: only 0 is supported.")
     use_beam_search: bool | None = Field(None, description="vLLM extension: only false is supported.")
     length_penalty: float | None = Field(None, description="vLLM extension: only 1 is supported.")
@@ -205,18 +219,6 @@ class _SamplingFields(_Request):
                 raise ValueError("stop strings must not be empty")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v: float | None) -> float | None:
-        return _neutral(v, (None, 0.0), "a penalty other than 0")
-
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -236,7 +238,26 @@ class _SamplingFields(_Request):
             top_k=self.top_k if self.top_k is not None and self.top_k > 0 else 0,
             top_p=1.0 if self.top_p is None else float(self.top_p),
             seed=self.seed,
+            min_p=float(self.min_p or 0.0),
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            logprobs=self.num_logprobs,
         )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives to report per token; None: no log-probabilities at all."""
+        return None
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice `index` of a seeded request: seed + index (mod 2**63), as vLLM seeds n > 1 (choice
+        0 is the request's seed, so n never changes the first choice); None when the request has no seed."""
+        return None if self.seed is None else (self.seed + index) % 2**63
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage_chunk and self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -271,7 +292,10 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = Field(None, description="Not supported; only empty.")
     max_tokens: int | None = Field(16, ge=1, description="Default 16 as in OpenAI; None: up to the context.")
     echo: bool = Field(False, description="Only false is supported.")
-    logprobs: int | None = Field(None, description="Not supported; only null.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="Log-probability of each token and of this many most likely alternatives (null: none).",
+    )
     best_of: int | None = Field(None, description="Only 1 is supported.")
 
     @field_validator("prompt", mode="before")
@@ -304,10 +328,9 @@ class CompletionRequest(_SamplingFields):
     def _echo(cls, v: bool) -> bool:
         return _neutral(v, (False,), "echo")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: int | None) -> int | None:
-        return _neutral(v, (None,), "logprobs")
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -352,8 +375,10 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, description="None: up to the context limit.")
-    logprobs: bool | None = Field(None, description="Not supported; only false/null.")
-    top_logprobs: int | None = Field(None, description="Not supported; only null.")
+    logprobs: bool | None = Field(None, description="Return the log-probability of each output token.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Most likely alternatives per token (needs logprobs true)."
+    )
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported; only empty.")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none'.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
@@ -373,15 +398,16 @@ class ChatCompletionRequest(_SamplingFields):
     def _chat_neutral(cls, v: Any, info: ValidationInfo) -> Any:
         return _only(v, CHAT_NEUTRAL[info.field_name])
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: bool | None) -> bool | None:
-        return _neutral(v, (None, False), "logprobs")
-
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs(cls, v: int | None) -> int | None:
-        return _neutral(v, (None,), "top_logprobs")
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod

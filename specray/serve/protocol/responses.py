@@ -101,10 +101,37 @@ def usage_from_stats(
     )
 
 
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy completions shape: per token its text, log-probability, the most likely alternatives with
+    the token itself (up to `logprobs` + 1 entries, keyed by text) and its character offset in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -121,7 +148,7 @@ class CompletionResponse(_Response):
 class CompletionStreamChoice(_Response):
     index: int = 0
     text: str = ""
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -146,7 +173,7 @@ class ChatResponseMessage(_Response):
 class ChatChoice(_Response):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -172,7 +199,7 @@ class ChatDelta(_Response):
 class ChatChunkChoice(_Response):
     index: int = 0
     delta: ChatDelta = Field(default_factory=ChatDelta)
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
