@@ -224,7 +224,10 @@ class Coordinator:
 
     def check_target_supports(self, sampling: SamplingParams) -> None:
         """Refuse (400, naming the field) what the target's backend cannot serve exactly: penalties and
-        log-probabilities need a worker that declares them (`WorkerCaps`; the hf backend does, vLLM's do not)."""
+        log-probabilities need a worker that declares them (`WorkerCaps`; the hf backend does, vLLM's do not).
+        A router holds no levels: the pool that runs the request checks it (`CascadeEngine.new_sequence`)."""
+        if not self.levels:
+            return
         caps = self.levels[-1].caps
         backend = f"the target level {self.levels[-1].name!r}"
         if sampling.penalized and not (caps is not None and caps.penalties):
