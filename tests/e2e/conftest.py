@@ -1,5 +1,5 @@
 """Shared helpers for the HTTP end-to-end tests: a real uvicorn server on 127.0.0.1 over an in-process
-`Coordinator` (tiny fp32 models), and the test cascade config."""
+`Coordinator` (tiny fp32 models), the test cascade config, and a module's `server` and openai `client` over it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import socket
 import threading
 import time
 from typing import Any
+
+import openai
+import pytest
 
 from specray.config import AppConfig
 from specray.serve.app import Coordinator
@@ -56,3 +59,15 @@ class Server:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    srv = Server(Coordinator(app_config(tiny)))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -17,18 +17,6 @@ from specray.serve.app import Coordinator
 from tests.e2e.conftest import MODEL, Server, app_config
 
 
-@pytest.fixture(scope="module")
-def server(tiny):
-    srv = Server(Coordinator(app_config(tiny)))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

@@ -9,28 +9,16 @@ import dataclasses
 import json
 
 import httpx
-import openai
 import pytest
 
 from specray.config import AppConfig
 from specray.serve.app import Coordinator
 from specray.testing.fake import FakeWorker
-from tests.e2e.conftest import MODEL, Server, app_config
+from tests.e2e.conftest import MODEL, Server
 
 GREEDY = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.4, "repetition_penalty": 1.3}
 
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    srv = Server(Coordinator(app_config(tiny)))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _extra(**kw) -> dict:
