@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.sampling import SamplingBatch, processed_probs
 from specray.testing.fake import FakeWorker
+from specray.testing.goodness import chi2_crit, chi2_stat
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 1, 2, 3, 4, 5], [0], [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3]]
 
@@ -146,23 +146,8 @@ def assert_target_law(batch, target: FakeWorker, prompt: list[int], sp: Sampling
         counts[key] = counts.get(key, 0) + 1
     exact = _exact_joint(target, prompt, sp, n_tok)
     assert set(counts) <= set(exact), "emitted a sequence the target cannot produce"
-    # chi-square goodness of fit over the cells with enough mass (others pooled)
-    stat, cells, pooled_e, pooled_o = 0.0, 0, 0.0, 0
-    for key, p in exact.items():
-        e, o = p * n_draws, counts.get(key, 0)
-        if e >= 5:
-            stat += (o - e) ** 2 / e
-            cells += 1
-        else:
-            pooled_e += e
-            pooled_o += o
-    if pooled_e > 0:
-        stat += (pooled_o - pooled_e) ** 2 / pooled_e
-        cells += 1
-    dof = cells - 1
-    # Wilson-Hilferty approximation of the chi-square 0.9999 quantile: a false alarm 1 run in 10^4
-    z = 3.719
-    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    stat, dof = chi2_stat(counts, exact, n_draws)  # over the cells with enough mass (others pooled)
+    crit = chi2_crit(dof)
     assert stat < crit, f"chi2={stat:.1f} > {crit:.1f} (dof {dof})"
 
 

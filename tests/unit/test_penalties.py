@@ -22,6 +22,7 @@ from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.reference import ref_penalized_logits_row, ref_processed_probs_row
 from specray.spec.sampling import SamplingBatch, TokenHistory, apply_penalties, processed_probs, raw_logprobs
 from specray.testing.fake import FakeWorker
+from specray.testing.goodness import chi2_crit, chi2_stat
 
 PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.8, repetition_penalty=1.5)
 
@@ -203,27 +204,6 @@ def _law(worker: FakeWorker, prompt: list[int], sp: SamplingParams, n: int, pena
     return out
 
 
-def _chi2_crit(dof: int) -> float:
-    """Wilson-Hilferty approximation of the chi-square 0.9999 quantile: a false alarm 1 run in 10^4."""
-    z = 3.719
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
-def _chi2(counts: dict[tuple, int], law: dict[tuple, float], n_draws: int) -> tuple[float, int]:
-    stat, cells, pooled_e, pooled_o = 0.0, 0, 0.0, 0
-    for key, p in law.items():
-        e, o = p * n_draws, counts.get(key, 0)
-        if e >= 5:
-            stat += (o - e) ** 2 / e
-            cells += 1
-        else:
-            pooled_e, pooled_o = pooled_e + e, pooled_o + o
-    if pooled_e > 0:
-        stat += (pooled_o - pooled_e) ** 2 / pooled_e
-        cells += 1
-    return stat, cells - 1
-
-
 def _tv(counts: dict[tuple, int], law: dict[tuple, float], n_draws: int) -> float:
     keys = set(counts) | set(law)
     return 0.5 * sum(abs(counts.get(k, 0) / n_draws - law.get(k, 0.0)) for k in keys)
@@ -262,8 +242,8 @@ def test_penalized_output_distribution_is_the_targets(method, setup, temperature
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
     law = _law(levels[-1].worker, prompt, sp, n_tok, penalize=True)
     assert set(counts) <= set(law), "emitted a sequence the penalized target cannot produce"
-    stat, dof = _chi2(counts, law, n_draws)
-    assert stat < _chi2_crit(dof), f"chi2={stat:.1f} > {_chi2_crit(dof):.1f} (dof {dof})"
+    stat, dof = chi2_stat(counts, law, n_draws)
+    assert stat < chi2_crit(dof), f"chi2={stat:.1f} > {chi2_crit(dof):.1f} (dof {dof})"
     wrong = _law(levels[-1].worker, prompt, sp, n_tok, penalize=False)
     tv_right, tv_wrong = _tv(counts, law, n_draws), _tv(counts, wrong, n_draws)
     # Bretagnolle-Huber-Carol: with probability 1 - 1e-6 the empirical law of n draws over m cells is within
