@@ -71,6 +71,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="model weights' dtype (float32: exact ties, slower)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (process-wide)")
+    p.add_argument("--backend", choices=["auto", "vllm", "hf"], default="auto",
+                   help="engine of the target: vllm verifies the drafts inside its engine step (the faster engine); "
+                   "auto: vllm where it is installed (`bash scripts/setup.sh --vllm`), else hf with a log line. "
+                   "Draft models stay on hf (measured faster as drafters here: benchmarks/README.md)")
     p.add_argument("--prepack", action="store_true",
                    help="float32 on CPU: prepack linear weights for oneDNN (cheaper multi-token verification)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
@@ -106,9 +110,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for i, d in enumerate(args.draft):
         levels.append(LevelConfig(kind="hf", model=d, num_speculative_tokens=ks[i + (1 if args.ngram else 0)],
                                   draft_confidence=args.confidence, **common))
-    levels.append(LevelConfig(kind="hf", model=args.model, **common))
+    target = dict(common)
+    if args.backend != "hf" and not args.prepack and n_prop:
+        target["engine_verify"] = max(ks)  # the drafts are verified inside the vLLM engine's step
+    levels.append(LevelConfig(kind="hf" if args.prepack else args.backend, model=args.model, **target))
     cfg = CascadeConfig(levels=levels)
     progress = not args.json and not args.quiet
+    if not progress:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs each engine's start at INFO
     pull_missing([lc.model for lc in cfg.levels], progress=progress)
     t0 = time.perf_counter()
     built = _load_levels(cfg, progress)
@@ -200,6 +209,7 @@ class _TextStream:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the results (--json)
     from specray.engine.models import add_models_arguments, run_models_command
 
     parser = argparse.ArgumentParser(prog="specray", description="lossless speculative decoding with cascades",

@@ -68,13 +68,28 @@ def test_tiny_serve_config_validates(tiny):
 def test_root_serve_config_validates():
     from ray.serve.schema import ServeDeploySchema
 
-    from specray.config import AppConfig
+    from specray.config import AppConfig, vllm_installed
 
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     ServeDeploySchema.model_validate(cfg)
     app = AppConfig.model_validate(cfg["applications"][0]["args"]["config"])
-    assert [lv.kind for lv in app.cascade.levels] == ["ngram", "hf", "hf"]
+    target = "vllm" if vllm_installed() else "hf"  # `kind: auto`: the vLLM engine where it is installed
+    assert [lv.kind for lv in app.cascade.levels] == ["ngram", "hf", target]
+    assert app.cascade.levels[-1].engine_verify == (16 if target == "vllm" else 0)
     assert cfg["http_options"]["host"] == "127.0.0.1"
+
+
+def test_root_serve_config_starts_on_hf_without_vllm(monkeypatch, caplog):
+    """On a machine without vLLM the default config still validates: its target runs on hf, and the log says why."""
+    from specray.config import AppConfig
+
+    monkeypatch.setenv("SPECRAY_NO_VLLM", "1")
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    with caplog.at_level("WARNING", logger="specray.config"):
+        app = AppConfig.model_validate(cfg["applications"][0]["args"]["config"])
+    assert [lv.kind for lv in app.cascade.levels] == ["ngram", "hf", "hf"]
+    assert app.cascade.levels[-1].engine_verify == 0 and app.cascade.levels[-1].engine_args == {}
+    assert "vLLM is not installed" in caplog.text and "engine_verify" in caplog.text
 
 
 def test_openai_client_through_serve(serve_app):

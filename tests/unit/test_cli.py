@@ -8,8 +8,8 @@ from specray.cli import main
 
 
 def test_generate_prints_text_and_per_level_stats(tiny, capsys):
-    rc = main(["generate", "--model", str(tiny.target_dir), "--draft", str(tiny.draft_dirs["mid"]), "--ngram",
-               "--dtype", "float32", "--max-tokens", "12", "--k", "3", "--k", "4", "def fibonacci(n):"])
+    rc = main(["generate", "--backend", "hf", "--model", str(tiny.target_dir), "--draft", str(tiny.draft_dirs["mid"]),
+               "--ngram", "--dtype", "float32", "--max-tokens", "12", "--k", "3", "--k", "4", "def fibonacci(n):"])
     assert rc == 0
     out, err = capsys.readouterr()
     assert out.strip()
@@ -18,7 +18,8 @@ def test_generate_prints_text_and_per_level_stats(tiny, capsys):
 
 
 def test_generate_json_plain_equals_speculative(tiny, capsys):
-    base = ["generate", "--model", str(tiny.target_dir), "--dtype", "float32", "--max-tokens", "10", "--json"]
+    base = ["generate", "--backend", "hf", "--model", str(tiny.target_dir), "--dtype", "float32", "--max-tokens", "10",
+            "--json"]
     main([*base, "--plain", "Hello world"])
     plain = json.loads(capsys.readouterr().out)
     main([*base, "--draft", str(tiny.draft_dirs["mid"]), "Hello world"])
@@ -58,8 +59,8 @@ def test_version_and_defaults_in_help(capsys):
 def test_generate_streams_text_and_names_drafter_verifier_pairs(tiny, capsys):
     """The text printed while rounds accept it is the generated text; statistics are named drafter->verifier."""
     target, mid = str(tiny.target_dir), str(tiny.draft_dirs["mid"])
-    base = ["generate", "--model", target, "--draft", mid, "--ngram", "--dtype", "float32", "--max-tokens", "12",
-            "--k", "3", "--k", "4"]
+    base = ["generate", "--backend", "hf", "--model", target, "--draft", mid, "--ngram", "--dtype", "float32",
+            "--max-tokens", "12", "--k", "3", "--k", "4"]
     assert main([*base, "--json", "def fibonacci(n):"]) == 0
     result = json.loads(capsys.readouterr().out)["results"][0]
     assert result["stats"][target]["drafter"] == mid and result["stats"][mid]["drafter"] == "ngram"
@@ -67,3 +68,18 @@ def test_generate_streams_text_and_names_drafter_verifier_pairs(tiny, capsys):
     out, err = capsys.readouterr()
     assert out.split("\n" + "-" * 60)[0] == result["text"]
     assert f"  {mid}->{target}: drafts" in err and f"  ngram->{mid}:" in err
+
+
+def test_generate_on_the_vllm_backend_equals_plain_decoding(rep_target, capsys):
+    """`--backend vllm` (what `auto` picks where vLLM is installed): the target's engine verifies the n-gram's
+    drafts inside its step; greedy output equals plain decoding on the same engine, and stdout stays pure JSON
+    (vLLM's own logs go to stderr)."""
+    base = ["generate", "--backend", "vllm", "--model", str(rep_target), "--dtype", "float32", "--max-tokens", "24",
+            "--json", "--threads", "1"]
+    assert main([*base, "--plain", "def fibonacci(n):"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--ngram", "--k", "6", "def fibonacci(n):"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["results"][0]["token_ids"] == plain["results"][0]["token_ids"]
+    stats = spec["results"][0]["stats"][str(rep_target)]
+    assert stats["drafter"] == "ngram" and stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from specray.compat import ConfigMappingError
+from specray.config import vllm_installed
 from specray.serve.command import add_serve_arguments, config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +85,7 @@ def test_config_file_with_flag_overrides(tmp_path):
     base; flags given override them."""
     cfg, options, http = _config("--config", str(ROOT / "serve_config.yaml"), "--port", "8123",
                                  "--max-num-seqs", "4")
-    assert [lv.kind for lv in cfg.cascade.levels] == ["ngram", "hf", "hf"]
+    assert [lv.kind for lv in cfg.cascade.levels] == ["ngram", "hf", "vllm" if vllm_installed() else "hf"]
     assert cfg.cascade.levels[0].num_speculative_tokens == 8 and cfg.server.overlap  # from the file
     assert (cfg.server.model_name, cfg.server.max_batch_size) == ("qwen2.5-coder-1.5b-instruct", 4)
     assert options["max_ongoing_requests"] == 40 and "autoscaling_config" in options
