@@ -63,9 +63,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s")
 
 
-def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: bool) -> tuple[int, float, dict]:
+def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: bool,
+        temperature: float = 0.0) -> tuple[int, float, dict]:
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0}
+            "temperature": temperature}  # no seed: sampled rows are verified inside a vLLM target's step
     if plain:
         body["speculation"] = {"method": "none"}
     t0 = time.perf_counter()
@@ -76,7 +77,7 @@ def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: boo
     return usage["completion_tokens"], dt, usage.get("speculation") or {}
 
 
-def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: float) -> dict:
+def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: float, temperature: float = 0.0) -> dict:
     url, model = served(config)
     if answers(url):  # an app left from an earlier run would be measured instead of this config's
         raise RuntimeError(f"something already answers on {url}: stop it first (`ray stop --force`)")
@@ -97,7 +98,7 @@ def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: floa
                 for i, text in enumerate(SETS[name]):
                     order = (True, False) if i % 2 == 0 else (False, True)
                     for plain in order:
-                        n, dt, spec = ask(client, model, text, max_tokens, plain)
+                        n, dt, spec = ask(client, model, text, max_tokens, plain, temperature)
                         key = "plain" if plain else "served"
                         acc[key][0] += n
                         acc[key][1] += dt
@@ -136,16 +137,20 @@ def main() -> None:
                          "modes (no value: plain and ngram), with --peer-threads threads")
     ap.add_argument("--peer-threads", type=int, default=2, help="threads of vLLM's engine (default: the 2 cores "
                                                                 "the served levels use together)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; > 0: sampled (no seed), vLLM's peers with one seed per prompt")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    results = {str(c): bench_config(c, args.sets, args.max_tokens, args.startup_s) for c in args.configs}
+    results = {str(c): bench_config(c, args.sets, args.max_tokens, args.startup_s, args.temperature)
+               for c in args.configs}
     peers = {}
     if args.peers is not None:
         from peers import measure
 
         target = yaml.safe_load(args.configs[0].read_text())["applications"][0]["args"]["config"]["cascade"]
         model = target["levels"][-1]["model"]
-        peers = measure(model, args.peers or ["plain", "ngram"], args.peer_threads, args.sets, args.max_tokens)
+        peers = measure(model, args.peers or ["plain", "ngram"], args.peer_threads, args.sets, args.max_tokens,
+                        temperature=args.temperature)
     print("\ntokens/s (ratio to vLLM's own n-gram where measured)".ljust(40))
     print("config".ljust(39) + "".join(f"{s:>24s}" for s in args.sets))
     ngram = peers.get("ngram", {}).get("sets", {})
