@@ -357,6 +357,10 @@ class PolicyConfig(_Strict):
     decisive: float = Field(1.0, ge=0, description="Relative goodput gain above which falling back to plain "
                             "decoding happens at once (no patience): 1.0 = plain predicted 2x better.")
     explore_every: int = Field(50, ge=2, description="Rounds between probes of levels not in the current plan.")
+    rerank_every: int = Field(
+        4, ge=1, description="Rank the candidate plans on one round in this many (at an unchanged batch size; a new "
+        "batch size ranks at once); the others keep the held plan. Ranking prices every (levels, K) candidate, which "
+        "costs milliseconds of the coordinator's CPU: 1 ranks every round.")
     table: list[tuple[int, int, int | str]] | None = Field(
         None, description="Static override [[min_batch, max_batch, plan], ...]: plan is K (0 = plain), 'none', "
         "'ngram', 'draft', 'cascade' or a plan name like 'ngram:3>draft:4>target'; first match wins."

@@ -87,6 +87,7 @@ class Planner(Pricing):
         warmup: int = 2,
         probe_batch: int = 2,
         decisive: float = 1.0,
+        rerank_every: int = 1,
     ) -> None:
         if not levels:
             raise ValueError("a planner needs at least the target level")
@@ -109,6 +110,13 @@ class Planner(Pricing):
         self.overhead, self.ngram_cost, self.warmup = overhead, ngram_cost, warmup
         self.probe_batch = max(1, probe_batch)
         self.decisive = decisive
+        if rerank_every < 1:
+            raise ValueError("rerank_every must be >= 1")
+        #: rank the candidate plans on one round in this many at the same batch bucket, keeping the held plan on
+        #: the others: ranking prices every (levels, K) candidate, a cost paid by every round it runs on, which at
+        #: GPU step times is a sizeable part of the round
+        self.rerank_every = int(rerank_every)
+        self._unranked = 0  # rounds since the last ranking that kept the held plan
         self._probe_round = False
         self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
         self.plain = Plan((self.top,), ())
@@ -142,7 +150,8 @@ class Planner(Pricing):
         self._lock = threading.RLock()
         self._current = self.default_plan
         self._streak = 0
-        self._calls = 0
+        self._calls = 0  # plan() answers past the table (rounds), whether ranked or held
+        self._explored_at = 0  # _calls at the latest exploration check
         self._clock = 0  # target verify calls seen (~ engine rounds)
         self._measured: dict[tuple[int, int] | str, int] = {}  # pair or "plain" -> clock of last measurement
         self._plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
@@ -339,6 +348,12 @@ class Planner(Pricing):
                 self._last = (batch, forced)
                 return forced
             self._calls += 1
+            if (self._unranked + 1 < self.rerank_every and self._clock >= self.warmup and self._calls > 1
+                    and _bucket(batch) == self._last_bucket):
+                self._unranked += 1  # between rankings: the held plan, priced at the last ranking
+                self._last = (batch, self._current)
+                return self._current
+            self._unranked = 0
             ranked = self.explain(batch)
             best, best_gp = ranked[0]
             if self._clock < self.warmup:
@@ -359,7 +374,8 @@ class Planner(Pricing):
                 self._last = (batch, self._current)
                 self._probe_round = True
                 return self.plain
-            if self.explore_every and self._calls % self.explore_every == 0:
+            if self.explore_every and self._calls - self._explored_at >= self.explore_every:
+                self._explored_at = self._calls
                 probe = self._exploration(ranked, batch)
                 if probe is not None:
                     self._last = (batch, self._current)  # regime() reports the held plan, not the probe

@@ -333,6 +333,40 @@ def test_cascade_regimes_shift_with_batch_size():
     assert p.current == p.plain
 
 
+def test_ranking_every_few_rounds_reaches_the_same_plans_at_a_fraction_of_the_pricing(monkeypatch):
+    """`rerank_every=4`: the candidates are priced on one round in four (a new batch size ranks at once), the
+    other rounds keep the held plan, and the planner still finds the speculative regime at batch 1 and plain
+    decoding at a large batch, as it does when it ranks every round."""
+    truth = {2: linear_cost(0.1, 0.004), 1: linear_cost(0.01, 0.0004)}
+    alpha = {(2, 0): 0.9, (2, 1): 0.8, (1, 0): 0.9}
+    every, amortised = Planner(three_levels()), Planner(three_levels(), rerank_every=4)
+    rankings = {id(every): 0, id(amortised): 0}
+    explain = Planner.explain
+
+    def counted(self, batch):
+        rankings[id(self)] += 1
+        return explain(self, batch)
+
+    monkeypatch.setattr(Planner, "explain", counted)
+    for p in (every, amortised):
+        sim = Sim(p, truth, alpha)
+        sim.run(1, 160)
+        assert p.regime(1) in ("cascade", "ngram", "draft")
+        assert p.goodput(p.current, 1) > 1.3 * p.goodput(p.plain, 1)
+        sim.run(512, 160)
+        assert p.current == p.plain and p.regime(512) == "none"
+    assert rankings[id(every)] >= 300
+    assert rankings[id(amortised)] <= rankings[id(every)] / 3
+    batches = []
+    p = Planner(three_levels(), rerank_every=4, warmup=0)
+    monkeypatch.setattr(Planner, "explain", lambda self, batch: batches.append(batch) or explain(self, batch))
+    for batch in (1, 1, 1, 8, 8, 8, 8, 8):
+        p.plan(batch)
+    assert batches == [1, 8, 8]  # the first round at a new batch size ranks; then one in four
+    with pytest.raises(ValueError, match="rerank_every"):
+        Planner(three_levels(), rerank_every=0)
+
+
 def test_hysteresis_holds_under_noise_and_follows_a_real_change():
     p = Planner(two_levels())
     sim = Sim(p, {1: linear_cost(0.02, 0.0005), 0: linear_cost(0.003, 0.0001)}, {(1, 0): 0.9}, noise=0.2)
