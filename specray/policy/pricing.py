@@ -97,8 +97,13 @@ class Pricing:
         return e
 
     def alphas(self, level: int, lower: int, k: int) -> list[float]:
-        """Current per-position acceptance estimates of `lower`'s drafts by `level`."""
-        return self.acceptance[(level, lower)].alphas(k)
+        """Current per-position acceptance estimates of `lower`'s drafts by `level` (memoised like the rest: many
+        candidate plans share a pair and K; callers must not modify the list)."""
+        key = ("a", level, lower, k)
+        a = self._memo.get(key)
+        if a is None:
+            a = self._memo[key] = self.acceptance[(level, lower)].alphas(k)
+        return a
 
     def _produce(self, plan: Plan, i: int, batch: int, want: int) -> float:
         """Expected seconds for plan.levels[i] to produce `want` tokens for the level above it."""
