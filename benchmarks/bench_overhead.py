@@ -91,8 +91,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from specray.config import PolicyConfig
 from specray.coordinator.cascade import CascadeEngine, Level
 from specray.coordinator.generate import generate
+from specray.policy.planner import Planner
 from specray.spec.bound import expected_accepted_length, speedup_bound
 from specray.testing.sim import PRESETS, SimWorker, StepCostModel, sim_factory, union_length
 
@@ -464,19 +466,31 @@ def bound_for(plan_names: Sequence[str], stats: dict[str, Any], k: int, batch: i
 
 
 def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int, max_tokens: int, overlap: bool,
-            k: int = 4, warmup_tokens: int = 8) -> dict[str, Any]:
-    """One configuration: an untimed warm-up `generate`, then the timed one; the run's numbers (module docstring)."""
+            k: int = 4, warmup_tokens: int = 8, planner: tuple[int, str] | None = None) -> dict[str, Any]:
+    """One configuration: an untimed warm-up `generate`, then the timed one; the run's numbers (module docstring).
+    `planner` = (k_max, how): the live planner chooses each round's plan over the plan's levels, its ranking
+    included in the overhead; how: "served" (the app's defaults, a time budget for the ranking) or N (it ranks
+    one round in N)."""
     names = PLAN_LEVELS[preset][plan]
     levels = [backend.levels[n] for n in names]
     engine = CascadeEngine(levels, overlap=overlap, nesting=backend.nesting)
+    policy = None
+    if planner is not None:
+        if planner[1] == "served":
+            pol = PolicyConfig()
+            kw = dict(hysteresis=pol.hysteresis, patience=pol.patience, explore_every=pol.explore_every,
+                      decisive=pol.decisive, rerank_every=pol.rerank_every, rerank_budget=pol.rerank_budget)
+        else:
+            kw = dict(rerank_every=int(planner[1]))
+        policy = Planner(levels, k_max=planner[0], **kw).attach(engine)
     prompts = make_prompts(batch)
     load = os.getloadavg()[0]
     try:
-        generate(engine, prompts, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=True)
+        generate(engine, prompts, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=True, plan=policy)
         backend.drain()
         client.clear()
         t0 = time.monotonic()
-        out = generate(engine, prompts, max_tokens=max_tokens, ignore_eos=True)
+        out = generate(engine, prompts, max_tokens=max_tokens, ignore_eos=True, plan=policy)
         t1 = time.monotonic()
     finally:
         pool = getattr(engine, "_ahead_pool", None)
@@ -529,6 +543,8 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
                                                 "per_pos": st["accepted_per_pos"], "drafts": st["num_drafts"]}
     return {
         "path": backend.path, "preset": preset, "plan": plan, "levels": list(names), "overlap": overlap,
+        "planner": None if planner is None else {"k_max": planner[0], "rerank": planner[1],
+                                                 "held": policy.plan_name(policy.current)},
         "batch": batch, "max_tokens": max_tokens, "k": k,
         "rounds": rounds, "tokens": tokens, "wall_s": wall, "model_s": model, "in_calls_s": in_calls,
         "overhead_s": wall - model, "overhead_ms_per_round": 1000 * (wall - model) / rounds,
@@ -561,7 +577,9 @@ def _short(name: str) -> str:
 
 
 def config_label(r: dict[str, Any]) -> str:
-    return f"{r['plan']}{'+ov' if r['overlap'] else ''}"
+    pl = r.get("planner")
+    tag = "+pl{}".format(pl["rerank"]) if pl else ""
+    return f"{r['plan']}{'+ov' if r['overlap'] else ''}{tag}"
 
 
 HEADER = (f"{'path':<18} {'config':<12} {'B':>3} {'tok':>3} {'rounds':>6} {'wall s':>7} {'model s':>7} "
@@ -592,7 +610,7 @@ def row_text(r: dict[str, Any]) -> str:
 
 
 def add_speedups(runs: list[dict[str, Any]]) -> None:
-    plain = {(r["path"], r["batch"]): r for r in runs if r["plan"] == "plain"}
+    plain = {(r["path"], r["batch"]): r for r in runs if r["plan"] == "plain" and not r.get("planner")}
     for r in runs:
         p = plain.get((r["path"], r["batch"]))
         if p is not None:
@@ -728,6 +746,9 @@ class Settings:
     k: int = 4
     warmup_tokens: int = 8
     repeat: int = 1  # runs of each configuration per transport; the median-overhead one is reported
+    #: each speculative configuration also runs under the live planner once per entry: "served" or rerank_every N
+    planners: list[str] = field(default_factory=list)
+    planner_k_max: int = 16
 
     def tokens_for(self, batch: int) -> int:
         return self.max_tokens_large if (self.max_tokens_large and batch >= 64) else self.max_tokens
@@ -761,14 +782,16 @@ def run_path(path: str, s: Settings, trace_dir: str, on_run: Callable[[dict[str,
                 for ov in s.overlaps:
                     if ov and plan == "plain":
                         continue
-                    reps: dict[int, list[dict[str, Any]]] = {j: [] for j in range(len(backends))}
-                    for _ in range(s.repeat):  # transports interleaved, so that a slow spell of the box hits all
-                        for j, be in enumerate(backends):
-                            reps[j].append(measure(be, client, s.preset, plan, b, s.tokens_for(b), ov, s.k,
-                                                   s.warmup_tokens))
-                            be.rest()
-                    for j in range(len(backends)):
-                        on_run(median_run(reps[j]))
+                    policies = [None] + ([(s.planner_k_max, n) for n in s.planners] if plan != "plain" else [])
+                    for pol in policies:
+                        reps: dict[int, list[dict[str, Any]]] = {j: [] for j in range(len(backends))}
+                        for _ in range(s.repeat):  # transports interleaved: a slow spell of the box hits all
+                            for j, be in enumerate(backends):
+                                reps[j].append(measure(be, client, s.preset, plan, b, s.tokens_for(b), ov, s.k,
+                                                       s.warmup_tokens, pol))
+                                be.rest()
+                        for j in range(len(backends)):
+                            on_run(median_run(reps[j]))
     finally:
         for be in reversed(backends):
             be.close()
@@ -788,6 +811,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     default=["direct", "flat", "compiled", "call"],
                     help="how the Ray paths reach the level actors (each configuration runs once per transport)")
     ap.add_argument("--k", type=int, default=4, help="tokens each level proposes per round")
+    ap.add_argument("--planner", nargs="+", default=[], metavar="HOW",
+                    help="also run each speculative configuration under the live planner, once per value: 'served' "
+                         "(the app's defaults: the ranking within a time budget) or N (rank one round in N); its "
+                         "ranking counts in the overhead")
+    ap.add_argument("--planner-k-max", type=int, default=16, help="the planner's largest K (the served default: 16)")
     ap.add_argument("--warmup-tokens", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each configuration this many times (transports interleaved) and report the median "
@@ -810,7 +838,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tokens=args.max_tokens or (24 if qwen else 96), max_tokens_large=args.max_tokens_large,
         overlaps={"both": [False, True], "on": [True], "off": [False]}[args.overlap], k=args.k,
         transports=list(dict.fromkeys(args.transports)),
-        warmup_tokens=args.warmup_tokens, repeat=max(1, args.repeat),
+        warmup_tokens=args.warmup_tokens, repeat=max(1, args.repeat), planners=list(args.planner),
+        planner_k_max=args.planner_k_max,
     )
     if s.max_tokens_large and any(b >= 64 for b in s.batches):
         notes.append(f"batch >= 64 runs generate {s.max_tokens_large} tokens per row (others {s.max_tokens})")

@@ -358,9 +358,13 @@ class PolicyConfig(_Strict):
                             "decoding happens at once (no patience): 1.0 = plain predicted 2x better.")
     explore_every: int = Field(50, ge=2, description="Rounds between probes of levels not in the current plan.")
     rerank_every: int = Field(
-        4, ge=1, description="Rank the candidate plans on one round in this many (at an unchanged batch size; a new "
-        "batch size ranks at once); the others keep the held plan. Ranking prices every (levels, K) candidate, which "
-        "costs milliseconds of the coordinator's CPU: 1 ranks every round.")
+        1, ge=1, description="Rank the candidate plans on at most one round in this many (at an unchanged batch "
+        "size; a new batch size ranks at once); the others keep the held plan.")
+    rerank_budget: float | None = Field(
+        0.02, gt=0, le=1, description="Largest share of the time the ranking may take: ranking prices every (levels, "
+        "K) candidate, milliseconds of the coordinator's CPU, so after a ranking that took t the next waits t / budget "
+        "(GPU-speed rounds rank every many rounds, CPU-speed ones every round or two). null: rank by rerank_every "
+        "alone.")
     table: list[tuple[int, int, int | str]] | None = Field(
         None, description="Static override [[min_batch, max_batch, plan], ...]: plan is K (0 = plain), 'none', "
         "'ngram', 'draft', 'cascade' or a plan name like 'ngram:3>draft:4>target'; first match wins."

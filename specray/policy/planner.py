@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +89,7 @@ class Planner(Pricing):
         probe_batch: int = 2,
         decisive: float = 1.0,
         rerank_every: int = 1,
+        rerank_budget: float | None = None,
     ) -> None:
         if not levels:
             raise ValueError("a planner needs at least the target level")
@@ -116,7 +118,15 @@ class Planner(Pricing):
         #: the others: ranking prices every (levels, K) candidate, a cost paid by every round it runs on, which at
         #: GPU step times is a sizeable part of the round
         self.rerank_every = int(rerank_every)
+        if rerank_budget is not None and not 0 < rerank_budget <= 1:
+            raise ValueError("rerank_budget must be in (0, 1]")
+        #: the largest share of the wall time the ranking may take: after a ranking that took t seconds, the next
+        #: waits until t / rerank_budget seconds have passed (None: rank by `rerank_every` alone). Short rounds
+        #: (GPU steps) then rank every many rounds, long ones (CPU steps) every round or two.
+        self.rerank_budget = rerank_budget
         self._unranked = 0  # rounds since the last ranking that kept the held plan
+        self._rank_cost = 0.0  # seconds the latest ranking took
+        self._rank_end = 0.0  # perf_counter() when it ended
         self._probe_round = False
         self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
         self.plain = Plan((self.top,), ())
@@ -338,6 +348,17 @@ class Planner(Pricing):
                     return p
         return None
 
+    def _hold(self, batch: int) -> bool:
+        """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;
+        otherwise until `rerank_every` rounds have passed and, with a `rerank_budget`, until the time since the
+        last ranking is at least its cost over the budget."""
+        if self._calls <= 1 or self._clock < self.warmup or _bucket(batch) != self._last_bucket:
+            return False
+        if self._unranked + 1 < self.rerank_every:
+            return True
+        return bool(self.rerank_budget) and (time.perf_counter() - self._rank_end) * self.rerank_budget < \
+            self._rank_cost
+
     def plan(self, batch_size: int) -> Plan:
         """The plan for the next round over `batch_size` sequences (table, warm-up, hysteresis, exploration)."""
         batch = max(1, int(batch_size))
@@ -348,13 +369,15 @@ class Planner(Pricing):
                 self._last = (batch, forced)
                 return forced
             self._calls += 1
-            if (self._unranked + 1 < self.rerank_every and self._clock >= self.warmup and self._calls > 1
-                    and _bucket(batch) == self._last_bucket):
+            if self._hold(batch):
                 self._unranked += 1  # between rankings: the held plan, priced at the last ranking
                 self._last = (batch, self._current)
                 return self._current
             self._unranked = 0
+            t0 = time.perf_counter()
             ranked = self.explain(batch)
+            self._rank_end = time.perf_counter()
+            self._rank_cost = self._rank_end - t0
             best, best_gp = ranked[0]
             if self._clock < self.warmup:
                 # nothing measured yet: run the configured plan unless even the priors say it loses

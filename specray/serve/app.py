@@ -92,7 +92,8 @@ class Coordinator:
 
             self.planner = Planner(levels, k_max=pol.k_max, table=pol.table, hysteresis=pol.hysteresis,
                                    patience=pol.patience, explore_every=pol.explore_every,
-                                   decisive=pol.decisive, rerank_every=pol.rerank_every).attach(self.engine)
+                                   decisive=pol.decisive, rerank_every=pol.rerank_every,
+                                   rerank_budget=pol.rerank_budget).attach(self.engine)
         self.scheduler = Scheduler(
             self.engine, self.tokenizer, max_batch_size=server.max_batch_size, planner=self.planner,
             pipeline=server.pipeline and not server.in_process,

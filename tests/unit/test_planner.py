@@ -367,6 +367,42 @@ def test_ranking_every_few_rounds_reaches_the_same_plans_at_a_fraction_of_the_pr
         Planner(three_levels(), rerank_every=0)
 
 
+def test_the_ranking_keeps_within_its_time_budget(monkeypatch):
+    """`rerank_budget`: after a ranking that took t seconds the planner holds its plan until t / budget seconds have
+    passed, so the ranking is at most that share of the time however short the rounds are; a new batch size
+    still ranks at once."""
+    import specray.policy.planner as planner_mod
+
+    class Clock:
+        now = 0.0
+
+        @staticmethod
+        def perf_counter() -> float:
+            return Clock.now
+
+    monkeypatch.setattr(planner_mod, "time", Clock)
+    explain = Planner.explain
+    rankings: list[float] = []
+
+    def slow_explain(self, batch):
+        rankings.append(Clock.now)
+        Clock.now += 0.005  # a ranking takes 5 ms
+        return explain(self, batch)
+
+    monkeypatch.setattr(Planner, "explain", slow_explain)
+    p = Planner(three_levels(), warmup=0, rerank_budget=0.05)  # 5 ms of ranking per 100 ms at most
+    for _ in range(100):  # rounds of 10 ms
+        p.plan(1)
+        Clock.now += 0.010
+    assert 9 <= len(rankings) <= 11  # ~1 s of rounds with a 5 ms ranking in each 100 ms
+    assert all(b - a >= 0.1 for a, b in zip(rankings, rankings[1:]))
+    before = len(rankings)
+    p.plan(16)  # a new batch size: ranked at once
+    assert len(rankings) == before + 1
+    with pytest.raises(ValueError, match="rerank_budget"):
+        Planner(three_levels(), rerank_budget=0.0)
+
+
 def test_hysteresis_holds_under_noise_and_follows_a_real_change():
     p = Planner(two_levels())
     sim = Sim(p, {1: linear_cost(0.02, 0.0005), 0: linear_cost(0.003, 0.0001)}, {(1, 0): 0.9}, noise=0.2)
