@@ -19,6 +19,7 @@ from specray.spec.sampling import (
     keyed_uniform,
     residual_stream,
 )
+from specray.spec.tree import DraftTree, TreeVerifyOutput
 from specray.spec.verify import RESIDUAL_EPS, VerifyOutput
 
 __all__ = [
@@ -30,12 +31,14 @@ __all__ = [
     "ref_uniform",
     "ref_verify",
     "ref_verify_row",
+    "ref_verify_tree",
+    "ref_verify_tree_row",
 ]
 
 
-def ref_uniform(seed: int, position: int, stream: int) -> float:
-    """The keyed uniform of one (seed, position, stream), index 0."""
-    return float(keyed_uniform(torch.tensor([seed]), torch.tensor([position]), stream, 1)[0, 0])
+def ref_uniform(seed: int, position: int, stream: int, index: int = 0) -> float:
+    """The keyed uniform of one (seed, position, stream, index)."""
+    return float(keyed_uniform(torch.tensor([seed]), torch.tensor([position]), stream, index + 1)[0, index])
 
 
 def _first_argmax(values: list[float]) -> int:
@@ -216,3 +219,92 @@ def ref_verify(
         out[b, : len(emitted)] = torch.tensor(emitted)
         num_accepted[b] = len(emitted) - 1
     return VerifyOutput(output_ids=out, num_accepted=num_accepted)
+
+
+def _seq_sum(values: list[float]) -> float:
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
+def ref_verify_tree_row(
+    method: VerifyMethod,
+    target_probs: torch.Tensor,  # [N+1, V]: slot 0 after the root, slot i+1 after node i
+    tree: DraftTree,
+    draft_probs: torch.Tensor | None,  # [N+1 or N, V] (REJECTION): the q each slot's children were drawn from
+    seed: int,
+    position: int,  # absolute position of the root's children
+    salt: int,
+) -> tuple[list[int], int]:
+    """(accepted path, final token) of one row: walk down the tree, trying each node's children in order."""
+    method = VerifyMethod(method)
+    path: list[int] = []
+    node = -1
+    while True:
+        slot, depth = node + 1, len(path)
+        kids = tree.children(node)
+        if method in (VerifyMethod.GREEDY, VerifyMethod.COUPLED):
+            if method == VerifyMethod.GREEDY:
+                y = _first_argmax(target_probs[slot].tolist())
+            else:
+                y = ref_coupled_token(target_probs[slot], seed, position + depth)
+            nxt = next((c for c in kids if tree.token_ids[c] == y), None)
+            if nxt is None:
+                return path, y
+            path.append(nxt)
+            node = nxt
+            continue
+        p = target_probs[slot].double().tolist()
+        weights = p
+        chosen = None
+        for j, c in enumerate(kids):
+            x = tree.token_ids[c]
+            u = ref_uniform(seed, position + depth, accept_stream(salt), j)
+            if method == VerifyMethod.REJECTION:
+                assert draft_probs is not None
+                q = draft_probs[slot].double().tolist()
+                accepted = u * q[x] < p[x]
+                residual = [max(pv - qv, 0.0) for pv, qv in zip(p, q, strict=True)]
+            else:
+                accepted = u < p[x]
+                residual = [0.0 if v == x else pv for v, pv in enumerate(p)]
+            if accepted:
+                chosen = c
+                break
+            mass = _seq_sum(residual)
+            if mass > RESIDUAL_EPS:  # the next sibling is tried against the renormalised residual
+                weights = residual
+                p = [r / mass for r in residual]
+            else:
+                weights = p
+        if chosen is None:
+            return path, ref_inverse_cdf(weights, ref_uniform(seed, position + depth, residual_stream(salt)))
+        path.append(chosen)
+        node = chosen
+
+
+def ref_verify_tree(
+    method: VerifyMethod,
+    target_probs: torch.Tensor,  # [B, N+1, V]
+    trees: list[DraftTree],
+    draft_probs: torch.Tensor | None,  # [B, N+1 or N, V]
+    sb: SamplingBatch,
+    positions: torch.Tensor,  # [B]
+    salt: int,
+) -> TreeVerifyOutput:
+    """`verify_tree`, one row at a time."""
+    bsz, slots, _ = target_probs.shape
+    out = torch.full((bsz, slots), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+    paths = torch.full((bsz, slots - 1), -1, dtype=torch.int64)
+    num_accepted = torch.zeros(bsz, dtype=torch.int64)
+    for b, tree in enumerate(trees):
+        path, final = ref_verify_tree_row(
+            method, target_probs[b], tree, None if draft_probs is None else draft_probs[b],
+            int(sb.seed[b]), int(positions[b]), salt,
+        )
+        emitted = [tree.token_ids[i] for i in path] + [final]
+        out[b, : len(emitted)] = torch.tensor(emitted)
+        paths[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
+        num_accepted[b] = len(path)
+    return TreeVerifyOutput(output_ids=out, num_accepted=num_accepted, path=paths)

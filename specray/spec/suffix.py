@@ -18,6 +18,12 @@ draft with the highest score (the sum of its tokens' path probabilities) wins; e
 match, and to the request's own trie over the global one. Equal child counts go to the child whose latest window
 started last (the text's latest habit), which keeps drafts deterministic for a given history.
 
+`propose_tree` drafts a token tree (`specray.spec.tree.DraftTree`) instead, as SuffixDecoding's tree speculation
+does: from each match it takes continuations best-first by path probability, branching at nodes where the text
+continued in several ways (at most `tree_width` children per node, `max_spec_factor * m` nodes, each node's
+path probability >= `min_token_prob`), and keeps the tree with the highest score. With tree_width 1 it is the
+chain `propose` drafts.
+
 Paths only one window takes are stored as references into its text, so memory is a few Python objects per
 token held (`SuffixTrie`). Knob names and defaults are vLLM's `suffix_decoding_*` (without the prefix),
 except `max_cached_requests`: 1000 instead of vLLM's 10000 (Python objects cost more than its C++ nodes).
@@ -55,13 +61,18 @@ before, followed by 3 4 5 6 (path probability 1/2: [1, 2] also ends the text); f
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["SuffixConfig", "SuffixDraft", "SuffixDrafter", "SuffixTrie"]
+if TYPE_CHECKING:
+    from specray.spec.tree import DraftTree
+
+__all__ = ["SuffixConfig", "SuffixDraft", "SuffixDrafter", "SuffixTreeDraft", "SuffixTrie"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,8 @@ class SuffixConfig:
     max_spec_factor: float = 1.0
     #: stop the draft before a token whose estimated path probability is below this
     min_token_prob: float = 0.1
+    #: most children per node of a draft tree (`propose_tree`); chains (`propose`) ignore it
+    tree_width: int = 4
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -90,6 +103,8 @@ class SuffixConfig:
             raise ValueError(f"max_spec_factor={self.max_spec_factor} must be >= 0")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"min_token_prob={self.min_token_prob} must be in [0, 1]")
+        if self.tree_width < 1:
+            raise ValueError(f"tree_width={self.tree_width} must be >= 1")
 
 
 @dataclass
@@ -104,6 +119,20 @@ class SuffixDraft:
     match_len: int = 0
     source: str = ""
     unique: bool = True
+
+
+@dataclass
+class SuffixTreeDraft:
+    """A draft tree in the layout of `specray.spec.tree.DraftTree` (flat, topological: `parents[i]` is -1 or an
+    earlier node), each node's estimated path probability, their sum (`score`), the match length it continues
+    and which trie made it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    score: float = 0.0
+    match_len: int = 0
+    source: str = ""
 
 
 class _Node:
@@ -276,6 +305,62 @@ class SuffixTrie:
             prob, node, off = p, child, 0
         return out, probs, unique
 
+    @staticmethod
+    def _branches(at: tuple[_Node, int], prob: float, width: int) -> list[tuple[float, int, tuple[_Node, int]]]:
+        """The `width` most frequent continuations below `at` (ties: the latest-started window's first), as
+        (path probability, token, where it ends); `walk` takes the first of them."""
+        node, off = at
+        if node.seq is not None:  # inside a tail: one window, probability unchanged
+            i = node.pos + off
+            if i >= node.lim or i >= len(node.seq):
+                return []
+            return [(prob, node.seq[i], (node, off + 1))]
+        if not node.children:
+            return []
+        kids = sorted(node.children.items(), key=lambda kv: (kv[1].count, kv[1].stamp), reverse=True)
+        return [(prob * c.count / node.count, t, (c, 0)) for t, c in kids[:width]]
+
+    def grow(self, at: tuple[_Node, int], max_nodes: int, min_token_prob: float, width: int
+             ) -> tuple[list[int], list[int], list[float]]:
+        """The most likely continuations below `at` as a tree: best-first by path probability (SuffixDecoding's
+        tree speculation), at most `width` children per node, every node's probability >= min_token_prob.
+        Returns (tokens, parents, probabilities), nodes in the order taken (a parent before its children).
+        With width 1 it is `walk`'s path."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        order = itertools.count()
+        heap = [(-p, next(order), t, -1, nxt) for p, t, nxt in self._branches(at, 1.0, width)]
+        heapq.heapify(heap)
+        while heap and len(tokens) < max_nodes:
+            neg_p, _, token, parent, nxt = heapq.heappop(heap)
+            if -neg_p < min_token_prob:
+                break  # the heap's best: every other candidate is as unlikely
+            tokens.append(token)
+            parents.append(parent)
+            probs.append(-neg_p)
+            here = len(tokens) - 1
+            for p, t, below in self._branches(nxt, -neg_p, width):
+                heapq.heappush(heap, (-p, next(order), t, here, below))
+        return tokens, parents, probs
+
+    def speculate_tree(self, context: Sequence[int], max_nodes: int, max_spec_factor: float,
+                       min_token_prob: float, width: int) -> SuffixTreeDraft:
+        """`speculate` with trees: per match length m, `grow` with a budget of max_spec_factor * m nodes; the
+        tree with the highest score wins (ties: the longer match)."""
+        best = SuffixTreeDraft()
+        n = len(context)
+        for m in range(1, min(n, self.depth - 1) + 1):
+            at = self.match(context[n - m :])
+            if at is None:
+                break
+            limit = max(0, min(max_nodes, int(m * max_spec_factor + 1e-6)))
+            toks, parents, probs = self.grow(at, limit, min_token_prob, width)
+            score = sum(probs)
+            if score >= best.score:
+                best = SuffixTreeDraft(toks, parents, probs, score, m)
+        return best
+
     def speculate(self, context: Sequence[int], max_tokens: int, max_spec_factor: float,
                   min_token_prob: float) -> SuffixDraft:
         """Best draft over all match lengths 1 .. depth - 1 of the context's suffix (see the module docstring)."""
@@ -412,6 +497,45 @@ class SuffixDrafter:
     def propose(self, request_id: Hashable, tokens: Sequence[int], max_k: int | None = None) -> list[int]:
         """Draft up to max_k (default num_speculative_tokens) tokens continuing `tokens` (possibly none)."""
         return self.draft(request_id, tokens, max_k).token_ids
+
+    def draft_tree(self, request_id: Hashable, tokens: Sequence[int], max_nodes: int | None = None,
+                   tree_width: int | None = None) -> SuffixTreeDraft:
+        """The best draft tree continuing `tokens` (as `draft`, with branches): at most max_nodes nodes (default
+        num_speculative_tokens) and tree_width children per node (default the config's)."""
+        trie = self._local.get(request_id)
+        if trie is None:
+            raise ValueError(f"request {request_id!r} is not active")
+        cfg = self.config
+        k = cfg.num_speculative_tokens if max_nodes is None else max_nodes
+        width = cfg.tree_width if tree_width is None else tree_width
+        if width < 1:
+            raise ValueError(f"tree_width={width} must be >= 1")
+        if k <= 0:
+            return SuffixTreeDraft()
+        context = list(tokens[-cfg.max_tree_depth :])
+        best = trie.speculate_tree(context, k, cfg.max_spec_factor, cfg.min_token_prob, width)
+        best.source = "request"
+        if len(self._global):
+            g = self._global.speculate_tree(context, k, cfg.max_spec_factor, cfg.min_token_prob, width)
+            if g.score > best.score:
+                g.source, best = "global", g
+        return best
+
+    def propose_tree(self, request_id: Hashable, tokens: Sequence[int], max_nodes: int | None = None,
+                     tree_width: int | None = None) -> DraftTree:
+        """A `DraftTree` continuing `tokens` (see `draft_tree`); with tree_width 1 it is `propose`'s chain.
+        Siblings carry distinct tokens: deterministic drafts (verify with deterministic, coupled or greedy)."""
+        from specray.spec.tree import DraftTree  # imports torch, which the round state must not need
+
+        d = self.draft_tree(request_id, tokens, max_nodes, tree_width)
+        return DraftTree(tuple(d.token_ids), tuple(d.parents))
+
+    def propose_tree_seq(self, request_id: Hashable, tokens: Sequence[int], prompt_len: int,
+                         context: Sequence[int], max_nodes: int, tree_width: int | None = None) -> DraftTree:
+        """`propose_seq` for trees: `observe`, then `propose_tree` after `context`. Thread-safe."""
+        with self._lock:
+            self.observe(request_id, tokens, prompt_len)
+            return self.propose_tree(request_id, context, max_nodes, tree_width)
 
     def _draft(self, local: tuple[SuffixTrie, ...], tokens: Sequence[int], max_k: int | None) -> SuffixDraft:
         cfg = self.config

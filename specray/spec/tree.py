@@ -1,0 +1,538 @@
+"""Token trees: several candidate continuations of a row, verified in one forward (SpecInfer, EAGLE-2, Sequoia).
+
+Layout
+------
+A draft tree hangs below the row's last committed token (the *root*) and is stored flat, nodes in topological
+order: `token_ids[i]` is node i's token and `parents[i]` its parent (-1: a child of the root, else an earlier
+node). A chain t0..t(k-1) is the tree parents = (-1, 0, ..., k-2). depth(i) = 0 for the root's children, else
+depth(parent) + 1; node i predicts the token at absolute position `positions + depth(i)`, where `positions` is
+the position of the root's children (as in `verify.py`: the position of slot 0's token).
+
+The verifier reads N + 1 distributions per row ("slots"): slot 0 = after the root (predicts the root's
+children), slot i + 1 = after node i (predicts node i's children). A batch is ragged: [B, N_max + 1, V].
+
+Result per row: `path`, the accepted nodes root -> leaf (each the child of the previous one, maybe none), then
+one correction/bonus token drawn from the slot of the last accepted node (slot 0 if none). The emitted tokens are
+the path's tokens plus that one: `num_accepted + 1` tokens, as for a chain.
+
+Methods (see `verify_tree`; all reduce to `verify.verify` on a chain, noise included)
+------------------------------------------------------------------------------------
+GREEDY / COUPLED walk from the root, moving to the child whose token is the verifier's own token y at that
+slot (argmax, or the keyed Gumbel argmax of the slot's absolute position); the first slot without such a child
+emits y. Every emitted token is therefore exactly the one plain (greedy / coupled) decoding emits.
+
+DETERMINISTIC and REJECTION try the children of the current node one after the other ("multi-round" speculative
+sampling, SpecInfer). Round r targets p_r (p_1 = the slot's p) with proposal q_r: the child is accepted with
+probability min(1, p_r(x) / q_r(x)); on rejection p_(r+1) = normalize(max(p_r - q_r, 0)); when every child is
+rejected the final token is drawn from the last residual. Each round is one step of ordinary rejection sampling
+*targeting p_r*, so its output (the accepted child, or a draw from p_(r+1) standing for "continue") is
+distributed as p_r, provided the proposed token is independent of the earlier rounds' coins:
+
+    P(emit y) = q_r(y) min(1, p_r(y) / q_r(y)) + P(reject) p_(r+1)(y)
+              = min(q_r(y), p_r(y)) + sum_z max(p_r(z) - q_r(z), 0) * max(p_r(y) - q_r(y), 0) / sum_z (...)
+              = p_r(y).
+
+By induction from the last round back to the first, the token emitted at a node's slot has law p_1 = p.
+- DETERMINISTIC: q_r = delta of the r-th child (distinct tokens, chosen without looking at the verifier's
+  noise): accept with p_r(x); the residual is p_r without x, renormalised.
+- REJECTION: the children were drawn i.i.d. from q (the drafter's distribution at that node; they may repeat),
+  so q_r = q for every round and the r-th draw is independent of the rounds before it.
+The accepted child's subtree was drafted from that child's context, and its slot holds the target's conditional
+distribution given the path, so by induction on depth the emitted sequence follows the target's law exactly.
+
+Noise: the r-th child of a node at depth d uses index r of keyed_uniform(seed, positions + d, accept_stream(salt))
+and the final draw index 0 of residual_stream(salt) at the final slot's position, so index 0 is exactly what
+chain verification uses, and a walk (which visits one node per depth) never uses a number twice.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specray.spec.params import PLACEHOLDER_TOKEN_ID, VerifyMethod
+from specray.spec.sampling import (
+    SamplingBatch,
+    accept_stream,
+    coupled_argmax,
+    inverse_cdf_sample,
+    keyed_uniform,
+    residual_stream,
+)
+from specray.spec.verify import RESIDUAL_EPS, VerifyOutput, count_drafts
+
+__all__ = [
+    "ROOT",
+    "DraftTree",
+    "TreeBatch",
+    "TreeVerifyOutput",
+    "pad_trees",
+    "tree_from_topk",
+    "verify_tree",
+]
+
+#: The parent index of the root's children.
+ROOT = -1
+
+
+# --------------------------------------------------------------------------------------------------
+# One tree
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A row's draft tree: node i has token `token_ids[i]` and parent `parents[i]` (ROOT or an earlier node)."""
+
+    token_ids: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        tokens = tuple(int(t) for t in self.token_ids)
+        parents = tuple(int(p) for p in self.parents)
+        object.__setattr__(self, "token_ids", tokens)
+        object.__setattr__(self, "parents", parents)
+        if len(tokens) != len(parents):
+            raise ValueError(f"DraftTree: token_ids has {len(tokens)} nodes but parents has {len(parents)}")
+        for i, (t, p) in enumerate(zip(tokens, parents)):
+            if t < 0:
+                raise ValueError(f"DraftTree: token_ids[{i}]={t} must be a token id >= 0")
+            if not ROOT <= p < i:
+                raise ValueError(
+                    f"DraftTree: parents[{i}]={p} must be in [-1, {i}): -1 for a child of the root, else an "
+                    "earlier node (nodes are in topological order)"
+                )
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """The chain t0 -> t1 -> ... (what a chain drafter proposes)."""
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> DraftTree:
+        """The trie of token sequences (shared prefixes merged; siblings distinct), nodes in first-seen order."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, int], int] = {}
+        for path in paths:
+            at = ROOT
+            for t in path:
+                key = (at, int(t))
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(int(t))
+                    parents.append(at)
+                at = index[key]
+        return cls(tuple(tokens), tuple(parents))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+    @functools.cached_property
+    def depths(self) -> tuple[int, ...]:
+        """depth of each node: 0 for the root's children."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(0 if p == ROOT else out[p] + 1)
+        return tuple(out)
+
+    @property
+    def max_depth(self) -> int:
+        """Number of levels (the longest path's length); 0 for an empty tree."""
+        return max(self.depths, default=-1) + 1
+
+    @functools.cached_property
+    def _children(self) -> dict[int, tuple[int, ...]]:
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            kids.setdefault(p, []).append(i)
+        return {p: tuple(c) for p, c in kids.items()}
+
+    def children(self, i: int) -> tuple[int, ...]:
+        """Children of node i (ROOT: of the root), in index order (the order verification tries them)."""
+        if not ROOT <= i < self.num_nodes:
+            raise IndexError(f"node {i} is not in a tree of {self.num_nodes} nodes (ROOT = -1 is the root)")
+        return self._children.get(i, ())
+
+    def path_to(self, i: int) -> tuple[int, ...]:
+        """Nodes from the root's child down to node i (i included)."""
+        out: list[int] = []
+        while i != ROOT:
+            out.append(i)
+            i = self.parents[i]
+        return tuple(reversed(out))
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """Every root -> leaf path (node indices), leaves in index order."""
+        return [self.path_to(i) for i in range(self.num_nodes) if not self._children.get(i)]
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, self.num_nodes - 1))
+
+    @functools.cached_property
+    def distinct_siblings(self) -> bool:
+        """Whether siblings carry distinct tokens (required for every method but REJECTION)."""
+        seen = {(p, t) for p, t in zip(self.parents, self.token_ids)}
+        return len(seen) == self.num_nodes
+
+
+def tree_from_topk(
+    topk_ids: Sequence[Sequence[int]],
+    topk_probs: Sequence[Sequence[float]] | None = None,
+    max_nodes: int | None = None,
+    tree_width: int | None = None,
+    min_prob: float = 0.0,
+) -> DraftTree:
+    """The tree a chain drafter's top-k candidates make: `topk_ids[d]` are its best tokens at depth d (most
+    likely first), computed after the chain of first choices topk_ids[0][0], ..., topk_ids[d-1][0].
+
+    The first choices form the spine; the other candidates of depth d are leaf siblings of the spine's depth-d
+    node (no distribution after them was computed). With `topk_probs` (the drafter's probabilities of the
+    candidates) the nodes kept are the `max_nodes` most likely by path probability (the product of the spine's
+    probabilities down to the node), and only those with a path probability >= min_prob; without them the
+    shallowest first. At most `tree_width` candidates per depth. The tokens are deterministic drafts: verify the
+    tree with GREEDY, DETERMINISTIC or COUPLED.
+    """
+    if topk_probs is not None and len(topk_probs) != len(topk_ids):
+        raise ValueError(f"topk_probs has {len(topk_probs)} depths but topk_ids has {len(topk_ids)}")
+    if tree_width is not None and tree_width < 1:
+        raise ValueError(f"tree_width={tree_width} must be >= 1")
+    if max_nodes is not None and max_nodes < 0:
+        raise ValueError(f"max_nodes={max_nodes} must be >= 0")
+    cands: list[tuple[float, int, int, int]] = []  # (-path prob, depth, rank, token)
+    spine = 1.0
+    for d, ids in enumerate(topk_ids):
+        ids = [int(t) for t in ids][: tree_width or None]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"topk_ids[{d}]={ids} repeats a token: siblings must be distinct")
+        if not ids:
+            break  # nothing at this depth: the spine ends
+        probs = [1.0] * len(ids) if topk_probs is None else [float(p) for p in topk_probs[d]][: len(ids)]
+        if len(probs) != len(ids) or not all(0.0 <= p <= 1.0 for p in probs):
+            raise ValueError(f"topk_probs[{d}] must give a probability in [0, 1] for each of topk_ids[{d}]")
+        cands += [(-spine * p, d, r, t) for r, (t, p) in enumerate(zip(ids, probs))]
+        spine *= probs[0]
+    # Both orders put a node's spine ancestors before it (their path probability is >= its, and they are
+    # shallower), so a prefix of either order (max_nodes) or a probability cut (min_prob) is a tree.
+    kept = sorted(c for c in cands if -c[0] >= min_prob)
+    if topk_probs is None:
+        kept.sort(key=lambda c: (c[1], c[2]))
+    kept = kept[: max_nodes if max_nodes is not None else len(kept)]
+    kept.sort(key=lambda c: (c[1], c[2]))  # topological: by depth, spine first
+    index = {(d, r): i for i, (_, d, r, _) in enumerate(kept)}
+    return DraftTree(
+        tuple(t for *_, t in kept), tuple(ROOT if d == 0 else index[(d - 1, 0)] for _, d, _, _ in kept)
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# A batch of trees as tensors
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """Trees of a batch padded to N = N_max nodes: what batched verification and a tree forward read.
+
+    Padding nodes (index >= num_nodes[b]) have token PLACEHOLDER_TOKEN_ID, parent -1 and depth 0, and are
+    nobody's child. `children[b, s, r]` is the r-th child of slot s (s = 0: the root; s = i + 1: node i), -1 past
+    the last one.
+    """
+
+    token_ids: torch.Tensor  # [B, N] int64
+    parents: torch.Tensor  # [B, N] int64
+    depths: torch.Tensor  # [B, N] int64
+    num_nodes: torch.Tensor  # [B] int64
+    children: torch.Tensor  # [B, N + 1, W] int64, W = the widest node's child count
+    repeated_siblings: torch.Tensor  # [B] bool: some node has two children with the same token
+
+    @classmethod
+    def from_tensors(
+        cls,
+        token_ids: torch.Tensor,  # [B, N] int64, PLACEHOLDER_TOKEN_ID-padded at the end
+        parents: torch.Tensor,  # [B, N] int64 (padding entries are ignored)
+    ) -> TreeBatch:
+        """Validate and index trees given as tensors (row b's nodes are its leading non-placeholder tokens)."""
+        if token_ids.dim() != 2 or parents.shape != token_ids.shape:
+            raise ValueError(
+                f"token_ids and parents must both be [B, N], got {tuple(token_ids.shape)}, {tuple(parents.shape)}"
+            )
+        dev = token_ids.device
+        token_ids = token_ids.to(torch.int64)
+        parents = parents.to(dev, torch.int64)
+        bsz, n = token_ids.shape
+        num_nodes = count_drafts(token_ids)
+        node = torch.arange(n, device=dev)
+        valid = node < num_nodes.unsqueeze(-1)
+        if bool((~valid & (token_ids != PLACEHOLDER_TOKEN_ID)).any()):
+            b, i = (~valid & (token_ids != PLACEHOLDER_TOKEN_ID)).nonzero()[0].tolist()
+            raise ValueError(f"token_ids[{b}, {i}]={int(token_ids[b, i])}: placeholders only at the end of a row")
+        bad = valid & ((token_ids < 0) | (parents < ROOT) | (parents >= node))
+        if bool(bad.any()):
+            b, i = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"tree row {b}, node {i}: token {int(token_ids[b, i])} must be >= 0 and parent "
+                f"{int(parents[b, i])} in [-1, {i}) (-1: a child of the root; nodes in topological order)"
+            )
+        parents = torch.where(valid, parents, ROOT)
+        depths = torch.zeros_like(parents)
+        rank = torch.zeros_like(parents)
+        per_slot = torch.zeros(bsz, n + 1, dtype=torch.int64, device=dev)  # children counted so far
+        for i in range(n):  # topological order: a parent's depth is known before its children's
+            par = parents[:, i]
+            up = depths.gather(1, par.clamp(min=0).unsqueeze(-1)).squeeze(-1) + 1
+            depths[:, i] = torch.where(par >= 0, up, 0)
+            slot = (par + 1).unsqueeze(-1)
+            rank[:, i] = per_slot.gather(1, slot).squeeze(-1)
+            per_slot.scatter_add_(1, slot, valid[:, i : i + 1].to(torch.int64))
+        width = int(per_slot.max()) if per_slot.numel() else 0
+        children = torch.full((bsz, n + 1, width), -1, dtype=torch.int64, device=dev)
+        b_idx, i_idx = valid.nonzero(as_tuple=True)
+        children[b_idx, parents[b_idx, i_idx] + 1, rank[b_idx, i_idx]] = i_idx
+        kid_tok = token_ids.gather(1, children.clamp(min=0).view(bsz, -1)).view(bsz, n + 1, width)
+        kid_tok = torch.where(children >= 0, kid_tok, PLACEHOLDER_TOKEN_ID)
+        same = (kid_tok.unsqueeze(-1) == kid_tok.unsqueeze(-2)) & (children >= 0).unsqueeze(-1)
+        same &= torch.ones(width, width, dtype=torch.bool, device=dev).triu(1)
+        repeated = same.flatten(1).any(dim=-1)
+        depths = torch.where(valid, depths, 0)
+        return cls(token_ids, parents, depths, num_nodes, children, repeated)
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.token_ids.shape[1])
+
+    @property
+    def width(self) -> int:
+        return int(self.children.shape[2])
+
+    @property
+    def max_depth(self) -> int:
+        """Levels of the deepest tree (the longest path)."""
+        return int((self.depths + 1).masked_fill(~self.valid, 0).max()) if self.token_ids.numel() else 0
+
+    @property
+    def valid(self) -> torch.Tensor:  # [B, N] bool
+        return torch.arange(self.max_nodes, device=self.token_ids.device) < self.num_nodes.unsqueeze(-1)
+
+    def slot_depths(self) -> torch.Tensor:  # [B, N + 1] int64
+        """Depth of the token each slot predicts: 0 for slot 0, depth(i) + 1 for slot i + 1."""
+        return torch.cat([torch.zeros_like(self.depths[:, :1]), self.depths + 1], dim=1)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def pad_trees(
+    trees: Sequence[DraftTree], max_nodes: int | None = None, device: torch.device | str | None = None
+) -> TreeBatch:
+    """Pad a list of trees to [B, max_nodes] tensors (default: the largest tree's size)."""
+    n = max((t.num_nodes for t in trees), default=0) if max_nodes is None else max_nodes
+    for b, t in enumerate(trees):
+        if t.num_nodes > n:
+            raise ValueError(f"trees[{b}] has {t.num_nodes} nodes, more than the {n} slots available")
+    tokens = torch.full((len(trees), n), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+    parents = torch.full((len(trees), n), ROOT, dtype=torch.int64)
+    for b, t in enumerate(trees):
+        tokens[b, : t.num_nodes] = torch.tensor(t.token_ids, dtype=torch.int64)
+        parents[b, : t.num_nodes] = torch.tensor(t.parents, dtype=torch.int64)
+    return TreeBatch.from_tensors(tokens.to(device), parents.to(device))
+
+
+# --------------------------------------------------------------------------------------------------
+# Verification
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TreeVerifyOutput(VerifyOutput):
+    """`VerifyOutput` (emitted tokens, accepted count) plus the accepted nodes."""
+
+    path: torch.Tensor  # [B, N] int64: accepted node indices root -> leaf, then -1
+
+    @property
+    def final_token(self) -> torch.Tensor:  # [B] int64: the correction/bonus token
+        return self.output_ids.gather(1, self.num_accepted.unsqueeze(-1)).squeeze(-1)
+
+    def path_lists(self) -> list[list[int]]:
+        return [row[:n] for row, n in zip(self.path.tolist(), self.num_accepted.tolist())]
+
+
+def _assemble(batch: TreeBatch, path: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor
+              ) -> TreeVerifyOutput:
+    bsz, n = path.shape
+    tok = torch.where(path >= 0, batch.token_ids.gather(1, path.clamp(min=0)), PLACEHOLDER_TOKEN_ID)
+    out = torch.cat([tok, tok.new_full((bsz, 1), PLACEHOLDER_TOKEN_ID)], dim=1)
+    out.scatter_(1, num_accepted.unsqueeze(-1), final.unsqueeze(-1))
+    return TreeVerifyOutput(output_ids=out, num_accepted=num_accepted, path=path)
+
+
+def _walk_matching(y: torch.Tensor, batch: TreeBatch) -> TreeVerifyOutput:  # y [B, N + 1]
+    """Follow the child whose token is the verifier's own token y of the slot; emit y where there is none."""
+    bsz, slots = y.shape
+    kids = batch.children  # [B, S, W]
+    kid_tok = batch.token_ids.gather(1, kids.clamp(min=0).view(bsz, -1)).view(kids.shape)
+    match = (kid_tok == y.unsqueeze(-1)) & (kids >= 0)
+    nxt = torch.full_like(y, -1)  # [B, S]: the child to move to from each slot
+    if kids.shape[2]:
+        first = match.to(torch.int64).argmax(dim=-1, keepdim=True)  # first matching child (siblings distinct)
+        nxt = torch.where(match.any(dim=-1), kids.gather(2, first).squeeze(-1), nxt)
+    rows = torch.arange(bsz, device=y.device)
+    slot = torch.zeros(bsz, dtype=torch.int64, device=y.device)
+    path = torch.full((bsz, slots - 1), -1, dtype=torch.int64, device=y.device)
+    n = torch.zeros_like(slot)
+    for _ in range(batch.max_depth):
+        c = nxt[rows, slot]
+        move = c >= 0
+        if not bool(move.any()):
+            break
+        path[rows[move], n[move]] = c[move]
+        slot = torch.where(move, c + 1, slot)
+        n = n + move.to(torch.int64)
+    return _assemble(batch, path, n, y[rows, slot])
+
+
+def _walk_sampled(
+    target_probs: torch.Tensor,  # [B, N + 1, V]
+    batch: TreeBatch,
+    draft_probs: torch.Tensor | None,  # [B, >= N, V] REJECTION, None for DETERMINISTIC
+    seed: torch.Tensor,  # [B]
+    positions: torch.Tensor,  # [B]
+    salt: int,
+) -> TreeVerifyOutput:
+    """Multi-round speculative sampling down the tree (module docstring), all rows at once.
+
+    Per depth, the children of each row's current node are tried in order with the j-th keyed uniform; p_r is
+    kept normalised in float64 (the first round uses the slot's p as is, exactly as chain verification does),
+    and the final token is drawn from the last *unnormalised* residual (or the slot's p when nothing was
+    rejected), again as chain verification does.
+    """
+    bsz, slots, vocab = target_probs.shape
+    dev = target_probs.device
+    rows = torch.arange(bsz, device=dev)
+    width = batch.width
+    slot = torch.zeros(bsz, dtype=torch.int64, device=dev)
+    n = torch.zeros_like(slot)  # accepted so far = depth of the current slot
+    active = torch.ones(bsz, dtype=torch.bool, device=dev)
+    path = torch.full((bsz, slots - 1), -1, dtype=torch.int64, device=dev)
+    final_w = torch.zeros(bsz, vocab, dtype=torch.float64, device=dev)
+    final_n = torch.zeros_like(slot)
+    for _ in range(batch.max_depth + 1):
+        p = target_probs[rows, slot].double()  # [B, V] p_r
+        w = p  # what the final token is drawn from if the row stops here
+        chosen = torch.full_like(slot, -1)
+        if width:
+            kids = batch.children[rows, slot]  # [B, W]
+            u = keyed_uniform(seed, positions + n, accept_stream(salt), width).double()  # [B, W]
+            x_all = batch.token_ids.gather(1, kids.clamp(min=0)).clamp(min=0)  # [B, W]; padding masked by `has`
+            if draft_probs is not None:
+                q = draft_probs[rows, slot.clamp(max=draft_probs.shape[1] - 1)].double()  # [B, V]
+            trying = active.clone()
+            for j in range(width):
+                has = trying & (kids[:, j] >= 0)
+                if not bool(has.any()):
+                    break
+                x = x_all[:, j : j + 1]
+                p_x = p.gather(1, x).squeeze(-1)
+                if draft_probs is None:  # q_r = delta_x: accept w.p. p_r(x); residual p_r without x
+                    accept = u[:, j] < p_x
+                    residual = p.scatter(1, x, 0.0)
+                else:  # accept w.p. min(1, p_r(x) / q(x)); residual max(p_r - q, 0)
+                    accept = u[:, j] * q.gather(1, x).squeeze(-1) < p_x
+                    residual = (p - q).clamp(min=0.0)
+                chosen = torch.where(has & accept, kids[:, j], chosen)
+                rejected = has & ~accept
+                mass = residual.cumsum(dim=-1)[:, -1:]
+                ok = (rejected & (mass.squeeze(-1) > RESIDUAL_EPS)).unsqueeze(-1)
+                w = torch.where(ok, residual, torch.where(rejected.unsqueeze(-1), p, w))
+                p = torch.where(ok, residual / mass, p)
+                trying &= ~(has & accept)
+        stop = active & (chosen < 0)
+        final_w = torch.where(stop.unsqueeze(-1), w, final_w)
+        final_n = torch.where(stop, n, final_n)
+        move = active & (chosen >= 0)
+        if not bool(move.any()):
+            break
+        path[rows[move], n[move]] = chosen[move]
+        slot = torch.where(move, chosen + 1, slot)
+        n = n + move.to(torch.int64)
+        active = move
+    u_final = keyed_uniform(seed, positions + final_n, residual_stream(salt), 1)[:, 0]
+    return _assemble(batch, path, final_n, inverse_cdf_sample(final_w, u_final))
+
+
+def verify_tree(
+    method: VerifyMethod,
+    target_probs: torch.Tensor,  # [B, N + 1, V] processed probs; slot 0 after the root, slot i + 1 after node i
+    trees: Sequence[DraftTree] | TreeBatch,
+    draft_probs: torch.Tensor | None,  # [B, N + 1, V] or [B, N, V]: q each slot's children were drawn from
+    sb: SamplingBatch,
+    positions: torch.Tensor,  # [B] int64 absolute position of the root's children (slot 0's token)
+    salt: int,
+) -> TreeVerifyOutput:
+    """Verify a ragged batch of draft trees (module docstring); a chain gives exactly `verify.verify`'s result.
+
+    GREEDY:        follow the child equal to argmax p; emit argmax at the stop.
+    COUPLED:       follow the child equal to argmax(log p + g(seed, position)); the output for a seed is what
+                   plain coupled sampling emits, whatever the tree.
+    DETERMINISTIC: children are deterministic drafts (distinct tokens): try them in order, accept child x with
+                   p'(x), p' = p without the rejected siblings, renormalised; all rejected: sample p'.
+    REJECTION:     children are i.i.d. draws from q = draft_probs at their parent's slot (they may repeat):
+                   accept with min(1, p'(x) / q(x)), on rejection p' <- normalize(max(p' - q, 0)); all
+                   rejected: sample the last residual.
+    Rows with temperature 0 have one-hot p and so are verified greedily by every method. The last slot of
+    draft_probs (after node N - 1, which never has children) is never read, so [B, N, V] also works.
+    """
+    method = VerifyMethod(method)
+    if target_probs.dim() != 3:
+        raise ValueError(f"target_probs must be [B, N+1, V], got shape {tuple(target_probs.shape)}")
+    bsz, slots, vocab = target_probs.shape
+    dev = target_probs.device
+    if isinstance(trees, TreeBatch):
+        batch = trees
+    else:
+        if len(trees) != bsz:
+            raise ValueError(f"got {len(trees)} trees for {bsz} rows of target_probs")
+        batch = pad_trees(trees, max_nodes=slots - 1, device=dev)
+    if len(batch) != bsz or batch.max_nodes + 1 != slots:
+        raise ValueError(
+            f"target_probs must be [B, N+1, V] = {(len(batch), batch.max_nodes + 1, vocab)} for these trees, "
+            f"got {tuple(target_probs.shape)}"
+        )
+    if len(sb) != bsz or positions.shape != (bsz,):
+        raise ValueError(
+            f"SamplingBatch ({len(sb)} rows) and positions {tuple(positions.shape)} must have B={bsz}"
+        )
+    if method != VerifyMethod.REJECTION and bool(batch.repeated_siblings.any()):
+        b = int(batch.repeated_siblings.nonzero()[0, 0])
+        raise ValueError(
+            f"tree of row {b} has siblings with the same token: {method.value} verification needs distinct "
+            "siblings (only rejection verification takes repeated i.i.d. sampled siblings)"
+        )
+    if method == VerifyMethod.REJECTION and batch.max_nodes > 0:
+        if draft_probs is None:
+            raise ValueError("REJECTION verification needs the drafter's probabilities (draft_probs)")
+        if draft_probs.shape not in ((bsz, slots, vocab), (bsz, slots - 1, vocab)):
+            raise ValueError(
+                f"draft_probs must be [B, N+1, V] = {(bsz, slots, vocab)} (or [B, N, V]), "
+                f"got {tuple(draft_probs.shape)}"
+            )
+        draft_probs = draft_probs.to(dev)
+    batch = TreeBatch(*(t.to(dev) for t in (batch.token_ids, batch.parents, batch.depths, batch.num_nodes,
+                                              batch.children, batch.repeated_siblings)))
+    sb = sb.to(dev)
+    positions = positions.to(dev, torch.int64)
+    if method == VerifyMethod.GREEDY:
+        return _walk_matching(target_probs.argmax(dim=-1), batch)
+    if method == VerifyMethod.COUPLED:
+        slot_pos = positions.unsqueeze(-1) + batch.slot_depths()  # [B, S]
+        y = coupled_argmax(
+            target_probs.reshape(bsz * slots, vocab), sb.seed.repeat_interleave(slots), slot_pos.reshape(-1)
+        ).view(bsz, slots)
+        return _walk_matching(y, batch)
+    q = draft_probs if method == VerifyMethod.REJECTION and batch.max_nodes > 0 else None
+    return _walk_sampled(target_probs, batch, q, sb.seed, positions, salt)
