@@ -466,3 +466,109 @@ def test_plain_rounds_feed_the_cache_and_diverging_text_restarts():
     assert sx._local["new"].tokens(0) == [9, 9, 9]
     sx.release("new", [9, 9, 9, 8], 2)
     assert sx.active == set() and sx._global.tokens(next(reversed(sx._cached))) == [9, 8]
+
+
+# ------------------------------------------------------------------------------------------ draft trees
+
+
+def test_tree_branches_where_the_text_did():
+    """The text of test_min_token_prob_cuts_branches: after [5] it went to 6 (3/4) and 7 (1/4); after [5, 6] to 1
+    (2/3) and 2 (1/3); then to 0. Best-first by path probability, ties to the candidate found first."""
+    text = [5, 6, 1, 0, 5, 6, 1, 0, 5, 6, 2, 0, 5, 7, 0]
+    ctx = text + [5]
+
+    def tree(p=0.1, max_nodes=8, width=4):
+        d = SuffixDrafter(_cfg(min_token_prob=p, max_spec_factor=8.0, max_tree_depth=4, tree_width=width))
+        d.start("r", text)
+        return d.draft_tree("r", ctx, max_nodes=max_nodes)
+
+    full = tree()
+    assert (full.token_ids, full.parents) == ([6, 1, 0, 7, 2, 0, 0], [-1, 0, 1, -1, 0, 3, 4])
+    assert full.probs == pytest.approx([3 / 4, 1 / 2, 1 / 2, 1 / 4, 1 / 4, 1 / 4, 1 / 4])
+    assert full.match_len == 1 and full.score == pytest.approx(2.75)
+    assert tree(max_nodes=4).token_ids == [6, 1, 0, 7]  # the node budget keeps the most likely
+    assert tree(p=0.3).token_ids == [6, 1, 0]  # min_token_prob cuts the unlikely branches
+    assert tree(width=1).token_ids == [6, 1, 0]  # one child per node: the chain `propose` drafts
+    d = SuffixDrafter(_cfg(min_token_prob=0.1, max_spec_factor=8.0, max_tree_depth=4))
+    d.start("r", text)
+    t = d.propose_tree("r", ctx, max_nodes=8, tree_width=2)
+    assert t.token_ids == (6, 1, 0, 7, 2, 0, 0) and t.parents == (-1, 0, 1, -1, 0, 3, 4)
+    assert d.propose_tree_seq("s", text, len(text), ctx, max_nodes=8) == t  # the round loop's entry point
+    assert d.propose_tree("r", ctx, max_nodes=0).num_nodes == 0
+
+
+def _feed(d: SuffixDrafter, seed: int, alphabet: int) -> list[int]:
+    """Two earlier requests (global trie) and an active one over a small alphabet: text with many branches."""
+    rng = random.Random(seed)
+    for r in range(2):
+        d.start(f"old{r}", [rng.randrange(alphabet) for _ in range(rng.randint(0, 5))])
+        d.extend(f"old{r}", [rng.randrange(alphabet) for _ in range(rng.randint(5, 40))])
+        d.finish(f"old{r}")
+    text = [rng.randrange(alphabet) for _ in range(rng.randint(1, 60))]
+    d.start("r", text)
+    return text
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), depth=st.integers(2, 8), factor=st.sampled_from([0.5, 1.0, 3.0]),
+       min_prob=st.sampled_from([0.0, 0.1, 0.3]), k=st.integers(0, 12))
+def test_width_one_trees_are_the_chain(seed, depth, factor, min_prob, k):
+    d = SuffixDrafter(_cfg(max_tree_depth=depth, max_spec_factor=factor, min_token_prob=min_prob))
+    text = _feed(d, seed, 3)
+    chain = d.draft("r", text, max_k=k)
+    tree = d.draft_tree("r", text, max_nodes=k, tree_width=1)
+    assert tree.token_ids == chain.token_ids and tree.probs == chain.probs and tree.score == chain.score
+    assert tree.parents == list(range(-1, len(chain.token_ids) - 1))
+    assert (tree.match_len, tree.source) == (chain.match_len, chain.source)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), depth=st.integers(2, 8), factor=st.sampled_from([0.5, 1.0, 3.0]),
+       min_prob=st.sampled_from([0.0, 0.05, 0.2]), k=st.integers(1, 16), width=st.integers(1, 4))
+def test_trees_are_the_most_likely_continuations(seed, depth, factor, min_prob, k, width):
+    """Brute force over the text's windows: every node continues the matched suffix as the text did, with the
+    path probability count(suffix + path) / count(suffix); at most `width` children per node, distinct; the
+    budget holds; best-first: no candidate left out (a continuation of a node or of the root, among its parent's
+    `width` most frequent) is more likely than a node taken, or, below the budget, above min_token_prob."""
+    d = SuffixDrafter(_cfg(max_tree_depth=depth, max_spec_factor=factor, min_token_prob=min_prob,
+                           max_cached_requests=0))
+    text = _feed(d, seed, 4)
+    got = d.draft_tree("r", text, max_nodes=k, tree_width=width)
+    tree = d.propose_tree("r", text, max_nodes=k, tree_width=width)
+    assert list(tree.token_ids) == got.token_ids and list(tree.parents) == got.parents
+    n, m = tree.num_nodes, got.match_len
+    if n == 0:
+        return
+    assert n <= min(k, int(m * factor + 1e-6)) and tree.distinct_siblings
+    assert all(len(tree.children(i)) <= width for i in range(-1, n))
+    counts = _window_counts([text], depth)
+    suffix = tuple(text[-m:])
+
+    def prob(path: tuple[int, ...]) -> float:
+        return counts[suffix + path] / counts[suffix]
+
+    paths = {i: tuple(tree.token_ids[j] for j in tree.path_to(i)) for i in range(n)}
+    for i, path in paths.items():
+        assert got.probs[i] == pytest.approx(prob(path)) and got.probs[i] >= min_prob
+    taken = set(paths.values())
+    worst = min(got.probs)
+    for parent in [()] + list(paths.values()):
+        options = sorted((counts[suffix + parent + (t,)], t) for t in range(4) if counts[suffix + parent + (t,)])
+        top = options[::-1][:width]
+        if len(options) > width and options[-width - 1][0] == top[-1][0]:
+            continue  # a count tie at the width cut: recency decides which enter, not checked here
+        for _, t in top:
+            if parent + (t,) not in taken:
+                assert prob(parent + (t,)) <= worst + 1e-12
+                assert n == min(k, int(m * factor + 1e-6)) or prob(parent + (t,)) < min_prob
+
+
+def test_tree_width_config():
+    with pytest.raises(ValueError, match="tree_width"):
+        SuffixConfig(tree_width=0)
+    d = SuffixDrafter(_cfg())
+    d.start("r", [1, 2])
+    with pytest.raises(ValueError, match="tree_width=0"):
+        d.draft_tree("r", [1, 2], tree_width=0)
+    with pytest.raises(ValueError, match="not active"):
+        d.draft_tree("x", [1, 2])

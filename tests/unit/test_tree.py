@@ -49,7 +49,8 @@ def test_tree_layout():
     c = DraftTree.chain([4, 4, 2])
     assert c.parents == (-1, 0, 1) and c.is_chain and c.paths() == [(0, 1, 2)] and c.distinct_siblings
     assert DraftTree.chain([]).num_nodes == 0 and DraftTree.chain([]).max_depth == 0
-    assert DraftTree.from_paths([[5, 7, 1], [5, 8], [6, 9], [5, 7]]) == t
+    merged = DraftTree.from_paths([[5, 7, 1], [5, 8], [6, 9], [5, 7]])  # shared prefixes merged, first-seen order
+    assert merged == DraftTree((5, 7, 1, 8, 6, 9), (-1, 0, 1, 0, -1, 4))
     assert not DraftTree((3, 3), (-1, -1)).distinct_siblings  # allowed: i.i.d. sampled siblings
 
 
