@@ -56,10 +56,13 @@ import torch
 from specray.spec.params import PLACEHOLDER_TOKEN_ID, VerifyMethod
 from specray.spec.sampling import (
     SamplingBatch,
+    TokenHistory,
     accept_stream,
+    apply_penalties,
     coupled_argmax,
     inverse_cdf_sample,
     keyed_uniform,
+    processed_probs,
     residual_stream,
 )
 from specray.spec.verify import RESIDUAL_EPS, VerifyOutput, count_drafts
@@ -71,7 +74,9 @@ __all__ = [
     "TreeVerifyOutput",
     "pad_trees",
     "tree_from_topk",
+    "tree_penalized_logits",
     "verify_tree",
+    "verify_tree_logits",
 ]
 
 #: The parent index of the root's children.
@@ -319,9 +324,21 @@ class TreeBatch:
     def valid(self) -> torch.Tensor:  # [B, N] bool
         return torch.arange(self.max_nodes, device=self.token_ids.device) < self.num_nodes.unsqueeze(-1)
 
+    def ancestors(self) -> torch.Tensor:  # [B, N, N] bool
+        """ancestors()[b, i, j]: node j is on the path to node i (i included); padding nodes have none."""
+        bsz, n = self.token_ids.shape
+        anc = torch.zeros(bsz, n, n, dtype=torch.bool, device=self.token_ids.device)
+        valid = self.valid
+        for i in range(n):  # topological order: the parent's row is complete
+            par = self.parents[:, i]
+            up = anc[torch.arange(bsz, device=anc.device), par.clamp(min=0)] & (par >= 0).unsqueeze(-1)
+            anc[:, i] = up
+            anc[:, i, i] = valid[:, i]
+        return anc
+
     def slot_depths(self) -> torch.Tensor:  # [B, N + 1] int64
         """Depth of the token each slot predicts: 0 for slot 0, depth(i) + 1 for slot i + 1."""
-        return torch.cat([torch.zeros_like(self.depths[:, :1]), self.depths + 1], dim=1)
+        return torch.cat([self.depths.new_zeros(len(self), 1), self.depths + 1], dim=1)
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -536,3 +553,46 @@ def verify_tree(
         return _walk_matching(y, batch)
     q = draft_probs if method == VerifyMethod.REJECTION and batch.max_nodes > 0 else None
     return _walk_sampled(target_probs, batch, q, sb.seed, positions, salt)
+
+
+def tree_penalized_logits(
+    logits: torch.Tensor,  # [B, N + 1, V] the verifier's raw logits at each slot
+    sb: SamplingBatch,
+    history: TokenHistory | None,
+    trees: TreeBatch,
+) -> torch.Tensor:  # [B, N + 1, V] float32
+    """`apply_penalties` for trees: slot i + 1 follows the row's history plus the tokens on the path to node i
+    (what the output is if that path is accepted), exactly as a chain's slot follows the drafts before it."""
+    x = logits.float()
+    if not sb.penalized:
+        return x
+    if history is None:
+        raise ValueError("penalized rows need their TokenHistory")
+    bsz, slots, vocab = x.shape
+    dev = x.device
+    tok = torch.nn.functional.one_hot(trees.token_ids.clamp(min=0), vocab).to(dev, torch.float32)  # [B, N, V]
+    on_path = trees.ancestors().to(dev, torch.float32) @ (tok * trees.valid.to(dev).unsqueeze(-1))  # [B, N, V]
+    path_counts = torch.cat([torch.zeros_like(on_path[:, :1]), on_path], dim=1)  # [B, S, V]
+    counts = history.output_counts.to(dev).unsqueeze(1) + path_counts
+    seen = history.seen.to(dev).unsqueeze(1) | (counts > 0)
+    rows = torch.arange(bsz, device=dev).repeat_interleave(slots)
+    flat = TokenHistory(counts.reshape(bsz * slots, vocab), seen.reshape(bsz * slots, vocab))
+    return apply_penalties(x.reshape(bsz * slots, 1, vocab), sb.to(dev).select(rows), flat).view(bsz, slots, vocab)
+
+
+def verify_tree_logits(
+    method: VerifyMethod,
+    target_logits: torch.Tensor,  # [B, N + 1, V]
+    trees: Sequence[DraftTree] | TreeBatch,
+    draft_probs: torch.Tensor | None,  # [B, N + 1, V] or [B, N, V] (REJECTION only)
+    sb: SamplingBatch,
+    positions: torch.Tensor,  # [B]
+    salt: int,
+    history: TokenHistory | None = None,
+) -> TreeVerifyOutput:
+    """`verify_tree` on the verifier's raw logits: applies the rows' penalties (along each slot's path) and
+    sampling parameters first."""
+    batch = trees if isinstance(trees, TreeBatch) else pad_trees(
+        trees, max_nodes=target_logits.shape[1] - 1, device=target_logits.device)
+    logits = tree_penalized_logits(target_logits, sb, history, batch)
+    return verify_tree(method, processed_probs(logits, sb), batch, draft_probs, sb, positions, salt)

@@ -17,14 +17,24 @@ from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.reference import ref_verify_tree
 from specray.spec.sampling import (
     SamplingBatch,
+    TokenHistory,
+    apply_penalties,
     inverse_cdf_sample,
     keyed_uniform,
     processed_probs,
     residual_stream,
     sample_tokens,
 )
-from specray.spec.tree import DraftTree, TreeBatch, pad_trees, tree_from_topk, verify_tree
-from specray.spec.verify import verify
+from specray.spec.tree import (
+    DraftTree,
+    TreeBatch,
+    pad_trees,
+    tree_from_topk,
+    tree_penalized_logits,
+    verify_tree,
+    verify_tree_logits,
+)
+from specray.spec.verify import verify, verify_logits
 from specray.testing.goodness import chi2_crit, chi2_stat
 
 ALL_METHODS = list(VerifyMethod)
@@ -285,9 +295,10 @@ def test_coupled_tree_output_is_plain_coupled_sampling(temperature):
                           for k in (0, 4)])  # [2, V+1, V]
     table = tables[torch.arange(rows) % 2]  # [B, V+1, V]
     positions = torch.randint(0, 2**30, (rows,), generator=gen)
-    plain = torch.zeros(rows, depth + 1, dtype=torch.int64)  # what plain coupled decoding emits
+    longest = 7 + depth + 2  # more than any tree below can emit
+    plain = torch.zeros(rows, longest, dtype=torch.int64)  # what plain coupled decoding emits
     prev = torch.full((rows,), -1)
-    for d in range(depth + 1):
+    for d in range(longest):
         plain[:, d] = sample_tokens(table[torch.arange(rows), prev + 1], sb, positions + d, "coupled", 0)
         prev = plain[:, d]
     trees = []
@@ -323,7 +334,7 @@ def test_temperature_zero_rows_are_greedy_under_every_method():
 
 # ------------------------------------------------------------------------------ statistical exactness
 
-N_ROWS = 40_000
+N_ROWS = 30_000
 SHAPES = {"3x2": (3, 2), "2x2x2": (2, 2, 2), "chain": (1, 1)}  # children per node at each depth
 FILTERS = {"plain": (0, 1.0), "top_k_top_p": (4, 0.9)}
 
@@ -363,7 +374,7 @@ def _stat_run(method: VerifyMethod, temperature: float, filt: str, shape: str, v
     n = len(parents)
     tokens = torch.zeros(N_ROWS, n, dtype=torch.int64)
     for i, (par, d, r) in enumerate(zip(parents, depths, ranks)):
-        q_par = q_table[0 if par < 0 else tokens[:, par] + 1]  # [N, V] the drafter's q at the parent
+        q_par = q_table[torch.zeros_like(tokens[:, 0]) if par < 0 else tokens[:, par] + 1]  # [N, V] q at the parent
         if r:
             continue  # siblings are drawn with their first sibling, below
         w = SHAPES[shape][d]
@@ -390,8 +401,10 @@ def _assert_law(samples: list, law: dict) -> None:
     assert stat < chi2_crit(dof), f"chi2={stat:.1f} > {chi2_crit(dof):.1f} (dof {dof})"
 
 
-STAT_CASES = [(m, t, f, s) for m in (VerifyMethod.DETERMINISTIC, VerifyMethod.REJECTION) for t in (0.7, 1.0)
-              for f in FILTERS for s in ("3x2", "2x2x2")]
+# Every method meets both temperatures, both filters and both shapes.
+STAT_CASES = [(m, t, f, s) for m in (VerifyMethod.DETERMINISTIC, VerifyMethod.REJECTION)
+              for t, f, s in [(0.7, "plain", "3x2"), (0.7, "top_k_top_p", "2x2x2"), (1.0, "plain", "2x2x2"),
+                              (1.0, "top_k_top_p", "3x2")]]
 
 
 @pytest.mark.parametrize(("method", "temperature", "filt", "shape"), STAT_CASES,
@@ -430,9 +443,68 @@ def test_tree_from_topk():
     probs = [[0.5, 0.3, 0.1], [0.9, 0.05], [0.8, 0.2]]
     # path probabilities: 1 .5, 2 .3, 3 .1 | 4 .45, 5 .025 | 6 .36, 7 .09
     assert tree_from_topk(ids, probs, max_nodes=4) == DraftTree((1, 2, 4, 6), (-1, -1, 0, 2))
-    assert tree_from_topk(ids, probs, min_prob=0.09) == DraftTree((1, 2, 3, 4, 6, 7), (-1, -1, -1, 0, 2, 2))
+    assert tree_from_topk(ids, probs, min_prob=0.09) == DraftTree((1, 2, 3, 4, 6, 7), (-1, -1, -1, 0, 3, 3))
     assert tree_from_topk(ids, probs, tree_width=1) == DraftTree.chain([1, 4, 6])
     assert tree_from_topk(ids) == DraftTree((1, 2, 3, 4, 5, 6, 7), (-1, -1, -1, 0, 0, 3, 3))
     assert tree_from_topk(ids, max_nodes=4) == DraftTree((1, 2, 3, 4), (-1, -1, -1, 0))  # shallowest first
     assert tree_from_topk([[1], [], [6]]) == DraftTree.chain([1])  # the spine ends where a depth is empty
     assert tree_from_topk([]).num_nodes == 0
+
+
+# ----------------------------------------------------------------------------------------- penalties
+
+
+def _penalized_problem(gen: torch.Generator, rows: int, vocab: int):
+    params = [SamplingParams(1.0, seed=i, presence_penalty=0.4 * (i % 3), frequency_penalty=0.3,
+                             repetition_penalty=(1.0, 1.5)[i % 2]) for i in range(rows)]
+    sb = SamplingBatch.from_params(params)
+    contexts = [torch.randint(vocab, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen).tolist()
+                for _ in range(rows)]
+    history = TokenHistory.from_tokens(contexts, [len(c) // 2 for c in contexts], vocab)
+    return sb, history
+
+
+def test_tree_penalties_follow_each_slots_path():
+    """Slot i + 1 is penalised as plain decoding would after the path to node i; chains as `apply_penalties`."""
+    gen = torch.Generator().manual_seed(21)
+    rows, vocab = 12, 6
+    sb, history = _penalized_problem(gen, rows, vocab)
+    trees = [_random_tree(gen, 7, vocab, distinct=True) for _ in range(rows)]
+    batch = pad_trees(trees)
+    logits = torch.randn(rows, batch.max_nodes + 1, vocab, generator=gen) * 2
+    got = tree_penalized_logits(logits, sb, history, batch)
+    for b, t in enumerate(trees):
+        for s in range(t.num_nodes + 1):
+            path = [t.token_ids[i] for i in t.path_to(s - 1)] if s else []
+            one = sb.select([b])
+            if path:
+                want = apply_penalties(logits[b : b + 1, [0] * len(path) + [s]], one, history.select([b]),
+                                       torch.tensor([path]))[0, -1]
+            else:
+                want = apply_penalties(logits[b : b + 1, [s]], one, history.select([b]))[0, 0]
+            assert torch.equal(got[b, s], want)
+    # chains: exactly what chain verification penalises, so verify_tree_logits == verify_logits
+    k = 4
+    drafts = torch.randint(vocab, (rows, k), generator=gen)
+    drafts[::3, 2:] = PH
+    chains = [DraftTree.chain([t for t in row if t != PH]) for row in drafts.tolist()]
+    logits = torch.randn(rows, k + 1, vocab, generator=gen)
+    chain_batch = pad_trees(chains)
+    real = torch.arange(k + 1) <= chain_batch.num_nodes[:, None]  # slots after a chain's end are padding
+    assert torch.equal(tree_penalized_logits(logits, sb, history, chain_batch)[real],
+                       apply_penalties(logits, sb, history, drafts)[real])
+    positions = torch.randint(0, 1000, (rows,), generator=gen)
+    for method in (VerifyMethod.DETERMINISTIC, VerifyMethod.COUPLED):
+        want = verify_logits(method, apply_penalties(logits, sb, history, drafts), drafts, None, sb, positions, 1)
+        got = verify_tree_logits(method, logits, chains, None, sb, positions, 1, history)
+        assert torch.equal(got.output_ids, want.output_ids)
+    with pytest.raises(ValueError, match="TokenHistory"):
+        tree_penalized_logits(logits, sb, None, chain_batch)
+
+
+def test_ancestors():
+    t = DraftTree((5, 6, 7, 8, 9, 1), (-1, -1, 0, 0, 1, 2))
+    anc = pad_trees([t, DraftTree.chain([3])]).ancestors()
+    for i in range(6):
+        assert anc[0, i].nonzero().flatten().tolist() == sorted(t.path_to(i))
+    assert anc[1].tolist()[0][:1] == [True] and not anc[1, 1:].any()
