@@ -487,7 +487,11 @@ def test_tree_branches_where_the_text_did():
     assert full.probs == pytest.approx([3 / 4, 1 / 2, 1 / 2, 1 / 4, 1 / 4, 1 / 4, 1 / 4])
     assert full.match_len == 1 and full.score == pytest.approx(2.75)
     assert tree(max_nodes=4).token_ids == [6, 1, 0, 7]  # the node budget keeps the most likely
-    assert tree(p=0.3).token_ids == [6, 1, 0]  # min_token_prob cuts the unlikely branches
+    # min_token_prob 0.3 cuts the quarter branches of match [5] (score 1.75), so the match [0, 5] wins (score 2):
+    # 6 (2/3), 7 (1/3); after [0, 5, 6] 2 and 1 (1/3 each, 2 seen last); after [0, 5, 7] 0.
+    cut = tree(p=0.3)
+    assert (cut.token_ids, cut.parents, cut.match_len) == ([6, 7, 2, 1, 0], [-1, -1, 0, 0, 1], 2)
+    assert cut.score == pytest.approx(2.0)
     assert tree(width=1).token_ids == [6, 1, 0]  # one child per node: the chain `propose` drafts
     d = SuffixDrafter(_cfg(min_token_prob=0.1, max_spec_factor=8.0, max_tree_depth=4))
     d.start("r", text)

@@ -334,7 +334,7 @@ def test_temperature_zero_rows_are_greedy_under_every_method():
 
 # ------------------------------------------------------------------------------ statistical exactness
 
-N_ROWS = 30_000
+N_ROWS = 20_000
 SHAPES = {"3x2": (3, 2), "2x2x2": (2, 2, 2), "chain": (1, 1)}  # children per node at each depth
 FILTERS = {"plain": (0, 1.0), "top_k_top_p": (4, 0.9)}
 
