@@ -73,6 +73,7 @@ __all__ = [
     "TreeBatch",
     "TreeVerifyOutput",
     "pad_trees",
+    "sample_siblings",
     "tree_from_topk",
     "tree_penalized_logits",
     "verify_tree",
@@ -233,6 +234,23 @@ def tree_from_topk(
     return DraftTree(
         tuple(t for *_, t in kept), tuple(ROOT if d == 0 else index[(d - 1, 0)] for _, d, _, _ in kept)
     )
+
+
+def sample_siblings(
+    probs: torch.Tensor,  # [B, V] the drafter's processed probs at the parent
+    sb: SamplingBatch,
+    positions: torch.Tensor,  # [B] int64 absolute position of the children
+    width: int,
+    salt: int,
+) -> torch.Tensor:  # [B, width] int64
+    """`width` i.i.d. draws from probs per row (the children REJECTION trees expect), with the drafter level's
+    keyed noise: draw j uses index j of (seed, position, residual_stream(salt)), so draw 0 is exactly
+    `sample_tokens(..., "random", salt)`: a width-1 tree drafts the chain a chain drafter would."""
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be [B, V], got shape {tuple(probs.shape)}")
+    u = keyed_uniform(sb.seed.to(probs.device), positions.to(probs.device, torch.int64), residual_stream(salt), width)
+    weights = probs.double().repeat_interleave(width, dim=0)  # [B * width, V]
+    return inverse_cdf_sample(weights, u.reshape(-1)).view(-1, width)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,16 +19,14 @@ from specray.spec.sampling import (
     SamplingBatch,
     TokenHistory,
     apply_penalties,
-    inverse_cdf_sample,
-    keyed_uniform,
     processed_probs,
-    residual_stream,
     sample_tokens,
 )
 from specray.spec.tree import (
     DraftTree,
     TreeBatch,
     pad_trees,
+    sample_siblings,
     tree_from_topk,
     tree_penalized_logits,
     verify_tree,
@@ -379,8 +377,7 @@ def _stat_run(method: VerifyMethod, temperature: float, filt: str, shape: str, v
             continue  # siblings are drawn with their first sibling, below
         w = SHAPES[shape][d]
         if method == VerifyMethod.REJECTION:  # w i.i.d. draws from q with the drafter's keyed noise
-            u = keyed_uniform(sb.seed, positions + d, residual_stream(DRAFTER_SALT), w)
-            kids = torch.stack([inverse_cdf_sample(q_par.double(), u[:, j]) for j in range(w)], dim=1)
+            kids = sample_siblings(q_par, sb, positions + d, w, DRAFTER_SALT)
         else:  # w distinct tokens: a draw without replacement from q (Gumbel top-w), not the verifier's noise
             g = -torch.log(-torch.log(torch.rand(N_ROWS, vocab, generator=gen)))
             kids = torch.topk(torch.log(q_par) + g, w, dim=-1).indices
@@ -508,3 +505,19 @@ def test_ancestors():
     for i in range(6):
         assert anc[0, i].nonzero().flatten().tolist() == sorted(t.path_to(i))
     assert anc[1].tolist()[0][:1] == [True] and not anc[1, 1:].any()
+
+
+def test_sample_siblings():
+    """Siblings are i.i.d. draws from q; the first is the token a chain drafter samples at that position."""
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab, width = 20_000, 5, 3
+    sb = SamplingBatch.from_params([SamplingParams(1.0, seed=i) for i in range(rows)])
+    q = processed_probs(torch.randn(1, 1, vocab, generator=gen), sb.select([0]))[0].expand(rows, vocab)
+    positions = torch.randint(0, 2**30, (rows,), generator=gen)
+    kids = sample_siblings(q, sb, positions, width, DRAFTER_SALT)
+    assert kids.shape == (rows, width)
+    assert torch.equal(kids[:, 0], sample_tokens(q, sb, positions, "random", DRAFTER_SALT))
+    law = {(a, b): float(q[0, a] * q[0, b]) for a in range(vocab) for b in range(vocab)}
+    _assert_law([tuple(r) for r in kids[:, 1:].tolist()], law)  # independent pairs
+    with pytest.raises(ValueError, match=r"probs must be \[B, V\]"):
+        sample_siblings(q[None], sb, positions, width, 0)
