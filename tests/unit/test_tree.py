@@ -22,6 +22,7 @@ from specray.spec.sampling import (
     processed_probs,
     sample_tokens,
 )
+from specray.spec.suffix import SuffixConfig, SuffixDrafter
 from specray.spec.tree import (
     DraftTree,
     TreeBatch,
@@ -521,3 +522,20 @@ def test_sample_siblings():
     _assert_law([tuple(r) for r in kids[:, 1:].tolist()], law)  # independent pairs
     with pytest.raises(ValueError, match=r"probs must be \[B, V\]"):
         sample_siblings(q[None], sb, positions, width, 0)
+
+
+def test_suffix_trees_verify():
+    """Trees proposed by the suffix drafter (distinct siblings) verify under every method, as the reference does."""
+    gen = torch.Generator().manual_seed(8)
+    vocab, rows = 5, 16
+    d = SuffixDrafter(SuffixConfig(num_speculative_tokens=8, max_tree_depth=6, max_spec_factor=4.0,
+                                   min_token_prob=0.05, tree_width=3))
+    text = torch.randint(vocab, (200,), generator=gen).tolist()
+    d.start("r", text)
+    trees = [d.propose_tree("r", text[: 50 + 9 * b]) for b in range(rows)]
+    assert sum(len(t.children(-1)) > 1 for t in trees) > rows // 2  # they branch
+    sb = _params(gen, rows, vocab, (0.0, 0.7, 1.0))
+    p = processed_probs(torch.randn(rows, 9, vocab, generator=gen), sb)
+    positions = torch.randint(0, 2**30, (rows,), generator=gen)
+    for method in (VerifyMethod.GREEDY, VerifyMethod.DETERMINISTIC, VerifyMethod.COUPLED):
+        _assert_tree_matches_reference(method, p, trees, None, sb, positions, 1)
