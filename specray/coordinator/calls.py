@@ -64,8 +64,10 @@ class LevelCalls:
         self, i: int, lower: int | None, rows: Sequence[Seq], tails: Sequence[Sequence[int]],
         drafts: Sequence[Sequence[int]], probs: torch.Tensor | None,  # probs: [B, K, V] (rejection only)
         override: VerifyMethod | None, return_probs: bool = False, confidence: bool = False,
+        drafters: Sequence[int] | None = None,
     ) -> VerifyResult:
-        """Level `i` verifies each row's draft (from `lower`; None: plain decoding) in one call."""
+        """Level `i` verifies each row's draft (from `lower`; None: plain decoding) in one call. `drafters`: a
+        hybrid round's drafter of each row (for the planner feed; `lower` sets the method)."""
         worker = self.levels[i].worker
         syncs = [self.sync(i, s, t) for s, t in zip(rows, tails)]
         method = self.method(i, lower, override)
@@ -76,7 +78,7 @@ class LevelCalls:
         seconds = time.perf_counter() - t0
         for s, toks in zip(rows, res.token_ids):
             s.mirror[i].extend(toks)
-        self.feed.verified(Verified(i, lower, drafts, res, seconds))
+        self.feed.verified(Verified(i, lower, drafts, res, seconds, drafters))
         return res
 
     def sync(self, i: int, s: Seq, tail: Sequence[int]) -> SeqSync:

@@ -21,7 +21,7 @@ from specray.coordinator.feed import Observer, PlannerFeed
 from specray.coordinator.inner import Nesting
 from specray.coordinator.lookahead import LookAhead
 from specray.coordinator.round import new_round, run_round
-from specray.coordinator.state import Level, Plan, Seq
+from specray.coordinator.state import Level, Plan, Seq, check_plan, plan_name
 from specray.coordinator.stats import LevelStats
 from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
 
@@ -104,9 +104,9 @@ class CascadeEngine:
         return self.failover.status()
 
     def plan_name(self, plan: Plan) -> str:
-        """A short label, e.g. 'ngram:4>draft:4>target' or 'target' (plain decoding)."""
-        parts = [f"{self.levels[i].name}:{k}" for i, k in zip(plan.levels, plan.k)]
-        return ">".join([*parts, self.levels[plan.levels[-1]].name])
+        """A short label, e.g. 'ngram:4>draft:4>target', 'target' (plain decoding) or 'ngram:4|draft:4>target'
+        (a hybrid plan: the n-gram's match, else the draft model's draft)."""
+        return plan_name(plan, [lvl.name for lvl in self.levels])
 
     # ----- sequence lifecycle --------------------------------------------------------------------
     def new_sequence(
@@ -144,8 +144,7 @@ class CascadeEngine:
         level that fails is marked down and the round runs again without it (exact: drafts are only proposals).
         """
         plan = plan or self.default_plan
-        if plan.levels[-1] != self.top:
-            raise ValueError("a plan must end with the target level")
+        check_plan(plan, self.levels)
         active = [s for s in seqs if not s.finished]
         if not active:
             return [[] for _ in seqs]

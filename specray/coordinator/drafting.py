@@ -8,6 +8,13 @@ level runs inner rounds until each row has what the level above asked for: its d
 and what it emitted (accepted tokens plus one correction or bonus token) is its draft (`specray.coordinator.inner`:
 the loop, run from here or, with a `Nesting` transport, beside the middle level's model). Each level's accepted
 stream is an exact sample from that level, so the target's is an exact sample from the target.
+
+A hybrid plan (`Plan.hybrid`, `Drafter.hybrid`) drafts per row instead of in a chain: the lookup level first for
+every row, then one propose call of the model level for the rows the lookup found no match for (of at least
+`Drafter.min_match` tokens); the target verifies both kinds of rows in one call. Which drafter a row gets
+depends only on its text, and each row's draft is verified against the q of its own drafter: a lookup row's q
+is the one-hot of its tokens (rejection with it is the deterministic method), so a batch verified by rejection
+stays exact row by row.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from specray.coordinator.calls import LevelCalls
 from specray.coordinator.failover import LevelCallError
@@ -71,6 +80,8 @@ class RoundState:
     want: list[int]
     cold: set[int] = field(default_factory=set)
     until: Until | None = None
+    #: a hybrid plan: the level that drafted each row's draft for the target (set when the drafts are made)
+    drafters: list[int] | None = None
 
     @property
     def chain(self) -> tuple[int, ...]:
@@ -88,6 +99,14 @@ class RoundState:
     @property
     def speculative(self) -> bool:
         return self.lower is not None and self.plan.k[-1] > 0
+
+    @property
+    def verify_lower(self) -> int | None:
+        """The drafter the target's verification is made for: `lower`, except in a hybrid round whose rows
+        all took the lookup's drafts (then the lookup level: deterministic drafts, no q)."""
+        if self.drafters is not None and self.lower not in self.drafters:
+            return self.plan.levels[0]
+        return self.lower
 
     def k(self, level: int) -> int:
         return self.plan.k[self.plan.levels.index(level)]
@@ -120,6 +139,8 @@ class Drafter:
         self.levels = calls.levels
         #: steps per call when a bounded first model level drafts (its calls are where it can stop)
         self.chunk = 2
+        #: a hybrid plan: the shortest lookup match a row takes instead of the model's draft
+        self.min_match = 1
 
     def produce(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int],
@@ -130,20 +151,58 @@ class Drafter:
         boundary with what they have (at least one step runs); no probabilities then."""
         i = r.chain[ci]
         lvl = self.levels[i]
-        if lvl.suffix is not None:
-            sx = lvl.suffix
-            return Drafts([sx.propose_seq(s.seq_id, s.tokens, s.prompt_len, s.tokens + t if t else s.tokens, w)
-                           if w > 0 else [] for s, t, w in zip(rows, tails, want)])
         if lvl.is_ngram:
-            ng = lvl.ngram
-            return Drafts([ng.propose(s.tokens + t if t else s.tokens, w) if w > 0 else []
-                           for s, t, w in zip(rows, tails, want)])
+            return Drafts(self._lookup(i, rows, tails, want))
         if ci == 0:
             if until is not None and any(until.rows):
                 return Drafts(self._propose_bounded(r, rows, tails, want, until))
             prop = self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
             return prop
         return self._inner_rounds(r, ci, rows, tails, want, until)
+
+    def _lookup(self, i: int, rows: list[Seq], tails: list[list[int]], want: list[int]) -> list[list[int]]:
+        """Lookup level `i` (n-gram or suffix): each row's match beyond its context, want[b] tokens at most."""
+        lvl = self.levels[i]
+        if lvl.suffix is not None:
+            sx = lvl.suffix
+            return [sx.propose_seq(s.seq_id, s.tokens, s.prompt_len, s.tokens + t if t else s.tokens, w)
+                    if w > 0 else [] for s, t, w in zip(rows, tails, want)]
+        ng = lvl.ngram
+        return [ng.propose(s.tokens + t if t else s.tokens, w) if w > 0 else [] for s, t, w in zip(rows, tails, want)]
+
+    def hybrid(self, r: RoundState) -> tuple[Drafts, list[int]]:
+        """A hybrid plan's drafts for the target and who made each: the lookup level's match (up to K_lookup
+        tokens) where it has at least `min_match` tokens, else the model level's draft (K_model tokens), made in
+        one propose call for those rows. Under rejection verification the rows get the q of their own drafter:
+        the model's probabilities, or the one-hot of a lookup row's tokens (rejection with it is the
+        deterministic method, so one batched verification is exact for every row)."""
+        look, model = r.plan.levels[0], r.plan.levels[1]
+        k_look, k_model = r.plan.k
+        n = len(r.rows)
+        no_tails: list[list[int]] = [[] for _ in r.rows]
+        found = self._lookup(look, r.rows, no_tails, [min(k_look, w) for w in r.want])
+        matched = [len(d) >= max(1, self.min_match) for d in found]
+        need = [b for b in range(n) if not matched[b] and r.want[b] > 0]
+        drafts = [d if m else [] for d, m in zip(found, matched)]
+        drafters = [look] * n
+        for b in need:
+            drafters[b] = model
+        if not need:
+            return Drafts(drafts), drafters
+        prop = self.calls.propose(model, r.top, [r.rows[b] for b in need], [[] for _ in need],
+                                  [min(k_model, r.want[b]) for b in need], r.override)
+        for b, toks in zip(need, prop.token_ids):
+            drafts[b] = list(toks)
+        if prop.probs is None or self.calls.method(r.top, model, r.override) is not VerifyMethod.REJECTION:
+            return Drafts(drafts), drafters
+        q = prop.probs  # [len(need), K_model, V]
+        width = max(q.shape[1], max(len(d) for d in drafts))
+        probs = q.new_zeros(n, width, q.shape[-1])  # [B, K, V]
+        probs[need, : q.shape[1]] = q
+        for b in range(n):
+            if matched[b]:
+                probs[b, torch.arange(len(drafts[b])), torch.tensor(drafts[b])] = 1.0
+        return Drafts(drafts, probs), drafters
 
     def _inner_rounds(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], until: Until | None,
@@ -257,6 +316,9 @@ class Immediate:
     def drafts(self, r: RoundState) -> Drafts:
         if not r.speculative:
             return Drafts([[] for _ in r.rows])
+        if r.plan.hybrid:
+            drafts, r.drafters = self.drafter.hybrid(r)
+            return drafts
         return self.drafter.produce(r, len(r.chain) - 2, r.rows, [[] for _ in r.rows], r.want)
 
     def start_ahead(self, r: RoundState, drafts: Drafts) -> None:

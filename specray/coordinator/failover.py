@@ -49,6 +49,8 @@ class Failover:
             return plan
         keep = [(i, k) for i, k in zip(plan.levels[:-1], plan.k)
                 if i not in failed and (i not in self.down or self.probe(i))]
+        if len(keep) == len(plan.k):
+            return plan  # a hybrid plan stays hybrid; one losing its model is the lookup's plan
         return Plan((*[i for i, _ in keep], self.top), tuple(k for _, k in keep))
 
     def probe(self, i: int) -> bool:

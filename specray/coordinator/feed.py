@@ -5,8 +5,8 @@ An observer implements `Observer` (the planner does): `on_call(level, kind, batc
 call, with kind "propose" (tokens = autoregressive steps), "verify" (tokens = the longest draft + 1, fed in one
 forward) or "native" (a call served by the level's own engine path: live decoding, or its own speculation;
 tokens = the longest fed span + 1); `on_verify(level, lower, draft_lens, accepted)` for the rows that verified a
-draft from `lower`; and optionally (`NativeObserver`) `on_native(level, draft_lens, accepted)` for the rows a
-native target speculated on by itself.
+draft from `lower` (a hybrid round: once per drafter, `PlannerFeed._hybrid`); and optionally (`NativeObserver`)
+`on_native(level, draft_lens, accepted)` for the rows a native target speculated on by itself.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class Verified:
     drafts: Sequence[Sequence[int]]
     result: VerifyResult
     seconds: float
+    #: a hybrid round: the level that drafted each row (None: `lower` drafted every row)
+    drafters: Sequence[int] | None = None
 
 
 def fed_lengths(res: VerifyResult, drafts: Sequence[Sequence[int]]) -> list[int]:
@@ -87,7 +89,22 @@ class PlannerFeed:
         for ob in self.observers:
             if timed:
                 ob.on_call(ev.level, kind, len(drafts), tokens, ev.seconds)
-            if ev.lower is not None and rows:
+            if ev.drafters is not None and rows:
+                self._hybrid(ob, ev, rows)
+            elif ev.lower is not None and rows:
                 ob.on_verify(ev.level, ev.lower, [len(drafts[b]) for b in rows], [res.num_accepted[b] for b in rows])
             if warm and isinstance(ob, NativeObserver):
                 ob.on_native(ev.level, [fed[b] for b in warm], [res.num_accepted[b] for b in warm])
+
+    def _hybrid(self, ob: Observer, ev: Verified, rows: Sequence[int]) -> None:
+        """A hybrid round's acceptance, per drafter: the lookup level over every row, a row that took the model's
+        draft counting as the lookup finding nothing (as in a round of the lookup alone: its match rate and its
+        acceptance over all rows stay measured the same way), the model over its own rows."""
+        res, drafts, who = ev.result, ev.drafts, ev.drafters
+        look = 0  # a lookup level is only ever the first level
+        mine = [who[b] == look for b in rows]
+        ob.on_verify(ev.level, look, [len(drafts[b]) if m else 0 for b, m in zip(rows, mine)],
+                     [res.num_accepted[b] if m else 0 for b, m in zip(rows, mine)])
+        for j in dict.fromkeys(who[b] for b in rows if who[b] != look):
+            own = [b for b in rows if who[b] == j]
+            ob.on_verify(ev.level, j, [len(drafts[b]) for b in own], [res.num_accepted[b] for b in own])

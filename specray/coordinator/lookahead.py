@@ -9,7 +9,10 @@ back on their next sync). A round then costs max(draft, verify) instead of their
 Exactness is untouched: the target verifies every draft as usual, and a look-ahead is only used as the draft
 of exactly the prefix it was made from. Not with rejection verification (its drafts carry probabilities tied
 to their sampling; a batch of greedy rows is verified greedily whatever the configured method,
-`CascadeEngine.step`), and not when only the n-gram drafts (it costs nothing to overlap).
+`CascadeEngine.step`), and not when only the n-gram drafts (it costs nothing to overlap). Hybrid plans
+(`Plan.hybrid`: the lookup's match per row, else the model's draft) always run immediate: which rows the model
+drafts for is only known once the lookup has looked at the committed text, and a look-ahead made for the other
+kind of row would be wasted (the planner prices them unoverlapped too).
 
 Bounded look-ahead (`bounded`, on by default): the look-ahead stops at the drafter's next step boundary once
 the target has its verdict, with the tokens it has (K + 1 at most), and the round goes on without waiting for it; a
@@ -65,7 +68,7 @@ class LookAhead:
 
     def overlaps(self, plan: Plan, override: VerifyMethod | None) -> bool:
         """Whether a round of this plan drafts ahead."""
-        if not self.enabled or len(plan.levels) < 2 or plan.k[-1] == 0:
+        if not self.enabled or len(plan.levels) < 2 or plan.k[-1] == 0 or plan.hybrid:
             return False
         if all(self.drafter.levels[i].is_ngram for i in plan.levels[:-1]):
             return False

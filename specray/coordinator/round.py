@@ -9,6 +9,9 @@ rows commit what it emitted, and the statistics are recorded.
     looks = r.source.settle(r, ahead)                # the look-ahead stops at its next step
     commit, record, keep the look-ahead that continues the committed text
 
+A hybrid plan drafts per row (the lookup's match, else the model's draft: `Drafter.hybrid`), still with one
+verification; statistics are recorded under each row's own drafter.
+
 Level i's accepted stream is an exact sample from level i, so the target's stream is an exact sample from the
 target (lossless); plain decoding is the same round with the target alone. Who talks to the workers and how:
 `specray.coordinator.calls`; the drafting levels: `specray.coordinator.drafting`; overlap:
@@ -36,7 +39,7 @@ def new_round(
 ) -> RoundState:
     """The state of one round over the active `rows`: the draft length each row gets (its K, never past its
     length limit) and where the drafts come from."""
-    k = plan.k[-1] if len(plan.levels) > 1 else 0
+    k = (max(plan.k) if plan.hybrid else plan.k[-1]) if len(plan.levels) > 1 else 0
     want = [max(0, min(k, s.remaining - 1)) for s in rows]
     if lookahead.overlaps(plan, override):
         r = RoundState(list(rows), plan, override, lookahead, want)
@@ -50,7 +53,8 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
     drafts = r.source.drafts(r)
     ahead = r.source.start_ahead(r, drafts)
     try:
-        res = calls.verify(r.top, r.lower, r.rows, [[] for _ in r.rows], drafts.token_ids, drafts.probs, r.override)
+        res = calls.verify(r.top, r.verify_lower, r.rows, [[] for _ in r.rows], drafts.token_ids, drafts.probs,
+                           r.override, drafters=r.drafters)
     finally:
         looks = r.source.settle(r, ahead)  # never leave a look-ahead running past the round
     fed = fed_lengths(res, drafts.token_ids)  # a native target's own drafts count on rows it got none
@@ -61,7 +65,8 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
         if res.logprobs is not None and res.logprobs[b]:
             s.logprobs.extend(res.logprobs[b][: len(new)])
         s.rounds += 1
-        who = drafter_of(r.lower, bool(drafts.token_ids[b]), res.native_drafts is not None)
+        lower = r.drafters[b] if r.drafters is not None else r.lower  # a hybrid round: each row's own drafter
+        who = drafter_of(lower, bool(drafts.token_ids[b]), res.native_drafts is not None)
         s.stats.setdefault((r.top, who), LevelStats()).record(fed[b], res.num_accepted[b], len(toks))
         r.source.keep(r, b, s, looks.get(b), len(drafts.token_ids[b]), res, new)
     return committed

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ from specray.spec.suffix import SuffixDrafter
 if TYPE_CHECKING:
     from specray.engine.protocol import Worker
 
-__all__ = ["Level", "Plan", "Seq"]
+__all__ = ["Level", "Plan", "Seq", "check_plan", "plan_name"]
 
 
 @dataclass
@@ -72,20 +73,51 @@ class Level:
 @dataclass(frozen=True)
 class Plan:
     """Which levels run this round (indices, ascending, always ending with the target) and K for each
-    non-target active level. `Plan((top,), ())` is plain decoding."""
+    non-target active level. `Plan((top,), ())` is plain decoding.
+
+    hybrid: `Plan((lookup, model, target), (k_lookup, k_model), hybrid=True)` drafts per row: a row whose lookup
+    level (n-gram or suffix) finds a match sends that match (up to k_lookup tokens) straight to the target, the
+    other rows get the model's draft (k_model tokens), and the target verifies all rows in one call. The model
+    does not verify the lookup's drafts (no inner rounds). That the first level is a lookup level and the second
+    a model is checked against the levels where the plan meets them (`check_plan`).
+    """
 
     levels: tuple[int, ...]
     k: tuple[int, ...]
+    hybrid: bool = False
 
     def __post_init__(self) -> None:
         if len(self.k) != len(self.levels) - 1:
             raise ValueError("a plan needs one K per non-target level")
         if any(x < 0 for x in self.k) or list(self.levels) != sorted(set(self.levels)):
             raise ValueError(f"invalid plan {self}")
+        if self.hybrid and (len(self.levels) != 3 or min(self.k) < 1):
+            raise ValueError(f"a hybrid plan is (lookup, model, target) with K >= 1 for both drafters: {self}")
 
     @property
     def speculative(self) -> bool:
         return len(self.levels) > 1 and any(self.k)
+
+
+def plan_name(plan: Plan, names: Sequence[str]) -> str:
+    """A plan's label: 'ngram:4>draft:4>target', 'target' (plain decoding), 'ngram:4|draft:4>target' (hybrid)."""
+    parts = [f"{names[i]}:{k}" for i, k in zip(plan.levels, plan.k)]
+    if plan.hybrid:
+        return f"{parts[0]}|{parts[1]}>{names[plan.levels[-1]]}"
+    return ">".join([*parts, names[plan.levels[-1]]])
+
+
+def check_plan(plan: Plan, levels: Sequence[Level]) -> None:
+    """A plan fits these levels: it ends with the target, and a hybrid plan's first level is a lookup level
+    (n-gram or suffix) and its second a model."""
+    if plan.levels[-1] != len(levels) - 1 or max(plan.levels) >= len(levels):
+        raise ValueError("a plan must end with the target level")
+    if plan.hybrid:
+        first, second = (levels[i] for i in plan.levels[:2])
+        if not first.is_ngram:
+            raise ValueError(f"hybrid plan: its first level {first.name!r} must be a lookup level (n-gram or suffix)")
+        if second.is_ngram:
+            raise ValueError(f"hybrid plan: its second level {second.name!r} must be a model")
 
 
 @dataclass
