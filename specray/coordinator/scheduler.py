@@ -29,7 +29,7 @@ from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
 
 log = logging.getLogger(__name__)
 
-SPECULATION_CHOICES = ("auto", "none", "ngram", "draft", "cascade")
+SPECULATION_CHOICES = ("auto", "none", "ngram", "draft", "cascade", "hybrid")
 
 
 class RequestError(ValueError):
@@ -159,13 +159,19 @@ class Scheduler:
             if not models:
                 raise RequestError("speculation.method 'draft': this server has no draft model level")
             levels = (models[-1], top)
+        elif spec.method == "hybrid":  # per row: the lookup's match, else the largest draft model's draft
+            models = [i for i in range(top) if not eng.levels[i].is_ngram]
+            if not eng.levels[0].is_ngram or not models:
+                raise RequestError("speculation.method 'hybrid': this server needs an n-gram (or suffix) level and a "
+                                   "draft model level")
+            levels = (0, models[-1], top)
         else:  # cascade
             levels = tuple(range(top + 1))
             if len(levels) < 2:
                 raise RequestError("speculation.method 'cascade': this server runs the target alone")
         k = spec.num_speculative_tokens
         ks = tuple(k if k is not None else eng.levels[i].k for i in levels[:-1])
-        return Plan(levels, ks)
+        return Plan(levels, ks, hybrid=spec.method == "hybrid")
 
     # ----- public API -----------------------------------------------------------------------------
     async def generate(self, req: Request) -> AsyncIterator[Event]:

@@ -7,6 +7,10 @@ table, hysteresis, exploration of stale pairs, plain probes at new batch sizes.
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
 (cascade at small B, one drafter at medium, none at large) fall out of the measurements.
+
+Hybrid plans (`Plan.hybrid`: per row the lookup level's match, else a model drafter's draft; candidates when
+level 0 is a lookup level under a model drafter) are priced with the match rate learned from every round in
+which the lookup drafted (`on_verify`); their regime is 'cascade' (two drafters).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from specray.coordinator.state import Plan
+from specray.coordinator.state import Plan, plan_name
 from specray.policy.cost import Acceptance, StepCost
 from specray.policy.pricing import Pricing, _effective
 from specray.spec.params import VerifyMethod
@@ -83,6 +87,8 @@ class Planner(Pricing):
         ngram_cost: float = 0.0,
         prior_alpha_model: float = 0.5,
         prior_alpha_ngram: float = 0.3,
+        prior_alpha_match: float = 0.5,
+        prior_match: float = 0.0,
         prior_cost_ratio: float = 0.1,
         prior_target: tuple[float, float, float] = (1.0, 0.02, 0.0),
         warmup: int = 2,
@@ -134,6 +140,7 @@ class Planner(Pricing):
         self.native_k = int(levels[-1].native_k or 0)
         self.native_q = float(self.native_k + 1)  # decayed mean tokens fed per row in a native step
         self._native_decay = decay
+        self.decay_match = decay
 
         fit_decay = decay**0.25  # the cost fit keeps a longer memory than the acceptance estimates
         self.costs: dict[int, StepCost] = {self.top: StepCost(prior_target, decay=fit_decay, table_decay=decay)}
@@ -146,6 +153,14 @@ class Planner(Pricing):
                                  k_max=max(32, max(self.k_choices) + 1))
             for lo, up in itertools.combinations(range(self.top + 1), 2)
         }
+        #: hybrid plans (a lookup level 0 under a model drafter): the acceptance of the lookup's drafts on rows
+        #: where it matched, per (verifier, lookup) pair, and the decayed share of rows it matched on (the match
+        #: rate; `prior_match` until measured: 0 keeps hybrid plans out until a lookup round has seen matches)
+        self.matched: dict[tuple[int, int], Acceptance] = {
+            (up, 0): Acceptance(prior_alpha_match, decay=decay, k_max=max(32, max(self.k_choices) + 1))
+            for up in range(1, self.top + 1)} if self.is_ngram[0] else {}
+        self.prior_match = prior_match
+        self._match = [0.0, 0.0]  # decayed (rows matched, rows looked up)
         #: the target verifies drafts of up to this many tokens inside its engine, on its decode path
         self.engine_verify = int(levels[-1].engine_verify or 0)
         self.native_cost: StepCost | None = None
@@ -198,6 +213,10 @@ class Planner(Pricing):
             for subset in itertools.combinations(lower, r):
                 for ks in itertools.product(self.k_choices, repeat=r):
                     plans.append(Plan((*subset, self.top), ks))
+        if self.is_ngram[0]:  # hybrid: the lookup's match per row, else a model drafter's draft
+            for m in range(1, self.top):
+                for ks in itertools.product(self.k_choices, repeat=2):
+                    plans.append(Plan((0, m, self.top), ks, hybrid=True))
         return plans
 
     # ----- measurements (engine observer hooks) ---------------------------------------------------
@@ -254,6 +273,14 @@ class Planner(Pricing):
             # is the best lower bound on what was asked (model drafters always fill their K)
             proposed = max(draft_lens, default=0) if self.is_ngram[lower] else None
             acc.observe(draft_lens, accepted, gap=gap, proposed=proposed)
+            if self.is_ngram[lower] and draft_lens:
+                # the rows it matched on: the match rate, and the acceptance of a match (a hybrid plan's price)
+                hit = [j for j, n in enumerate(draft_lens) if n > 0]
+                f = self.decay_match
+                self._match = [f * self._match[0] + len(hit), f * self._match[1] + len(draft_lens)]
+                if hit and (level, lower) in self.matched:
+                    self.matched[(level, lower)].observe([draft_lens[j] for j in hit], [accepted[j] for j in hit],
+                                                         gap=gap, proposed=proposed)
             self._memo.clear()
             self._measured[(level, lower)] = self._clock
 
@@ -283,8 +310,7 @@ class Planner(Pricing):
         return regime_of(plan, self.is_ngram)
 
     def plan_name(self, plan: Plan) -> str:
-        parts = [f"{self.names[i]}:{k}" for i, k in zip(plan.levels, plan.k)]
-        return ">".join([*parts, self.names[plan.levels[-1]]])
+        return plan_name(plan, self.names)
 
     def _parse(self, spec: Any, batch: int) -> Plan | None:
         """A table entry's plan at `batch` (None: no override)."""
@@ -305,7 +331,8 @@ class Planner(Pricing):
                 raise ValueError(f"table entry {s!r}: no candidate plan of that regime")
             return ranked[0]
         levels, ks = [], []
-        parts = s.split(">")
+        hybrid = "|" in s  # 'ngram:3|draft:4>target': the n-gram's match, else the draft's
+        parts = s.replace("|", ">", 1).split(">")
         for j, part in enumerate(parts):
             name, _, k = part.partition(":")
             if name not in self.names:
@@ -313,7 +340,7 @@ class Planner(Pricing):
             levels.append(self.names.index(name))
             if j < len(parts) - 1:
                 ks.append(int(k) if k else 0)
-        return Plan(tuple(levels), tuple(ks))
+        return Plan(tuple(levels), tuple(ks), hybrid=hybrid)
 
     def _override(self, batch: int) -> Plan | None:
         for lo, hi, spec in self.table:
@@ -322,6 +349,8 @@ class Planner(Pricing):
         return None
 
     def _pairs(self, plan: Plan) -> list[tuple[int, int]]:
+        if plan.hybrid:  # both drafters draft for the target
+            return [(plan.levels[-1], plan.levels[0]), (plan.levels[-1], plan.levels[1])]
         eff = _effective(plan)
         return [(plan.levels[eff[j + 1]], plan.levels[eff[j]]) for j in range(len(eff) - 1)]
 

@@ -24,6 +24,12 @@ requests kept alive in its scheduler) gets the same separate curve: T_round(plai
 A target that verifies drafts inside its engine (`engine_verify` = E tokens per step) prices the verification
 of K drafted tokens on that curve too: ceil(K / E) * N_t(B, min(K, E) + 1).
 
+Hybrid [lookup(K_l) | d(K_d), target] (`Plan.hybrid`): a row takes the lookup's match when it has one (rate m,
+learned as a decayed share of the rows a lookup looked at), else d's draft. E[L] = m * E[L | match](K_l) +
+(1 - m) * E[L](alpha(t | d), K_d), with E[L | match] from the acceptance of matched rows only; T_round =
+P_lookup + (1 - m^B) * K_d * T_d(ceil((1 - m) B), 1) + T_t(B, K + 1), K = K_l when every row matched (probability
+m^B), else max(K_l, K_d). Never overlapped (the engine runs hybrid plans immediate).
+
 Overlap (an engine drafting the next round while the target verifies, `specray.coordinator.lookahead`): a
 bounded look-ahead is priced as a hit/miss renewal chain (`Pricing._bounded`): a miss drafts one drafter step
 before the verification, a hit verifies what the drafter made during the previous verification; unbounded:
@@ -78,6 +84,9 @@ class Pricing:
     ahead_chunk: int
     _rejection_top: bool
     _memo: dict[tuple, float]
+    matched: dict[tuple[int, int], Acceptance]
+    prior_match: float
+    _match: list[float]
 
     def step_time(self, level: int, batch: int, tokens: int) -> float:
         """Predicted seconds of one forward of `level` (memoised until the next measurement)."""
@@ -117,8 +126,34 @@ class Pricing:
         inner = math.ceil(want / e - 1e-9)
         return inner * (self._produce(plan, i - 1, batch, k_low) + self.step_time(lvl, batch, k_low + 1))
 
+    def match_rate(self) -> float:
+        """The share of rows on which the lookup level (level 0) finds a match: decayed counts over the rounds
+        in which it drafted, with `prior_match` as two pseudo-rows."""
+        hits, rows = self._match
+        return (hits + 2.0 * self.prior_match) / (rows + 2.0)
+
+    def _hybrid(self, plan: Plan, batch: int) -> tuple[float, float]:
+        """(E[L], T) of a round of a hybrid plan (module docstring)."""
+        key = ("h", plan, batch)
+        got = self._memo.get(key)
+        if got is not None:
+            return got
+        (look, model, top), (k_l, k_d) = plan.levels, plan.k
+        m = min(max(self.match_rate(), 0.0), 1.0)
+        e_match = self.matched[(top, look)].expected_length(k_l) if (top, look) in self.matched else 1.0
+        elen = m * e_match + (1.0 - m) * self._elen(top, model, k_d)
+        all_matched = m**batch
+        unmatched = max(1, math.ceil((1.0 - m) * batch - 1e-9))
+        propose = k_d * self.step_time(model, unmatched, 1)
+        verify = all_matched * self._verify_time(batch, k_l) + (1.0 - all_matched) * self._verify_time(
+            batch, max(k_l, k_d))
+        got = self._memo[key] = (elen, self.ngram_cost + (1.0 - all_matched) * propose + verify + self.overhead)
+        return got
+
     def round_time(self, plan: Plan, batch: int) -> float:
         """Expected seconds of one round of `plan` over `batch` sequences (module docstring)."""
+        if plan.hybrid:
+            return self._hybrid(plan, batch)[1]
         if len(plan.levels) == 1 or plan.k[-1] == 0:
             if self.native_cost is not None:
                 q = max(1, round(self.native_q))
@@ -144,7 +179,7 @@ class Pricing:
     def _overlapped(self, plan: Plan) -> bool:
         """Whether the engine drafts this plan's next round while the target verifies (lookahead.py)."""
         eff = _effective(plan)
-        return (self.overlap and not self._rejection_top and len(eff) > 1
+        return (self.overlap and not self._rejection_top and len(eff) > 1 and not plan.hybrid
                 and any(not self.is_ngram[plan.levels[j]] for j in eff[:-1]))
 
     def _bounded(self, plan: Plan, batch: int) -> tuple[float, float]:
@@ -225,6 +260,8 @@ class Pricing:
     def expected_length(self, plan: Plan, batch: int = 1) -> float:
         """Expected tokens committed per sequence per round (a bounded look-ahead's draft length, hence this,
         depends on the batch through the levels' speeds)."""
+        if plan.hybrid:
+            return self._hybrid(plan, max(1, batch))[0]
         if len(plan.levels) == 1 or plan.k[-1] == 0:
             return self._elen(self.top, self.top, self.native_k) if self.native_k else 1.0
         if self.bounded and self._overlapped(plan):

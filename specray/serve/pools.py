@@ -15,7 +15,7 @@ whose replicas report it to their policy (they have no planner of their own).
 
 Exactness: both pools verify against the same target, so greedy output is identical whichever pool served
 it, and seeded sampling uses the coupled method (output depends on seed and target only). Requests that
-ask for a drafter (`speculation.method` ngram/draft/cascade, or auto with K) always go to the speculative
+ask for a drafter (`speculation.method` ngram/draft/cascade/hybrid, or auto with K) always go to the speculative
 pool, `none` to the target pool. Streams are forwarded event by event; a client that goes away cancels the
 pool's stream (`gen.cancel()`: leaving the loop alone would not), which frees the sequence on every level.
 """
@@ -42,7 +42,7 @@ log = logging.getLogger("specray")
 
 SPECULATIVE, TARGET = "speculative", "target"
 DEPLOYMENTS = {SPECULATIVE: "SpeculativePool", TARGET: "TargetPool"}
-_DRAFTING = ("ngram", "draft", "cascade")
+_DRAFTING = ("ngram", "draft", "cascade", "hybrid")
 
 
 def _autoscaling(policy: str) -> dict[str, Any]:

@@ -49,11 +49,13 @@ def _text(v: str) -> str:
 class SpeculationOptions(_Request):
     """Per-request speculation control (extension field `speculation`)."""
 
-    method: Literal["none", "ngram", "draft", "draft_model", "cascade", "auto"] = Field(
+    method: Literal["none", "ngram", "draft", "draft_model", "cascade", "hybrid", "auto"] = Field(
         "auto",
         description="Which proposer drafts (the meaning of vLLM's speculative_config.method): none: plain "
         "decoding; ngram: prompt lookup only; draft (or vLLM's draft_model): the largest draft model only; "
-        "cascade: every configured level; auto: the planner chooses per round from live measurements.",
+        "cascade: every configured level; hybrid: per round and row, the n-gram's (or suffix's) match where it "
+        "finds one, else the largest draft model's draft; auto: the planner chooses per round from live "
+        "measurements.",
     )
     num_speculative_tokens: int | None = Field(
         None, ge=1, le=32, description="Tokens proposed per round (K); None lets the planner choose."
