@@ -367,7 +367,8 @@ class PolicyConfig(_Strict):
         "alone.")
     table: list[tuple[int, int, int | str]] | None = Field(
         None, description="Static override [[min_batch, max_batch, plan], ...]: plan is K (0 = plain), 'none', "
-        "'ngram', 'draft', 'cascade' or a plan name like 'ngram:3>draft:4>target'; first match wins."
+        "'ngram', 'draft', 'cascade', 'hybrid' or a plan name like 'ngram:3>draft:4>target' (hybrid: "
+        "'ngram:3|draft:4>target'); first match wins."
     )
 
 

@@ -69,7 +69,8 @@ class Planner(Pricing):
     prefills of the requests that grew the batch). `table` = [(min_batch, max_batch, spec), ...]
     overrides where it matches (first match); spec is a Plan, an int K (default plan's levels, each with K;
     0 = plain), or a string: 'none'/'plain', 'default', 'auto' (no override), 'ngram'/'draft'/'cascade' (best
-    plan of that regime) or a plan name like 'ngram:3>draft:4>target'.
+    plan of that regime), 'hybrid' (best hybrid plan) or a plan name like 'ngram:3>draft:4>target' (hybrid:
+    'ngram:3|draft:4>target').
     """
 
     def __init__(
@@ -185,7 +186,7 @@ class Planner(Pricing):
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
         self._memo: dict[tuple, float] = {}  # predictions, cleared by every measurement
         for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
-            plan = None if spec in REGIMES else self._parse(spec, lo)
+            plan = None if spec in (*REGIMES, "hybrid") else self._parse(spec, lo)
             if plan is not None and (plan.levels[-1] != self.top or max(plan.levels) > self.top):
                 raise ValueError(f"table entry {spec!r}: a plan must end with the target level")
 
@@ -325,8 +326,9 @@ class Planner(Pricing):
             return self.plain
         if s == "default":
             return self.default_plan
-        if s in REGIMES:
-            ranked = [p for p, _ in self.explain(batch) if self.regime_of(p) == s]
+        if s in (*REGIMES, "hybrid"):  # 'cascade' is a chain of drafters; 'hybrid' the best hybrid plan
+            ranked = [p for p, _ in self.explain(batch)
+                      if (p.hybrid if s == "hybrid" else not p.hybrid and self.regime_of(p) == s)]
             if not ranked:
                 raise ValueError(f"table entry {s!r}: no candidate plan of that regime")
             return ranked[0]

@@ -226,6 +226,7 @@ def test_planner_picks_hybrid_when_matches_are_frequent_and_the_model_costs():
     want = m * p.matched[(2, 0)].expected_length(best.k[0]) + (1 - m) * p._elen(2, 1, best.k[1])
     assert p.expected_length(best, 4) == pytest.approx(want)
     assert p.regime(4) == "cascade"  # two drafters
+    assert p._parse("hybrid", 4) == best and not p._parse("cascade", 4).hybrid  # table entries
 
 
 def test_planner_leaves_hybrid_when_the_lookup_never_matches():

@@ -101,7 +101,7 @@ def test_cancellation_frees_every_level_within_a_round():
     assert all(w.worker.stats().live_sequences == 0 for w in lv if w.worker is not None)
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft", "cascade", "auto"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "cascade", "hybrid", "auto"])
 def test_speculation_override_keeps_greedy_exact(method):
     sched = Scheduler(CascadeEngine(levels()))
 
@@ -124,6 +124,8 @@ def test_invalid_overrides_are_request_errors():
         sched.plan_for(Speculation("ngram"))
     with pytest.raises(RequestError):
         sched.plan_for(Speculation("draft"))
+    with pytest.raises(RequestError):
+        sched.plan_for(Speculation("hybrid"))
     with pytest.raises(RequestError):
         Speculation("bogus")
 
