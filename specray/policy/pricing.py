@@ -140,7 +140,10 @@ class Pricing:
             return got
         (look, model, top), (k_l, k_d) = plan.levels, plan.k
         m = min(max(self.match_rate(), 0.0), 1.0)
-        e_match = self.matched[(top, look)].expected_length(k_l) if (top, look) in self.matched else 1.0
+        e_match = self._memo.get(("em", top, look, k_l))
+        if e_match is None:
+            acc = self.matched.get((top, look))
+            e_match = self._memo[("em", top, look, k_l)] = acc.expected_length(k_l) if acc is not None else 1.0
         elen = m * e_match + (1.0 - m) * self._elen(top, model, k_d)
         all_matched = m**batch
         unmatched = max(1, math.ceil((1.0 - m) * batch - 1e-9))
