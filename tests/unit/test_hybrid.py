@@ -103,6 +103,20 @@ def test_greedy_hybrid_equals_plain_on_a_ragged_mixed_batch():
     assert longer.stats["target"].pairs["d->target"].num_drafts > pairs["d->target"].num_drafts
 
 
+def test_greedy_hybrid_with_a_suffix_lookup_equals_plain():
+    from specray.spec.suffix import SuffixConfig, SuffixDrafter
+
+    def lv() -> list[Level]:
+        suffix = SuffixDrafter(SuffixConfig(num_speculative_tokens=4, max_spec_factor=4.0, min_token_prob=0.0))
+        return [Level("suffix", suffix=suffix), Level("d", worker=draft(0.7), k=3), Level("target", worker=target())]
+
+    plain = generate(lv(), PROMPTS, max_tokens=20, ignore_eos=True, plain=True)
+    batch = generate(lv(), PROMPTS, max_tokens=20, ignore_eos=True, plan=HYBRID)
+    assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
+    pairs = batch.stats["target"].pairs
+    assert pairs["suffix->target"].num_drafts > 0 and pairs["d->target"].num_drafts > 0
+
+
 def test_greedy_hybrid_equals_plain_with_tiny_hf_models(tiny):
     """fp32 tiny models in process: the n-gram, the high-agreement draft, the target."""
     from specray.engine.hf import HFWorker
