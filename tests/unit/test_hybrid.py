@@ -159,11 +159,15 @@ def test_rejection_over_mixed_rows_samples_the_targets_law():
 
 
 def test_every_row_matching_under_rejection_needs_no_q():
-    """A hybrid round in which every row took the lookup's draft is verified as the lookup's (deterministic)."""
-    lv = levels(VerifyMethod.REJECTION)
-    sp = [SamplingParams(temperature=0.8, seed=s) for s in range(3)]
-    batch = generate(lv, PROMPTS[:3], max_tokens=12, sampling=sp, ignore_eos=True, plan=HYBRID)
-    assert all(len(r.token_ids) == 12 for r in batch.results)
+    """A hybrid round in which every row took the lookup's draft is verified as the lookup's (deterministic: the
+    model made no draft, so there is no q to give a rejection verification)."""
+    eng = CascadeEngine(levels(VerifyMethod.REJECTION))
+    seqs = [eng.new_sequence(p, SamplingParams(temperature=0.8, seed=i), 12) for i, p in enumerate(PROMPTS[:3])]
+    eng.step(seqs, HYBRID)
+    assert all(list(s.stats) == [(2, 0)] and 1 not in s.mirror for s in seqs)
+    while any(not s.finished for s in seqs):
+        eng.step(seqs, HYBRID)
+    assert all(len(s.output) == 12 for s in seqs)
 
 
 def test_overlap_runs_hybrid_plans_immediately_and_stays_exact():
@@ -178,13 +182,15 @@ def test_overlap_runs_hybrid_plans_immediately_and_stays_exact():
 
 
 def test_a_failed_model_level_leaves_the_lookups_plan():
-    eng = CascadeEngine(levels())
+    lv = [Level("ngram", ngram=NgramConfig(4, 1, 3)), Level("d1", worker=draft(1.0, "d1", 3), k=2),
+          Level("d2", worker=draft(0.4, "d2", 4), k=3), Level("target", worker=target())]
+    eng = CascadeEngine(lv)
     eng.failover.retry_after_s = 1e9
-    assert eng.failover.available(HYBRID) == HYBRID
-    eng.failover.mark_down(0, RuntimeError("other"))  # some level is down: the hybrid plan is kept whole
-    eng.failover.down.pop(0)
-    eng.failover.mark_down(1, RuntimeError("gone"))
-    assert eng.failover.available(HYBRID) == Plan((0, 2), (4,))
+    plan = Plan((0, 2, 3), (4, 3), hybrid=True)
+    eng.failover.mark_down(1, RuntimeError("gone"))  # a level outside the plan: the plan stays hybrid
+    assert eng.failover.available(plan) == plan
+    eng.failover.mark_down(2, RuntimeError("gone"))  # its model: the lookup's plan
+    assert eng.failover.available(plan) == Plan((0, 3), (4,))
 
 
 # ----- the planner ----------------------------------------------------------------------------------------
