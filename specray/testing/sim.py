@@ -207,13 +207,14 @@ class SimWorker(FakeWorker):
             st.cost, st.forwards, st.tokens = 0.0, 0, 0
         return st
 
-    def _forward(self, seqs: Sequence[SeqState], inputs: Sequence[Sequence[int]], keep: Sequence[int]) -> torch.Tensor:
+    def _forward(self, seqs: Sequence[SeqState], inputs: Sequence[Sequence[int]], keep: Sequence[int],
+                 parents: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         st = self._acc()
         fed = sum(len(x) for x in inputs)
         st.cost += self.cost.forward_s(fed)
         st.forwards += 1
         st.tokens += fed
-        return super()._forward(seqs, inputs, keep)
+        return super()._forward(seqs, inputs, keep, parents)
 
     def _timed(self, kind: str, batch: int, fn, *args, **kwargs):
         st = self._acc()
