@@ -130,10 +130,10 @@ class SlotKVCache:
         else:
             if window.shape != (len(rows), q, q):
                 raise ValueError(f"window must be [B, q, q] = {(len(rows), q, q)}, got {tuple(window.shape)}")
-            rel = keys[None, :] - starts_t[:, None]  # [B, kv_len]: a key's index in the row's window
-            in_window = (rel >= 0) & (rel < q)
-            seen = window.to(torch.bool).gather(2, rel.clamp(0, q - 1)[:, None, :].expand(-1, q, -1))  # [B,q,kv]
-            mask = ((rel < 0)[:, None, :] | (in_window[:, None, :] & seen))[:, None]  # [B,1,q,kv_len]
+            b = len(rows)
+            mask = (keys[None, :] < starts_t[:, None])[:, None, :].expand(b, q, kv_len).clone()  # the prefix
+            mask.scatter_(2, idx[:, None, :].expand(b, q, q), window.to(torch.bool))  # the window's columns
+            mask = mask[:, None]  # [B,1,q,kv_len]
         if eager:
             fmask = torch.zeros(mask.shape, dtype=self.dtype)
             mask = fmask.masked_fill(~mask, torch.finfo(self.dtype).min)

@@ -14,6 +14,7 @@ from specray.engine.protocol import SeqSync
 from specray.engine.vllm import VLLMWorker
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.testing.fake import FakeWorker
+from specray.testing.sim import SimWorker
 from specray.testing.tiny import build_tiny_model, load_tiny
 
 G = [SamplingParams(seed=0)]
@@ -220,6 +221,14 @@ def test_fake_worker_trees_match_its_chains():
     w.accept_path("f", path[: res.num_accepted[0]], toks[-1])
     assert w.tokens("f") == chain.tokens("f")
     assert w.stats().cached_tokens == chain.stats().cached_tokens
+
+
+def test_sim_worker_times_a_tree_forward_by_the_tokens_fed():
+    w = SimWorker("s", vocab=8, order=2)
+    w.add("t", [1, 2, 3])
+    w.score_tree(["t"], [BRANCHY._replace(token_ids=tuple(t % 8 for t in BRANCHY.token_ids))])
+    (rec,) = [r for r in w.trace if r["kind"] == "score_tree"]
+    assert rec["forwards"] == 1 and rec["tokens"] == 3 + len(BRANCHY.token_ids)
 
 
 def test_vllm_workers_verify_chains_only():
