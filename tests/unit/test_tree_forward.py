@@ -136,21 +136,23 @@ def test_accepted_path_compacts_to_a_chain(model):
     """Keep the greedy path of a tree whose every path node must move: text, kv_len, stats and the next
     step's logits equal those of sequences that verified the same tokens as a chain; rollback after it too."""
     w, ref = model
-    prompt = [3, 9, 27, 31, 4, 4, 17, 8, 2, 5, 6]
-    rows, chains = ["a", "b"], ["chain-a", "chain-b"]  # row b: an empty tree (no draft) in the same batch
-    for sid in rows + chains:
-        w.add(sid, prompt)
-    tree, path, g = greedy_tree(ref, prompt)
-    logits = w.score_tree(rows, [tree, None])
-    bonus = int(logits[0, path[-1] + 1].argmax())
-    assert [tree.token_ids[i] for i in path] + [bonus] == g  # the greedy path, then greedy's next token
-    appended = w.accept_paths(rows, [path, []], [bonus, int(logits[1, 0].argmax())])
-    res = w.verify(chains, [g[:3], []], None, G * 2, VerifyMethod.GREEDY)
-    assert appended == res.token_ids and res.num_accepted == [3, 0]
+    prompt, other = [3, 9, 27, 31, 4, 4, 17, 8, 2, 5, 6], [12, 14, 16, 18]
+    rows = ["a", "b", "c"]  # row b: an empty tree (no draft) in the same batch; c: a short prompt, all pending
+    chains = [f"chain-{r}" for r in rows]
+    for sid, p in zip(rows + chains, [prompt, prompt, other] * 2):
+        w.add(sid, p)
+    (tree_a, path, g), (tree_c, _, g_c) = greedy_tree(ref, prompt), greedy_tree(ref, other)
+    logits = w.score_tree(rows, [tree_a, None, tree_c])
+    bonus = [int(logits[0, path[-1] + 1].argmax()), int(logits[1, 0].argmax()), int(logits[2, path[-1] + 1].argmax())]
+    assert [tree_a.token_ids[i] for i in path] + [bonus[0]] == g  # the greedy path, then greedy's next token
+    assert [tree_c.token_ids[i] for i in path] + [bonus[2]] == g_c
+    appended = w.accept_paths(rows, [path, [], path], bonus)
+    res = w.verify(chains, [g[:3], [], g_c[:3]], None, G * 3, VerifyMethod.GREEDY)
+    assert appended == res.token_ids and res.num_accepted == [3, 0, 3]
     for sid, cid in zip(rows, chains):
         assert w.tokens(sid) == w.tokens(cid)
         assert w._seqs[sid].kv_len == w._seqs[cid].kv_len
-    assert w.stats().cached_tokens == 2 * (2 * len(prompt) + 3)
+    assert w.stats().cached_tokens == 2 * (2 * len(prompt) + len(other) + 6)
     extra = [7, 19, 23]
     for sid, cid in zip(rows, chains):
         torch.testing.assert_close(next_logits(w, sid, extra), next_logits(w, cid, extra), atol=1e-5, rtol=1e-5)
