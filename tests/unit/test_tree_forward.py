@@ -13,6 +13,8 @@ from specray.engine.hf import HFWorker
 from specray.engine.protocol import SeqSync
 from specray.engine.vllm import VLLMWorker
 from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.sampling import SamplingBatch
+from specray.spec.tree import DraftTree, verify_tree_logits
 from specray.testing.fake import FakeWorker
 from specray.testing.sim import SimWorker
 from specray.testing.tiny import build_tiny_model, load_tiny
@@ -173,6 +175,48 @@ def test_accepted_path_compacts_to_a_chain(model):
     assert w.tokens("a") == text + [BRANCHY.token_ids[i] for i in p]
     torch.testing.assert_close(next_logits(w, "a", extra), full_logits(ref, w.tokens("a") + extra)[-4:],
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", [VerifyMethod.GREEDY, VerifyMethod.COUPLED])
+def test_tree_rounds_through_verify_tree_logits_equal_plain_decoding(model, method):
+    """score_tree -> `spec.tree.verify_tree_logits` -> accept_paths, round after round: the text equals plain
+    decoding's (greedy; coupled with a seed, whose output does not depend on the drafts). The trees hold plain
+    decoding's next two tokens among decoys (at depth 1 or 2, or not at all), so paths of every length and
+    every node are accepted and compacted."""
+    w, _ = model
+    sps = [SamplingParams(0.0, seed=1), SamplingParams(0.0, seed=2)]
+    if method == VerifyMethod.COUPLED:
+        sps = [SamplingParams(1.0, seed=7), SamplingParams(0.9, top_k=20, seed=8)]
+    prompts = [[3, 9, 27, 31, 4], [12, 14, 16, 18, 20, 22, 24, 26, 28, 30]]
+    plain, tree_rows = ["p0", "p1"], ["t0", "t1"]
+    for sid, p in zip(plain + tree_rows, prompts * 2):
+        w.add(sid, p)
+    n = 10
+    for _ in range(n + 2):
+        w.verify(plain, [[], []], None, sps, method)
+    truth = [w.tokens(sid) for sid in plain]
+    rng = random.Random(0)
+    lengths: set[int] = set()
+    for r in range(2 * n):
+        if min(len(w.tokens(sid)) - len(p) for sid, p in zip(tree_rows, prompts)) >= n:
+            break
+        trees = []
+        for sid, t in zip(tree_rows, truth):
+            m = len(w.tokens(sid))
+            g0, g1 = t[m], t[m + 1]
+            x, y, z = ((g + 1 + rng.randrange(40)) % 60 for g in (g0, g1, g0))  # != g0, != g1
+            shape = r % 3  # the truth: two deep, one deep (its child a decoy), absent
+            tokens = {0: (x, g0, g1, y, z), 1: (x, g0, y, z, y), 2: (x, z, y, x, y)}[shape]
+            trees.append(DraftTree(tokens, (-1, -1, 1, 1, 0)) if shape < 2 else DraftTree(tokens, (-1, -1, 0, 0, 1)))
+        logits = w.score_tree(tree_rows, trees)
+        positions = torch.tensor([len(w.tokens(sid)) for sid in tree_rows])
+        out = verify_tree_logits(method, logits, trees, None, SamplingBatch.from_params(sps), positions, 0)
+        paths = [[i for i in row if i >= 0] for row in out.path.tolist()]
+        assert w.accept_paths(tree_rows, paths, out.final_token.tolist()) == out.token_lists()
+        lengths.update(len(p) for p in paths)
+    for sid, t, p in zip(tree_rows, truth, prompts):
+        assert w.tokens(sid)[: len(p) + n] == t[: len(p) + n]
+    assert lengths == {0, 1, 2}
 
 
 def test_an_unaccepted_tree_is_dropped_by_the_next_call(model):
