@@ -6,6 +6,11 @@ once.
 
 Invariant per sequence: `tokens` is the worker's copy of the text; KV is valid for `tokens[:kv_len]`,
 and at least one token is pending (the last one), because its logits predict the next position.
+
+Token trees (a backend with `tree_verify`): `score_tree` feeds each row's pending tokens and a draft tree in
+one forward and keeps the tree's KV behind the text; `accept_paths` keeps one root-to-leaf path of it, so the
+row is exactly as if that path had been fed as a chain. Between the two the row holds no pending token; any
+other call drops the scored tree first.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -36,6 +42,61 @@ class SeqState:
     kv_len: int = 0
     #: (prompt length, [V] bool: the tokens of the prompt), kept for the penalties (the prompt never changes)
     prompt_seen: tuple[int, torch.Tensor] | None = None
+    #: (token_ids, parents) of the tree `score_tree` fed last, whose KV follows `tokens[:kv_len]`
+    tree: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+
+class TreeLike(Protocol):
+    """A draft tree below a row's last token, nodes in topological order: `parents[i]` is -1 (a child of the
+    root, the last token) or the index of an earlier node. A chain t0..t(k-1) has parents (-1, 0, ..., k-2)."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def parents(self) -> Sequence[int]: ...
+
+
+class TokenTree(NamedTuple):
+    """The plainest `TreeLike`."""
+
+    token_ids: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    @staticmethod
+    def chain(token_ids: Sequence[int]) -> TokenTree:
+        return TokenTree(tuple(int(t) for t in token_ids), tuple(range(-1, len(token_ids) - 1)))
+
+
+def _check_tree(worker: str, b: int, tree: TreeLike | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if tree is None:
+        return (), ()
+    ids, parents = tuple(int(t) for t in tree.token_ids), tuple(int(p) for p in tree.parents)
+    if len(ids) != len(parents):
+        raise ValueError(f"{worker}: trees[{b}] has {len(ids)} token_ids but {len(parents)} parents")
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"{worker}: trees[{b}].parents[{i}] = {p}; a parent must be -1 (the root) or an "
+                             f"earlier node (topological order)")
+    return ids, parents
+
+
+def tree_window(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depths and ancestor-or-self matrices of a batch of forests.
+
+    parents: [B, q] long, parents[b, j] in [-1, j) (-1: a root). Returns (depth [B, q] long, window [B, q, q]
+    bool with window[b, j, i] = i is j or an ancestor of j). A chain (parents j - 1) gives depth j and the
+    lower triangle. Vectorised: log2(q) boolean matrix squarings, no loop over tokens."""
+    b, q = parents.shape
+    step = torch.zeros(b, q, q + 1, dtype=torch.bool)  # column q collects the roots' "parent"
+    step.scatter_(2, torch.where(parents >= 0, parents, q)[..., None], True)
+    window = step[..., :q] | torch.eye(q, dtype=torch.bool)
+    reach = 1
+    while reach < q - 1:  # window holds the ancestors within `reach` steps
+        f = window.to(torch.float32)
+        window = torch.bmm(f, f) > 0
+        reach *= 2
+    return window.sum(-1) - 1, window
 
 
 def token_confidence(
@@ -63,6 +124,9 @@ class LogitsWorker(abc.ABC):
     native_k: int = 0
     live_decode: bool = False
     engine_verify: int = 0
+    #: the backend feeds token trees (`score_tree` / `accept_paths`); set by backends whose `_forward` takes
+    #: `parents`
+    tree_verify: bool = False
     #: pending spans longer than this are prefilled alone, so a batched decode step stays short
     prefill_threshold: int = 8
     prefill_chunk: int = 512
@@ -72,9 +136,24 @@ class LogitsWorker(abc.ABC):
 
     # ----- backend hooks ------------------------------------------------------------------------
     @abc.abstractmethod
-    def _forward(self, seqs: Sequence[SeqState], inputs: Sequence[Sequence[int]], keep: Sequence[int]) -> torch.Tensor:
-        """Feed inputs[b] at positions kv_len.. of each row; return logits [sum(keep), V] of the last keep[b]
-        inputs of each row, rows concatenated. Must not change kv_len (the caller decides what is valid)."""
+    def _forward(
+        self,
+        seqs: Sequence[SeqState],
+        inputs: Sequence[Sequence[int]],
+        keep: Sequence[int],
+        parents: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """Feed inputs[b] at storage indices kv_len.. of each row; return logits [sum(keep), V] of the last
+        keep[b] inputs of each row, rows concatenated. Must not change kv_len (the caller decides what is valid).
+
+        parents (only asked of a backend with `tree_verify`): per row and input, the index of the input it
+        follows (-1: the row's first input, which follows the KV prefix); an input then sits at position
+        kv_len + its depth and sees the prefix, its ancestors and itself. None: each input follows the one
+        before it (a chain)."""
+
+    def _move_kv(self, slots: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy KV entry src[m] of slot slots[m] to index dst[m] (a backend with a KV cache)."""
+        return None
 
     def _allocate(self) -> int:
         return -1
@@ -89,7 +168,7 @@ class LogitsWorker(abc.ABC):
         return WorkerCaps(self.name, int(self.vocab_size), self.max_context, tuple(int(t) for t in self.eos_token_ids),
                           native_k=int(self.native_k), live_decode=bool(self.live_decode),
                           engine_verify=int(self.engine_verify), draft_confidence=True, penalties=True,
-                          logprobs=True)
+                          logprobs=True, tree_verify=bool(self.tree_verify))
 
     # ----- sequence state -----------------------------------------------------------------------
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
@@ -130,6 +209,7 @@ class LogitsWorker(abc.ABC):
             return
         if not 0 < sync.keep <= len(seq.tokens):
             raise ValueError(f"{self.name}: cannot keep {sync.keep} of {len(seq.tokens)} tokens")
+        seq.tree = None
         del seq.tokens[sync.keep :]
         if seq.prompt_seen is not None and sync.keep < seq.prompt_seen[0]:
             seq.prompt_seen = None  # the prompt itself changed (never from the coordinator): recount it
@@ -150,6 +230,7 @@ class LogitsWorker(abc.ABC):
                 if sy is not None and sy.keep > 0:
                     self._apply_sync(seq, sy)
         for seq in seqs:
+            seq.tree = None  # a tree scored and not accepted is dropped (its KV lies past kv_len)
             seq.kv_len = min(seq.kv_len, len(seq.tokens) - 1)  # keep one pending token
             while len(seq.tokens) - seq.kv_len > self.prefill_threshold:
                 start = seq.kv_len
@@ -259,6 +340,91 @@ class LogitsWorker(abc.ABC):
             conf = [row[: len(e)] for row, e in zip(c, emitted)]
         return VerifyResult(emitted, n_acc, out_probs, confidence=conf,
                             logprobs=_logprobs(logits, emitted, sampling))
+
+    # ----- token trees --------------------------------------------------------------------------
+    def score_tree(
+        self,
+        seq_ids: Sequence[str],
+        trees: Sequence[TreeLike | None],
+        sync: Sequence[SeqSync | None] | None = None,
+    ) -> torch.Tensor:  # [B, N_max + 1, V] raw logits
+        """Feed each row's pending tokens and its draft tree (None or empty: no draft) in one forward.
+
+        Returns the verifier slots' raw logits: slot 0 after the root (the row's last token), slot i + 1 after
+        node i; rows padded with zeros past their own N + 1. Node i's KV is kept at index kv_len + i behind the
+        row's text until `accept_paths` keeps one path of it (or any other call drops it)."""
+        if not self.tree_verify:
+            raise NotImplementedError(f"{self.name}: this worker verifies chains only (WorkerCaps.tree_verify is "
+                                      "False); send each row's draft as a chain")
+        if len(trees) != len(seq_ids):
+            raise ValueError("trees must be aligned with seq_ids")
+        checked = [_check_tree(self.name, b, t) for b, t in enumerate(trees)]
+        seqs = self._prepare(seq_ids, sync)
+        inputs, keep, parents = [], [], []
+        for s, (ids, par) in zip(seqs, checked):
+            pending = s.tokens[s.kv_len :]
+            p = len(pending)
+            inputs.append(pending + list(ids))
+            keep.append(len(ids) + 1)
+            parents.append(list(range(-1, p - 1)) + [p - 1 if a < 0 else p + a for a in par])
+        flat = self._forward(seqs, inputs, keep, parents=parents)  # [sum(keep), V]
+        out = flat.new_zeros(len(seqs), max(keep), flat.shape[-1])  # [B, N_max + 1, V]
+        o = 0
+        for b, n in enumerate(keep):
+            out[b, :n] = flat[o : o + n]
+            o += n
+        for s, tree in zip(seqs, checked):
+            s.kv_len = len(s.tokens)
+            s.tree = tree
+        return out
+
+    def accept_paths(
+        self,
+        seq_ids: Sequence[str],
+        paths: Sequence[Sequence[int]],
+        bonus: Sequence[int | None] | None = None,
+    ) -> list[list[int]]:
+        """Keep one root-to-leaf path (node indices, may be empty) of each row's scored tree, then append the
+        row's bonus/correction token (if given): returns the tokens appended per row.
+
+        The path's KV moves to contiguous indices right after the text (only the entries not already in place,
+        all rows in one copy), so the row is exactly as if `verify` had accepted the path as a chain."""
+        if len(paths) != len(seq_ids) or (bonus is not None and len(bonus) != len(seq_ids)):
+            raise ValueError("paths (and bonus) must be aligned with seq_ids")
+        seqs = [self._get(s) for s in seq_ids]
+        for sid, s, path in zip(seq_ids, seqs, paths):
+            if s.tree is None:
+                raise ValueError(f"{self.name}: sequence {sid!r} has no scored tree; call score_tree first")
+            parents = s.tree[1]
+            for d, i in enumerate(path):
+                if not 0 <= i < len(parents) or parents[i] != (path[d - 1] if d else -1):
+                    raise ValueError(f"{self.name}: path {list(path)} of sequence {sid!r} is not a root-to-leaf "
+                                     f"path of its tree (parents {list(parents)})")
+        slots: list[int] = []
+        src: list[int] = []
+        dst: list[int] = []
+        out: list[list[int]] = []
+        for b, (s, path) in enumerate(zip(seqs, paths)):
+            ids = s.tree[0]
+            base = s.kv_len
+            for d, i in enumerate(path):
+                if i != d:
+                    slots.append(s.slot)
+                    src.append(base + i)
+                    dst.append(base + d)
+            toks = [ids[i] for i in path]
+            if bonus is not None and bonus[b] is not None:
+                toks.append(int(bonus[b]))
+            s.tokens.extend(toks)
+            s.kv_len = base + len(path)
+            s.tree = None
+            out.append(toks)
+        self._move_kv(slots, src, dst)
+        return out
+
+    def accept_path(self, seq_id: str, path: Sequence[int], bonus: int | None = None) -> list[int]:
+        """`accept_paths` for one row."""
+        return self.accept_paths([seq_id], [path], [bonus])[0]
 
     def _history(self, seqs: Sequence[SeqState], sampling: Sequence[SamplingParams],
                  sb: SamplingBatch) -> TokenHistory | None:

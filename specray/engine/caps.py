@@ -25,6 +25,9 @@ class WorkerCaps:
     distribution (a target without it cannot serve a penalized request; a drafter without it drafts from its
     unpenalized distribution, which stays exact: the target verifies).
     logprobs: the worker reports `VerifyResult.logprobs` for rows whose `SamplingParams.logprobs` is set.
+    tree_verify: the worker scores a token tree per row in one forward (`score_tree`: tree attention mask,
+    positions by depth) and keeps an accepted root-to-leaf path of it (`accept_paths`); without it a level
+    verifies chains only, and those methods raise.
     """
 
     name: str
@@ -37,3 +40,4 @@ class WorkerCaps:
     draft_confidence: bool = False
     penalties: bool = False
     logprobs: bool = False
+    tree_verify: bool = False

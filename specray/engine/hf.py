@@ -1,7 +1,8 @@
 """The `hf` backend: a transformers causal LM behind the worker protocol, exact at every temperature.
 
 One forward pass serves a whole ragged batch: each row feeds its pending tokens (not yet in the KV cache)
-plus its draft, at explicit positions, into its own cache slot (`SlotKVCache`). Verification runs here,
+plus its draft (a chain, or a token tree: `LogitsWorker.score_tree`), at explicit positions, into its own cache
+slot (`SlotKVCache`). Verification runs here,
 next to the logits (see `LogitsWorker`), so only token ids (and q when the drafter sampled) leave it.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specray.engine.base import LogitsWorker, SeqState
+from specray.engine.base import LogitsWorker, SeqState, tree_window
 from specray.engine.kv_cache import SlotKVCache
 from specray.engine.protocol import WorkerStats
 
@@ -85,6 +86,8 @@ class HFWorker(LogitsWorker):
     it; Ray actors each have their own). prefill_chunk bounds the tokens of one prompt forward.
     """
 
+    tree_verify = True
+
     def __init__(
         self,
         model: str,
@@ -152,15 +155,33 @@ class HFWorker(LogitsWorker):
         st.extra.update(forward_calls=self.forward_calls, forward_seconds=self.forward_seconds)
         return st
 
+    def _move_kv(self, slots: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:
+        self.cache.move(list(slots), list(src), list(dst))
+
     @torch.inference_mode()
-    def _forward(self, seqs: Sequence[SeqState], inputs: Sequence[Sequence[int]], keep: Sequence[int]) -> torch.Tensor:
+    def _forward(
+        self,
+        seqs: Sequence[SeqState],
+        inputs: Sequence[Sequence[int]],
+        keep: Sequence[int],
+        parents: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
         q = max(len(x) for x in inputs)
         ids = torch.zeros(len(seqs), q, dtype=torch.long)  # [B, q], right-padded with token 0
         want = torch.zeros(len(seqs), q, dtype=torch.bool)  # [B, q] positions whose logits we need
         for b, (x, n) in enumerate(zip(inputs, keep)):
             ids[b, : len(x)] = torch.tensor(list(x), dtype=torch.long)
             want[b, len(x) - n : len(x)] = True
-        pos, mask = self.cache.begin([s.slot for s in seqs], [s.kv_len for s in seqs], q, eager=self.eager)
+        slots, starts = [s.slot for s in seqs], [s.kv_len for s in seqs]
+        if parents is None:
+            pos, mask = self.cache.begin(slots, starts, q, eager=self.eager)
+        else:
+            par = torch.full((len(seqs), q), -1, dtype=torch.long)  # [B, q]; padding: roots of their own
+            for b, pr in enumerate(parents):
+                par[b, : len(pr)] = torch.tensor(list(pr), dtype=torch.long)
+            depth, window = tree_window(par)  # [B, q], [B, q, q]
+            positions = torch.tensor(starts, dtype=torch.long)[:, None] + depth
+            pos, mask = self.cache.begin(slots, starts, q, eager=self.eager, positions=positions, window=window)
         t0 = time.perf_counter()
         try:
             out = self.model(

@@ -43,7 +43,7 @@ class SlotKVCache:
         self._grow(initial_slots, initial_capacity)
         # set by begin() for the forward in flight
         self._rows: torch.Tensor | None = None  # [B]
-        self._pos: torch.Tensor | None = None  # [B, q]
+        self._idx: torch.Tensor | None = None  # [B, q] storage index of each new token
         self._kv_len = 0
         self._contiguous: tuple[int, int] | None = None
 
@@ -100,37 +100,70 @@ class SlotKVCache:
 
     # ----- one forward -----------------------------------------------------------------------
     def begin(
-        self, rows: list[int], starts: list[int], q: int, eager: bool = False
+        self,
+        rows: list[int],
+        starts: list[int],
+        q: int,
+        eager: bool = False,
+        positions: torch.Tensor | None = None,  # [B, q] long
+        window: torch.Tensor | None = None,  # [B, q, q] bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepare a forward of q new tokens for each row (slot); returns (position_ids [B,q], mask).
 
-        New token j of row b goes to absolute position starts[b] + j (starts = the row's valid KV length).
-        The mask is bool [B,1,q,kv_len] for sdpa, or additive float for eager attention (a bool mask is
-        silently wrong with eager).
+        New token j of row b is stored at index starts[b] + j (starts = the row's valid KV length) and sees the
+        row's first starts[b] entries plus, among the new tokens, those `window[b, j]` marks (default: tokens
+        0..j, a causal chain). Its position id is `positions[b, j]` (default: its storage index); a token tree
+        passes positions by depth and its ancestor-or-self matrix as the window. The mask is bool
+        [B,1,q,kv_len] for sdpa, or additive float for eager attention (a bool mask is silently wrong with eager).
         """
         rows_t = torch.tensor(rows, dtype=torch.long)
-        pos = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(q)[None, :]  # [B, q]
-        kv_len = int(pos.max()) + 1
+        starts_t = torch.tensor(starts, dtype=torch.long)
+        idx = starts_t[:, None] + torch.arange(q)[None, :]  # [B, q]
+        kv_len = int(idx.max()) + 1
         self.ensure_capacity(kv_len)
-        self._rows, self._pos, self._kv_len = rows_t, pos, kv_len
+        self._rows, self._idx, self._kv_len = rows_t, idx, kv_len
         r0 = rows[0]
         self._contiguous = (r0, r0 + len(rows)) if rows == list(range(r0, r0 + len(rows))) else None
-        mask = torch.arange(kv_len)[None, None, None, :] <= pos[:, None, :, None]  # [B,1,q,kv_len]
+        keys = torch.arange(kv_len)
+        if window is None:
+            mask = keys[None, None, None, :] <= idx[:, None, :, None]  # [B,1,q,kv_len]
+        else:
+            if window.shape != (len(rows), q, q):
+                raise ValueError(f"window must be [B, q, q] = {(len(rows), q, q)}, got {tuple(window.shape)}")
+            b = len(rows)
+            mask = (keys[None, :] < starts_t[:, None])[:, None, :].expand(b, q, kv_len).clone()  # the prefix
+            mask.scatter_(2, idx[:, None, :].expand(b, q, q), window.to(torch.bool))  # the window's columns
+            mask = mask[:, None]  # [B,1,q,kv_len]
         if eager:
             fmask = torch.zeros(mask.shape, dtype=self.dtype)
             mask = fmask.masked_fill(~mask, torch.finfo(self.dtype).min)
+        pos = idx if positions is None else positions.to(torch.long)
         return pos.to(self.device), mask.to(self.device)
 
     def end(self) -> None:
-        self._rows = self._pos = None
+        self._rows = self._idx = None
         self._contiguous = None
+
+    def move(self, rows: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy entry src[m] of slot rows[m] to index dst[m] of the same slot, in every layer (K and V).
+
+        Only the listed entries move; all sources are read before any destination is written, so the moves of
+        one call may overlap (compaction of an accepted tree path: sources at or after their destinations)."""
+        if not rows:
+            return
+        r = torch.tensor(rows, dtype=torch.long, device=self.device)
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for store in (self.k, self.v):
+            for pool in store:
+                pool[r, :, d] = pool[r, :, s]  # the right side is gathered (a copy) first
 
     # --- the two methods a transformers model calls ---
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value [B, H_kv, q, D] -> the rows' K and V [B, H_kv, kv_len, D] including the new tokens."""
-        assert self._rows is not None and self._pos is not None, "begin() must precede the forward"
+        assert self._rows is not None and self._idx is not None, "begin() must precede the forward"
         kp, vp = self.k[layer_idx], self.v[layer_idx]
-        rows, pos = self._rows[:, None].to(self.device), self._pos.to(self.device)  # [B,1], [B,q]
+        rows, pos = self._rows[:, None].to(self.device), self._idx.to(self.device)  # [B,1], [B,q]
         kp[rows, :, pos] = key.transpose(1, 2).to(self.dtype)  # indexed view is [B, q, H, D]
         vp[rows, :, pos] = value.transpose(1, 2).to(self.dtype)
         if self._contiguous is not None:

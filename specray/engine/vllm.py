@@ -234,7 +234,7 @@ class VLLMWorker(LiveRequests, PromptScoring):
 
     def capabilities(self) -> WorkerCaps:
         """Live decoding and engine verification as configured; `native_k` set by a native level; no draft
-        confidence (drafts run their full length)."""
+        confidence (drafts run their full length); chains only (no `tree_verify`)."""
         return WorkerCaps(self.name, self.vocab_size, self.max_context, tuple(self.eos_token_ids),
                           native_k=self.native_k, live_decode=self.live_decode, engine_verify=self.engine_verify)
 
@@ -401,6 +401,20 @@ class VLLMWorker(LiveRequests, PromptScoring):
             self._abort(list(seq_ids))  # their text moves on without the live request
             return self._verify_scored(seqs, draft_ids, draft_probs, sampling, method, level, return_probs)
         return self._verify_live(seq_ids, seqs, draft_ids, draft_probs, sampling, method, level, live)
+
+    # ----- token trees: not supported (WorkerCaps.tree_verify is False) -------------------------
+    def _chains_only(self) -> NotImplementedError:
+        return NotImplementedError(f"{self.name}: the vllm backend verifies chains only (WorkerCaps.tree_verify "
+                                   "is False): vLLM's engine takes no per-token attention mask; send each row's "
+                                   "draft as a chain")
+
+    def score_tree(self, seq_ids: Sequence[str], trees: Sequence[Any], sync: Any = None) -> torch.Tensor:
+        """Refused: token trees need a per-token attention mask this backend cannot give vLLM."""
+        raise self._chains_only()
+
+    def accept_paths(self, seq_ids: Sequence[str], paths: Sequence[Sequence[int]], bonus: Any = None) -> Any:
+        """Refused (see `score_tree`)."""
+        raise self._chains_only()
 
 
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:

@@ -3,7 +3,9 @@
 It runs the real protocol logic (`LogitsWorker`: sync, propose, verify, rollback), so coordinator tests
 need no weights and no Ray, and its exact output distribution is known in closed form
 (`next_probs`), which lets tests check end-to-end exactness of whole cascades statistically.
-Drafts are made by adding noise to the target's table (controllable acceptance).
+Drafts are made by adding noise to the target's table (controllable acceptance). It scores token trees too
+(`LogitsWorker.score_tree`): a node's context is the text plus its ancestors; having no KV, keeping a path
+(`accept_paths`) is only the bookkeeping.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from specray.engine.base import LogitsWorker, SeqState
 
 class FakeWorker(LogitsWorker):
     """next-token logits = table[last `order` tokens]; table ~ sharpness * N(0, 1) (+ noise * N(0, 1))."""
+
+    tree_verify = True
 
     def __init__(
         self,
@@ -53,11 +57,22 @@ class FakeWorker(LogitsWorker):
     def next_logits(self, context: Sequence[int]) -> torch.Tensor:
         return self.table[self._index(context)]
 
-    def _forward(self, seqs: Sequence[SeqState], inputs: Sequence[Sequence[int]], keep: Sequence[int]) -> torch.Tensor:
+    def _forward(
+        self,
+        seqs: Sequence[SeqState],
+        inputs: Sequence[Sequence[int]],
+        keep: Sequence[int],
+        parents: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
         self.calls.append(("forward", len(seqs), max(len(x) for x in inputs)))
         rows = []
-        for s, x, n in zip(seqs, inputs, keep):
-            ctx = s.tokens[: s.kv_len] + list(x)
-            end = s.kv_len + len(x)
-            rows.extend(self._index(ctx[: end - n + 1 + j]) for j in range(n))
+        for b, (s, x, n) in enumerate(zip(seqs, inputs, keep)):
+            prefix = s.tokens[max(0, s.kv_len - self.order) : s.kv_len]
+            for j in range(len(x) - n, len(x)):
+                back: list[int] = []  # x[j] and its ancestors in the window, nearest first
+                a = j
+                while a >= 0 and len(back) < self.order:
+                    back.append(int(x[a]))
+                    a = (a - 1) if parents is None else parents[b][a]
+                rows.append(self._index(prefix + back[::-1]))
         return self.table[torch.tensor(rows, dtype=torch.long)]

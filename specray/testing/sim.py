@@ -207,13 +207,14 @@ class SimWorker(FakeWorker):
             st.cost, st.forwards, st.tokens = 0.0, 0, 0
         return st
 
-    def _forward(self, seqs: Sequence[SeqState], inputs: Sequence[Sequence[int]], keep: Sequence[int]) -> torch.Tensor:
+    def _forward(self, seqs: Sequence[SeqState], inputs: Sequence[Sequence[int]], keep: Sequence[int],
+                 parents: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         st = self._acc()
         fed = sum(len(x) for x in inputs)
         st.cost += self.cost.forward_s(fed)
         st.forwards += 1
         st.tokens += fed
-        return super()._forward(seqs, inputs, keep)
+        return super()._forward(seqs, inputs, keep, parents)
 
     def _timed(self, kind: str, batch: int, fn, *args, **kwargs):
         st = self._acc()
@@ -262,6 +263,9 @@ class SimWorker(FakeWorker):
 
     def verify(self, seq_ids, *args, **kwargs):
         return self._timed("verify", len(seq_ids), super().verify, seq_ids, *args, **kwargs)
+
+    def score_tree(self, seq_ids, *args, **kwargs):
+        return self._timed("score_tree", len(seq_ids), super().score_tree, seq_ids, *args, **kwargs)
 
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
         t0 = time.monotonic()
