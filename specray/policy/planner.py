@@ -271,8 +271,11 @@ class Planner(Pricing):
             last = self._measured.get((level, lower))
             gap = 1.0 if last is None else float(self._clock - last)
             # an n-gram drafts less than asked where it finds no match: the longest draft in the call
-            # is the best lower bound on what was asked (model drafters always fill their K)
-            proposed = max(draft_lens, default=0) if self.is_ngram[lower] else None
+            # is the best lower bound on what was asked (model drafters always fill their K); at least 1, so that a
+            # call in which no row matched (always the case at batch 1 without a match) counts a failure at the
+            # first position of each row instead of nothing: such rounds emit one token, and the n-gram's price must
+            # include them (else it is overrated at batch 1 against plain decoding and hybrid plans)
+            proposed = max(max(draft_lens, default=0), 1) if self.is_ngram[lower] else None
             acc.observe(draft_lens, accepted, gap=gap, proposed=proposed)
             if self.is_ngram[lower] and draft_lens:
                 # the rows it matched on: the match rate, and the acceptance of a match (a hybrid plan's price)
