@@ -152,10 +152,12 @@ def _chunks(rows: Sequence[dict[str, Any]], batch: int) -> list[list[tuple[int, 
     return [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
 
 
-def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None = None, log=sys.stderr
+def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None = None, log=None
               ) -> dict[str, Any]:
     """The command without its printing: the report (a dict following schema.json). `build` makes the levels
-    from a CascadeConfig (default: real workers with a loading progress bar; tests may inject)."""
+    from a CascadeConfig (default: real workers with a loading progress bar; tests may inject); progress and
+    notes go to `log` (default: stderr)."""
+    log = log or sys.stderr
     from tqdm.auto import tqdm
 
     from specray.bench import peers as peers_mod
@@ -310,14 +312,14 @@ def print_summary(report: dict[str, Any], file=None) -> None:
           "| of bound |", file=file)
     print("|---|---|---|---|---|---|---|---|---|---|", file=file)
 
-    def f(x, fmt):
-        return "-" if x is None else format(x, fmt)
+    def f(x, fmt, unit=""):
+        return "-" if x is None else format(x, fmt) + unit
 
     for r in report["results"]:
         target = list(r["levels"].values())[-1] if r["levels"] else None
         acc = f"{target['acceptance_rate']:.2f}" if target and target["num_drafts"] else "-"
         print(f"| {r['workload']} | {r['batch']} | {r['name']} | {r['tokens_per_s']:.2f} | "
-              f"{f(r['speedup'], '.2f')}x | {f(r['ttft_s'], '.3f')} | {f(r['decode_tokens_per_s'], '.2f')} | {acc} "
+              f"{f(r['speedup'], '.2f', 'x')} | {f(r['ttft_s'], '.3f')} | {f(r['decode_tokens_per_s'], '.2f')} | {acc} "
               f"| {f(r['bound'], '.2f')} | {f(r['fraction_of_bound'], '.2f')} |", file=file)
     for s in report["skipped"]:
         print(f"skipped {s['name']}: {s['reason']}", file=file)
@@ -329,8 +331,9 @@ def print_summary(report: dict[str, Any], file=None) -> None:
               file=file)
 
 
-def write_outputs(report: dict[str, Any], out_dir: Path, plots: bool, log=sys.stderr) -> list[Path]:
+def write_outputs(report: dict[str, Any], out_dir: Path, plots: bool, log=None) -> list[Path]:
     """report.json (validated against the schema) and, with matplotlib, the plots; the files written."""
+    log = log or sys.stderr
     import json
 
     from specray.bench.report import plot_report, validate

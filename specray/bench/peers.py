@@ -135,11 +135,13 @@ def vllm_speculative_config(peer: str, draft: str | None = None, k: int = 4) -> 
 
 def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], *, threads: int = 2,
              dtype: str = "bfloat16", draft: str | None = None, k: int = 4, temperature: float = 0.0,
-             log=sys.stderr) -> Chunk:
+             log=None) -> Chunk:
     """`peer` on `rows` ((index, prompt ids, max tokens), one at a time) in a fresh process; raises RuntimeError
     with the child's exit code if it fails."""
     from specray.engine.models import resolve_model
     from specray.engine.vllm import preload_env
+
+    log = log or sys.stderr
 
     spec = {"peer": peer, "model": str(resolve_model(model)), "threads": threads, "dtype": dtype,
             "draft": str(resolve_model(draft)) if draft else None, "k": k, "temperature": temperature,
@@ -150,9 +152,10 @@ def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], 
         src.write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, "-m", "specray.bench.peers", "--child", str(src), str(dst)],
                               env=env, stdout=log, stderr=log)  # vLLM logs on stdout too
-        if proc.returncode != 0:
-            raise RuntimeError(f"{peer}: the vLLM process exited with code {proc.returncode}")
-        res = json.loads(dst.read_text())
+        res = json.loads(dst.read_text()) if dst.is_file() else {}
+        if proc.returncode != 0 or "error" in res:
+            why = res.get("error", "see its log above")
+            raise RuntimeError(f"{peer}: the vLLM process exited with code {proc.returncode}: {why[:300]}")
     return Chunk(res["seconds"], [RequestResult(**r) for r in res["requests"]])
 
 
@@ -169,8 +172,11 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     sc = vllm_speculative_config(spec["peer"], spec.get("draft"), int(spec.get("k", 4)))
     if sc is not None:
         kwargs["speculative_config"] = sc
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(spec["model"]), "max_position_embeddings", None)
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"], enforce_eager=True,
-              max_model_len=4096, enable_prefix_caching=True, seed=0, **kwargs)
+              max_model_len=min(4096, limit or 4096), enable_prefix_caching=True, seed=0, **kwargs)
     warm = spec["rows"][0][1][:8]  # shorter than a KV block: prefix caching keeps nothing of it
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     requests, total = [], 0.0
@@ -194,7 +200,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--child", nargs=2, type=Path, metavar=("IN", "OUT"), required=True)
     args = ap.parse_args(argv)
     src, dst = args.child
-    dst.write_text(json.dumps(_child(json.loads(src.read_text()))))
+    try:
+        dst.write_text(json.dumps(_child(json.loads(src.read_text()))))
+    except Exception as exc:  # the parent reports it as the peer's reason
+        dst.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        raise
 
 
 if __name__ == "__main__":

@@ -100,14 +100,13 @@ class InProcessTarget:
         return {"kind": self.kind, "levels": [lv.name for lv in self.levels], "overlap": self.overlap}
 
     def unavailable(self, mode: str) -> str | None:
-        from specray.coordinator.scheduler import RequestError, Scheduler, Speculation
-
-        if mode == "adaptive":
-            return None if len(self.levels) > 1 else "the cascade has only the target: nothing to plan"
-        try:
-            Scheduler(self.engine).plan_for(Speculation(_METHOD[mode]))
-        except RequestError as exc:
-            return str(exc).split(": ", 1)[-1]
+        below = self.levels[:-1]
+        if mode in ("cascade", "adaptive") and not below:
+            return "the cascade has only the target"
+        if mode == "ngram" and not (below and below[0].is_ngram):
+            return "the cascade has no n-gram level"
+        if mode == "draft" and all(lv.is_ngram for lv in below):
+            return "the cascade has no draft model level"
         return None
 
     def _planner(self):
