@@ -118,11 +118,14 @@ def cascade_from_flags(args: argparse.Namespace) -> Any:
     ks = ks * n_prop if len(ks) == 1 else ks
     if n_prop and len(ks) != n_prop:
         raise ValueError(f"give one --k for all or one per proposing level ({n_prop})")
+    models = [*args.draft, args.model]
+    short = [Path(m).name or m for m in models]  # a folder's name: the report and plots name levels by it
+    names = short if len(set(short)) == len(short) else models
     common = dict(dtype=args.dtype, num_threads=args.threads)
     levels = [LevelConfig(kind="ngram", num_speculative_tokens=ks[0])] if args.ngram else []
-    levels += [LevelConfig(kind="hf", model=d, num_speculative_tokens=k, **common)
-               for d, k in zip(args.draft, ks[len(levels):])]
-    return CascadeConfig(levels=[*levels, LevelConfig(kind="hf", model=args.model, **common)])
+    levels += [LevelConfig(kind="hf", model=d, name=n, num_speculative_tokens=k, **common)
+               for d, n, k in zip(args.draft, names, ks[len(levels):])]
+    return CascadeConfig(levels=[*levels, LevelConfig(kind="hf", model=args.model, name=names[-1], **common)])
 
 
 def _versions() -> dict[str, str | None]:

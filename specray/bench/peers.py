@@ -176,7 +176,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     limit = getattr(AutoConfig.from_pretrained(spec["model"]), "max_position_embeddings", None)
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"], enforce_eager=True,
-              max_model_len=min(4096, limit or 4096), enable_prefix_caching=True, seed=0, **kwargs)
+              max_model_len=min(4096, limit or 4096), enable_prefix_caching=True, seed=0,
+              disable_log_stats=False, **kwargs)  # with stats on, each RequestOutput carries its first-token time
     warm = spec["rows"][0][1][:8]  # shorter than a KV block: prefix caching keeps nothing of it
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     requests, total = [], 0.0
@@ -187,9 +188,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         dt = time.perf_counter() - t0
         total += dt
         m = getattr(res, "metrics", None)  # vLLM versions differ in what a RequestOutput's metrics hold
-        first = getattr(m, "first_token_time", None)
-        arrival = getattr(m, "arrival_time", None)
-        ttft = first - arrival if isinstance(first, float) and isinstance(arrival, float) else None
+        ttft = getattr(m, "first_token_latency", None)
+        if not ttft:
+            first, arrival = getattr(m, "first_token_time", None), getattr(m, "arrival_time", None)
+            ttft = first - arrival if isinstance(first, float) and isinstance(arrival, float) else None
         toks = list(res.outputs[0].token_ids)
         requests.append({"index": index, "tokens": len(toks), "seconds": dt, "ttft_s": ttft, "output": toks})
     return {"seconds": total, "requests": requests}

@@ -196,6 +196,7 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = report["results"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
@@ -212,7 +213,7 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     def save(fig, name: str) -> None:
         fig.tight_layout()
         path = out_dir / name
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=100, bbox_inches="tight")  # legends sit below the panels
         plt.close(fig)
         written.append(path)
 
@@ -238,16 +239,18 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
             if r["workload"] != w or r["batch"] != b0:
                 continue
             for level, st in r["levels"].items():
+                label = f"{r['name']}: {Path(level).name or level}"
                 if st["alphas"]:
                     ax.plot(range(1, len(st["alphas"]) + 1), st["alphas"], marker="o",
-                            label=f"{r['name']}: {level} ({st['acceptance_rate']:.0%})")
+                            label=f"{label} ({st['acceptance_rate']:.0%})")
                 elif st["num_drafts"]:  # totals only (over HTTP): the level's rate as one point
-                    ax.plot([1], [st["acceptance_rate"]], marker="s", label=f"{r['name']}: {level} (rate)")
+                    ax.plot([1], [st["acceptance_rate"]], marker="s", label=f"{label} (rate)")
         ax.set_title(w)
         ax.set_xlabel("draft position")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(0, 1.05)
         if ax.lines:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     save(fig, "acceptance.png")
 
     # 3. fraction of the Leviathan bound reached
