@@ -250,7 +250,7 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(0, 1.05)
         if ax.lines:
-            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     save(fig, "acceptance.png")
 
     # 3. fraction of the Leviathan bound reached
@@ -274,6 +274,8 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
         ax.set_xlabel(unit)
         ax.set_title(w)
         if ax.lines:
