@@ -162,7 +162,10 @@ def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """In the fresh process: one vLLM engine, every row once, one at a time."""
     threads = int(spec["threads"])
+    temperature = float(spec["temperature"])
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")  # one OpenMP thread per core
+    if temperature > 0:  # the engine in this process, so that specray's fixes of its CPU sampling reach it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import torch
     from vllm import LLM, SamplingParams
@@ -178,11 +181,16 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"], enforce_eager=True,
               max_model_len=min(4096, limit or 4096), enable_prefix_caching=True, seed=0,
               disable_log_stats=False, **kwargs)  # with stats on, each RequestOutput carries its first-token time
+    if temperature > 0:  # vllm-cpu 0.32's speculative sampling crashes or samples wrongly at T > 0 without them
+        from specray.engine.vllm_fixes import fix_cpu_sampling
+
+        fix_cpu_sampling()
     warm = spec["rows"][0][1][:8]  # shorter than a KV block: prefix caching keeps nothing of it
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     requests, total = [], 0.0
     for index, ids, max_tokens in spec["rows"]:
-        sp = SamplingParams(temperature=float(spec["temperature"]), max_tokens=int(max_tokens))
+        sp = SamplingParams(temperature=temperature, max_tokens=int(max_tokens),
+                            seed=index if temperature > 0 else None)  # one seed per prompt
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
         dt = time.perf_counter() - t0
