@@ -68,6 +68,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                                                            "config's policy.k_max, else 8)")
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weights of the model levels given by flags")
+    g.add_argument("--backend", choices=["auto", "vllm", "hf"], default="auto",
+                   help="engine of the target given by --model, as in `specray generate`: vllm verifies the drafts "
+                        "inside its engine step; auto: vllm where it is installed, else hf. The hf_* peers need hf")
     g.add_argument("--threads", type=int, default=None, help="torch threads (none: torch's choice)")
     g.add_argument("--overlap", action="store_true",
                    help="draft the next round on a second thread while the target verifies this one")
@@ -125,7 +128,11 @@ def cascade_from_flags(args: argparse.Namespace) -> Any:
     levels = [LevelConfig(kind="ngram", num_speculative_tokens=ks[0])] if args.ngram else []
     levels += [LevelConfig(kind="hf", model=d, name=n, num_speculative_tokens=k, **common)
                for d, n, k in zip(args.draft, names, ks[len(levels):])]
-    return CascadeConfig(levels=[*levels, LevelConfig(kind="hf", model=args.model, name=names[-1], **common)])
+    target = dict(common)
+    if args.backend != "hf" and n_prop:
+        target["engine_verify"] = max(ks)  # the drafts are verified inside the vLLM engine's step
+    return CascadeConfig(levels=[*levels, LevelConfig(kind=args.backend, model=args.model, name=names[-1],
+                                                      **target)])
 
 
 def _versions() -> dict[str, str | None]:
@@ -202,7 +209,8 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         planner_kwargs = {}
         if pol is not None:
             planner_kwargs = dict(table=pol.table, hysteresis=pol.hysteresis, patience=pol.patience,
-                                  explore_every=pol.explore_every, decisive=pol.decisive)
+                                  explore_every=pol.explore_every, decisive=pol.decisive,
+                                  rerank_every=pol.rerank_every, rerank_budget=pol.rerank_budget)
         k_max = args.k_max or (pol.k_max if pol is not None else 8)
         overlap = args.overlap or bool(app is not None and app.server.overlap)
         target = InProcessTarget(levels, sampling, overlap=overlap, k_max=k_max, planner_kwargs=planner_kwargs)

@@ -48,6 +48,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def _tiny_flags(tiny, workload: Path, *extra: str) -> list[str]:
     return ["--model", str(tiny.target_dir), "--draft", str(tiny.draft_dirs["mid"]), "--dtype", "float32",
+            "--backend", "hf",
             "--workload-file", str(workload), "--max-tokens", "12", "--quiet", *extra]
 
 
@@ -212,7 +213,8 @@ def test_a_report_off_the_schema_fails_validation(tiny, workload):
 
 def test_missing_peers_are_skipped_with_the_reason(tiny, workload, monkeypatch):
     monkeypatch.setattr(peers_mod, "installed", lambda module: module != "vllm")
-    args = _args("--model", str(tiny.target_dir), "--dtype", "float32", "--workload-file", str(workload),
+    args = _args("--model", str(tiny.target_dir), "--dtype", "float32", "--backend", "hf", "--workload-file",
+                 str(workload),
                  "--max-tokens", "8", "--quiet", "--modes", "none", "ngram", "draft",
                  "--peers", "hf_plain", "hf_lookup", "hf_assisted", "vllm_plain", "vllm_draft")
     report = run_bench(args)
