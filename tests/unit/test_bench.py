@@ -273,3 +273,29 @@ def test_against_a_running_server_over_http(tiny, workload):
         assert target["num_drafts"] > 0 and target["accepted_per_pos"] is None and target["alphas"] is None
         assert r["bound"] == pytest.approx(1 + target["accepted_tokens"] / target["num_drafts"])
         assert r["ttft_s"] > 0 and r["tokens"] > 0
+
+
+def test_a_serve_config_file_gives_the_cascade_and_the_planners_policy(tiny, workload, tmp_path):
+    import yaml
+
+    cascade = {"levels": [
+        {"kind": "ngram", "num_speculative_tokens": 3},
+        {"kind": "hf", "model": str(tiny.draft_dirs["mid"]), "name": "mid", "dtype": "float32",
+         "num_speculative_tokens": 4},
+        {"kind": "hf", "model": str(tiny.target_dir), "name": "target", "dtype": "float32"},
+    ]}
+    serve = tmp_path / "serve.yaml"
+    serve.write_text(yaml.safe_dump({"applications": [{"name": "specray", "import_path": "specray.serve.app:build_app",
+                                                       "args": {"config": {"cascade": cascade,
+                                                                           "policy": {"k_max": 3}}}}]}))
+    bare = tmp_path / "cascade.yaml"
+    bare.write_text(yaml.safe_dump(cascade))
+    for path in (serve, bare):
+        report = run_bench(_args("--config", str(path), "--workload-file", str(workload), "--max-tokens", "8",
+                                 "--quiet", "--no-warmup", "--modes", "none", "ngram", "adaptive"))
+        validate(report)
+        assert report["target"]["levels"] == ["ngram", "mid", "target"]
+        assert report["outputs_identical"] is True and report["skipped"] == []
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    assert cli_main(["bench", "--config", str(bad), "--workload-file", str(workload), "--quiet"]) == 2
