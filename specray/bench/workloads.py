@@ -19,8 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_prompts", "load_shipped", "load_workloads", "prompt_ids", "shipped_names", "shipped_path",
-           "workload_name"]
+__all__ = ["load_prompts", "load_shipped", "load_workloads", "prompt_ids", "shipped_names", "shipped_path"]
 
 def _check_row(row: Any, where: str) -> dict[str, Any]:
     """`row` if it is a valid workload line, else a ValueError that starts with `where` (file:line)."""
@@ -83,10 +82,6 @@ def shipped_path(name: str) -> Path:
 def load_shipped(name: str) -> list[dict[str, Any]]:
     """The rows of shipped set `name`, each labelled with `workload` (the set's name unless the line says)."""
     return [{"workload": name, **row} for row in load_prompts(shipped_path(name))]
-
-
-def workload_name(row: dict[str, Any], default: str) -> str:
-    return row.get("workload") or default
 
 
 def load_workloads(names: Sequence[str] = (), files: Iterable[str | Path] = ()) -> list[dict[str, Any]]:
