@@ -17,6 +17,11 @@ over the time after it).
 Theoretical bound: the speedup if drafting cost nothing and verifying K+1 tokens cost one step, i.e. the
 expected accepted length E[L] = 1 + sum_i prod_{j<=i} alpha_j from the measured per-position acceptance at
 the target (the goodput model of specray/policy/pricing.py). "of bound" = achieved speedup / E[L].
+
+A documented special case beside `specray bench` (docs/bench.md): it measures plan variants the command does not
+expose (suffix decoding, @earliest, +overlap, ~C, per-configuration K); the measuring parts are shared with it
+(per-position acceptance from specray.bench.report, prompt encoding from specray.bench.workloads, the HF
+transformers peers from specray.bench.peers).
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prompts import SETS
 
+from specray.bench.peers import HFPeers
+from specray.bench.report import alphas
+from specray.bench.workloads import prompt_ids
 from specray.coordinator.cascade import Level
 from specray.coordinator.generate import generate
 from specray.coordinator.stats import LevelStats
@@ -49,20 +56,7 @@ from specray.spec.suffix import SuffixConfig, SuffixDrafter
 
 
 def chat_ids(tok, text: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                  return_dict=False)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-
-
-def alphas(st: LevelStats) -> list[float]:
-    """Conditional per-position acceptance alpha_j = P(accept j | accepted 1..j-1) from the counters."""
-    out, prev = [], st.num_drafts
-    for c in st.accepted_per_pos:
-        if prev <= 0:
-            break
-        out.append(c / prev)
-        prev = c
-    return out
+    return prompt_ids(tok, {"messages": [{"role": "user", "content": text}]})
 
 
 def run_specray(levels, prompts_ids, max_tokens, plan=None):
@@ -81,31 +75,10 @@ def run_specray(levels, prompts_ids, max_tokens, plan=None):
     return toks, dt, stats, ttft
 
 
-class _FirstToken(BaseStreamer):
-    """Records when `generate` emits its first new token (its first put() is the prompt)."""
-
-    def __init__(self) -> None:
-        self.puts, self.t0, self.first = 0, time.perf_counter(), None
-
-    def put(self, value) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first = time.perf_counter() - self.t0
-
-    def end(self) -> None:
-        pass
-
-
-def run_hf(model, prompts_ids, max_tokens, eos, **kw):
-    toks, ttft, t0 = 0, 0.0, time.perf_counter()
-    for ids in prompts_ids:
-        streamer = _FirstToken()
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=list(eos), pad_token_id=eos[0], streamer=streamer, **kw)
-        toks += out.shape[1] - len(ids)
-        ttft += streamer.first or 0.0
-    return toks, time.perf_counter() - t0, ttft
+def run_hf(peers: HFPeers, peer: str, prompts_ids, max_tokens):
+    """HF transformers' own generation (specray.bench.peers): (tokens, seconds, seconds to the first tokens)."""
+    res = peers.run(peer, [(i, ids, max_tokens) for i, ids in enumerate(prompts_ids)])
+    return (sum(r.tokens for r in res.requests), res.seconds, sum(r.ttft_s or 0.0 for r in res.requests))
 
 
 def main() -> None:
@@ -195,7 +168,12 @@ def main() -> None:
     # warm up both models and the code paths
     warm = chat_ids(tok, "Say hi.")
     generate(levels_for("cascade", [], args.ngram_occurrence), [warm], max_tokens=8)
-    run_hf(target.model, [warm], 4, eos)
+    hf_peers: dict[int, HFPeers] = {}  # per prompt-lookup K
+
+    def hf(k: int) -> HFPeers:
+        return hf_peers.setdefault(k, HFPeers(target.model, draft.model, eos, lookup_k=k))
+
+    run_hf(hf(args.hf_lookup_k), "hf_plain", [warm], 4)
 
     def run_one(cfg: str, ids: list[int]) -> tuple[int, float, dict[str, LevelStats] | None, float]:
         base, ks, occ, overlap, conf = parse(cfg)
@@ -210,12 +188,7 @@ def main() -> None:
         if not base.startswith("hf_"):
             return run_specray(CascadeEngine(levels_for(base, ks, occ, conf), overlap=overlap), [ids],
                                args.max_tokens)
-        kw = {}
-        if base == "hf_assisted":
-            kw = {"assistant_model": draft.model}
-        elif base == "hf_lookup":
-            kw = {"prompt_lookup_num_tokens": ks[0] if ks else args.hf_lookup_k}
-        n, dt, ttft = run_hf(target.model, [ids], args.max_tokens, eos, **kw)
+        n, dt, ttft = run_hf(hf(ks[0] if ks else args.hf_lookup_k), base, [ids], args.max_tokens)
         return n, dt, None, ttft
 
     results: dict = {"args": vars(args), "sets": {}}

@@ -1,4 +1,5 @@
-"""`specray` command line: serve (the app on Ray Serve), generate (in-process cascade) and models (pull/list).
+"""`specray` command line: serve (the app on Ray Serve), generate (in-process cascade), verify, bench and models
+(pull/list).
 
     specray serve qwen-1.5b --draft qwen-0.5b --ngram
     specray generate --model qwen-1.5b --draft qwen-0.5b --ngram "Write a function that ..."
@@ -229,6 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_verify_arguments(sub.add_parser("verify", formatter_class=_Help, help="check on your own prompts that "
                                         "speculation gives plain decoding's output (exit code 1 if not)"))
+    from specray.bench.cli import add_bench_arguments
+
+    add_bench_arguments(sub.add_parser(
+        "bench", formatter_class=_Help, help="measure speculation modes (and peers) side by side on workloads: "
+        "JSON report + plots", description="Measure speculation modes none / ngram / draft / cascade / adaptive "
+        "(and peer engines) on the same requests, in process or against a running server; writes report.json "
+        "and PNG plots (docs/bench.md)."))
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         from specray.serve.command import run_serve
@@ -238,6 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_generate(args)
     if args.cmd == "verify":
         return verify_main(args)
+    if args.cmd == "bench":
+        from specray.bench.cli import main as bench_main
+
+        return bench_main(args)
     return run_models_command(args)
 
 

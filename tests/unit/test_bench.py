@@ -1,0 +1,301 @@
+"""`specray bench`: its options are documented, JSONL errors name the line, the shipped sets load, a tiny run of
+two modes at batch 1 and 2 gives a report that validates against the schema, greedy outputs of every mode are
+identical (and the check does catch a difference), a missing peer is skipped with its reason, plots are written,
+and a run against a real server over HTTP reports the same way."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from specray.bench import peers as peers_mod
+from specray.bench.cli import add_bench_arguments, run_bench
+from specray.bench.report import Cell, build_report, validate
+from specray.bench.runner import RequestResult
+from specray.bench.workloads import load_prompts, load_workloads, shipped_names, shipped_path
+from specray.cli import _Help
+from specray.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+ROWS = [
+    {"workload": "copy", "prompt": "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):"},
+    {"workload": "copy", "prompt": "The river ran quietly past the old mill, and the miller's", "max_tokens": 10},
+    {"workload": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+]
+
+
+@pytest.fixture
+def workload(tmp_path) -> Path:
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(formatter_class=_Help)
+    add_bench_arguments(p)
+    return p
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return _parser().parse_args(list(argv))
+
+
+def _tiny_flags(tiny, workload: Path, *extra: str) -> list[str]:
+    return ["--model", str(tiny.target_dir), "--draft", str(tiny.draft_dirs["mid"]), "--dtype", "float32",
+            "--backend", "hf",
+            "--workload-file", str(workload), "--max-tokens", "12", "--quiet", *extra]
+
+
+# ------------------------------------------------------------------------------------------ the command line
+
+
+def test_help_documents_every_option(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for action in _parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help and len(action.help) > 10, f"{action.option_strings} has no help"
+        for opt in action.option_strings:
+            assert opt in text, f"{opt} missing from `specray bench --help`"
+    for name in shipped_names():  # the shipped sets are named in the help
+        assert name in text
+
+
+def test_bad_input_exits_2_with_the_reason(tiny, workload, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n\n{"prompt": "x", "max_tokens": 0}\n')
+    assert cli_main(["bench", "--workload-file", str(bad), "--model", str(tiny.target_dir), "--quiet"]) == 2
+    assert f"{bad}:3: `max_tokens` must be a positive integer" in capsys.readouterr().err
+    assert cli_main(["bench", "--workload", "nope", "--model", "m", "--quiet"]) == 2
+    assert "unknown workload 'nope'" in capsys.readouterr().err
+    assert cli_main(["bench", "--workload-file", str(workload), "--url", "http://127.0.0.1:9/v1", "--batch", "2",
+                     "--quiet"]) == 2
+    assert "--concurrency" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ workloads
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("{not json", "not JSON"),
+    ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "exactly one of `prompt`"),
+    ('{"max_tokens": 4}', "exactly one of `prompt`"),
+    ('["prompt"]', "expected a JSON object"),
+    ('{"prompt": 3}', "`prompt` must be a string"),
+    ('{"messages": []}', "non-empty list"),
+    ('{"messages": [{"role": "user"}]}', "`messages[0]`"),
+    ('{"prompt": "a", "max_tokens": "8"}', "`max_tokens` must be a positive integer"),
+    ('{"prompt": "a", "max_tokens": true}', "`max_tokens` must be a positive integer"),
+    ('{"prompt": "a", "workload": 7}', "`workload` must be a string"),
+])
+def test_jsonl_errors_name_the_line(tmp_path, line, message):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n' + line + "\n")
+    with pytest.raises(ValueError) as exc:
+        load_prompts(path)
+    assert str(exc.value).startswith(f"{path}:3: ") and message in str(exc.value)
+
+
+def test_verify_and_bench_share_one_parser(tmp_path):
+    import specray.verify_cli as verify
+
+    assert verify.load_prompts is load_prompts
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(empty)
+
+
+def test_shipped_sets_load_and_are_package_data():
+    assert {"code", "extraction", "chat", "screening"} <= set(shipped_names())
+    rows = load_workloads(["code", "extraction", "chat", "screening"])
+    assert {r["workload"] for r in rows} == {"code", "extraction", "chat", "screening"}
+    for r in rows:
+        assert r["max_tokens"] > 0 and r["messages"][0]["content"].strip()
+    extraction = [r["messages"][0]["content"] for r in rows if r["workload"] == "extraction"]
+    assert all("JOB DESCRIPTION" in t and "CANDIDATE PROFILE" in t for t in extraction)
+    screening = [r["messages"][0]["content"] for r in rows if r["workload"] == "screening"]
+    assert len(screening) >= 12
+    shared = screening[0].split("CANDIDATE PROFILE")[0]  # one job description against many candidates
+    assert len(shared) > 500 and all(t.startswith(shared) for t in screening) and len(set(screening)) == len(screening)
+    assert '"specray.bench" = ["data/*.jsonl", "schema.json"]' in (ROOT / "pyproject.toml").read_text()
+    assert shipped_path("code").parent.name == "data"
+    with pytest.raises(ValueError, match="shipped sets are"):
+        shipped_path("nope")
+
+
+def test_a_files_lines_without_a_workload_take_its_stem(workload, tmp_path):
+    plain = tmp_path / "plain-set.jsonl"
+    plain.write_text('{"prompt": "a"}\n')
+    rows = load_workloads(["chat"], [workload, plain])
+    assert [r["workload"] for r in rows][-4:] == ["copy", "copy", "chat", "plain-set"]
+
+
+# ----------------------------------------------------------------------------------------- tiny in-process runs
+
+
+def test_two_modes_at_batch_1_and_2_report_validates_with_plots(tiny, workload, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    assert cli_main(["bench", *_tiny_flags(tiny, workload, "--modes", "none", "cascade", "--batch", "1", "2",
+                                           "--out", str(out))]) == 0
+    report = json.loads((out / "report.json").read_text())
+    validate(report)
+    assert report["schema"] == "specray.bench/1" and report["target"]["kind"] == "in_process"
+    assert report["settings"]["batches"] == [1, 2] and report["settings"]["workloads"] == {"copy": 2, "chat": 1}
+    keys = {(r["workload"], r["batch"], r["name"]) for r in report["results"]}
+    assert keys == {(w, b, m) for w in ("copy", "chat") for b in (1, 2) for m in ("none", "cascade")}
+    for r in report["results"]:
+        assert r["kind"] == "mode" and r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["ttft_s"] > 0
+        assert r["requests"] == (2 if r["workload"] == "copy" else max(1, r["batch"]))  # repeats fill a batch
+        if r["name"] == "none":
+            assert r["speedup"] == pytest.approx(1.0) and r["bound"] == 1.0
+            continue
+        target = list(r["levels"].values())[-1]
+        assert list(r["levels"]) == ["mid", "target"]  # model levels are named by their folders
+        assert target["num_drafts"] > 0 and len(target["alphas"]) == len(target["accepted_per_pos"]) > 0
+        # E[L] from per-position acceptance equals 1 + accepted / drafts: the HTTP report's formula
+        assert r["bound"] == pytest.approx(1 + target["accepted_tokens"] / target["num_drafts"])
+        assert r["fraction_of_bound"] == pytest.approx(r["speedup"] / r["bound"])
+    assert report["outputs_identical"] is True and report["outputs_compared"] == 2 * (2 + 1)
+    for name in ("throughput.png", "acceptance.png", "bound.png", "batch.png"):
+        png = out / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_greedy_outputs_of_every_mode_are_identical(tiny, workload):
+    report = run_bench(_args(*_tiny_flags(tiny, workload, "--batch", "1", "2")))
+    validate(report)
+    assert set(report["settings"]["modes"]) == {"none", "ngram", "draft", "cascade", "adaptive"}
+    assert report["skipped"] == []
+    assert report["outputs_identical"] is True, report["mismatches"]
+    assert report["outputs_compared"] == 4 * 2 * 3  # 4 modes against none, 2 batch sizes, 3 prompts
+    ngram = next(r for r in report["results"] if r["name"] == "ngram" and r["workload"] == "copy")
+    assert list(ngram["levels"]) and ngram["levels"][list(ngram["levels"])[-1]]["num_drafts"] > 0
+
+
+def test_the_output_check_catches_a_difference():
+    def cell(name: str, out: list[int]) -> Cell:
+        c = Cell("w", 1, name, "mode")
+        c.add(1.0, [RequestResult(0, len(out), 1.0, 0.1, out)])
+        return c
+
+    same = build_report([cell("none", [1, 2, 3]), cell("ngram", [1, 2, 3])], target={"kind": "in_process"},
+                        settings={}, skipped=[], check_outputs=True, versions={}, created="now")
+    assert same["outputs_identical"] is True and same["outputs_compared"] == 1
+    diff = build_report([cell("none", [1, 2, 3]), cell("ngram", [1, 5, 3])], target={"kind": "in_process"},
+                        settings={}, skipped=[], check_outputs=True, versions={}, created="now")
+    assert diff["outputs_identical"] is False
+    assert diff["mismatches"] == [{"workload": "w", "batch": 1, "index": 0, "name": "ngram", "reference": "none",
+                                   "position": 1}]
+
+
+def test_a_report_off_the_schema_fails_validation(tiny, workload):
+    report = run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "--no-warmup")))
+    validate(report)
+    broken = json.loads(json.dumps(report))
+    broken["results"][0]["tokens_per_s"] = "fast"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(broken)
+    del broken["results"][0]["tokens_per_s"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(broken)
+
+
+def test_missing_peers_are_skipped_with_the_reason(tiny, workload, monkeypatch):
+    monkeypatch.setattr(peers_mod, "installed", lambda module: module != "vllm")
+    args = _args("--model", str(tiny.target_dir), "--dtype", "float32", "--backend", "hf", "--workload-file",
+                 str(workload),
+                 "--max-tokens", "8", "--quiet", "--modes", "none", "ngram", "draft",
+                 "--peers", "hf_plain", "hf_lookup", "hf_assisted", "vllm_plain", "vllm_draft")
+    report = run_bench(args)
+    validate(report)
+    reasons = {s["name"]: s["reason"] for s in report["skipped"]}
+    assert "no draft model" in reasons["draft"]
+    assert "no draft model" in reasons["hf_assisted"]
+    assert "vllm is not installed" in reasons["vllm_plain"] and "vllm is not installed" in reasons["vllm_draft"]
+    assert set(reasons) == {"draft", "hf_assisted", "vllm_plain", "vllm_draft"}
+    peers = {(r["workload"], r["name"]): r for r in report["results"] if r["kind"] == "peer"}
+    assert set(peers) == {(w, p) for w in ("copy", "chat") for p in ("hf_plain", "hf_lookup")}
+    for r in peers.values():
+        assert r["tokens"] > 0 and r["speedup"] is not None and r["bound"] is None
+    assert peers[("copy", "hf_plain")]["speedup_vs_own_plain"] == pytest.approx(1.0)
+    # peers at batch 1 only
+    report = run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "--batch", "2", "--no-warmup",
+                                          "--peers", "hf_plain")))
+    assert report["skipped"] == [{"name": "hf_plain", "reason": "peers run at batch 1 only: add 1 to --batch"}]
+
+
+def test_without_matplotlib_the_report_is_written_and_plots_skipped(tiny, workload, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    out = tmp_path / "out"
+    assert cli_main(["bench", *_tiny_flags(tiny, workload, "--modes", "none", "--no-warmup", "--out",
+                                           str(out))]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"]
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ a server over HTTP
+
+
+def test_against_a_running_server_over_http(tiny, workload):
+    pytest.importorskip("openai")
+    from specray.serve.app import Coordinator
+    from tests.e2e.conftest import Server, app_config
+
+    srv = Server(Coordinator(app_config(tiny)))
+    try:
+        args = _args("--url", srv.url + "/v1", "--workload-file", str(workload), "--max-tokens", "10", "--quiet",
+                     "--modes", "none", "cascade", "adaptive", "--concurrency", "1", "2", "--peers", "hf_plain")
+        report = run_bench(args)
+    finally:
+        srv.stop()
+    validate(report)
+    assert report["target"] == {"kind": "http", "url": srv.url + "/v1", "model": "tiny-cascade"}
+    assert report["settings"]["batch_kind"] == "concurrency"
+    assert [s["name"] for s in report["skipped"]] == ["hf_plain"]
+    assert report["outputs_identical"] is True and report["outputs_compared"] == 2 * 2 * 3
+    cascade = [r for r in report["results"] if r["name"] == "cascade"]
+    assert len(cascade) == 4
+    for r in cascade:
+        target = r["levels"]["target"]
+        assert target["num_drafts"] > 0 and target["accepted_per_pos"] is None and target["alphas"] is None
+        assert r["bound"] == pytest.approx(1 + target["accepted_tokens"] / target["num_drafts"])
+        assert r["ttft_s"] > 0 and r["tokens"] > 0
+
+
+def test_a_serve_config_file_gives_the_cascade_and_the_planners_policy(tiny, workload, tmp_path):
+    import yaml
+
+    cascade = {"levels": [
+        {"kind": "ngram", "num_speculative_tokens": 3},
+        {"kind": "hf", "model": str(tiny.draft_dirs["mid"]), "name": "mid", "dtype": "float32",
+         "num_speculative_tokens": 4},
+        {"kind": "hf", "model": str(tiny.target_dir), "name": "target", "dtype": "float32"},
+    ]}
+    serve = tmp_path / "serve.yaml"
+    serve.write_text(yaml.safe_dump({"applications": [{"name": "specray", "import_path": "specray.serve.app:build_app",
+                                                       "args": {"config": {"cascade": cascade,
+                                                                           "policy": {"k_max": 3}}}}]}))
+    bare = tmp_path / "cascade.yaml"
+    bare.write_text(yaml.safe_dump(cascade))
+    for path in (serve, bare):
+        report = run_bench(_args("--config", str(path), "--workload-file", str(workload), "--max-tokens", "8",
+                                 "--quiet", "--no-warmup", "--modes", "none", "ngram", "adaptive"))
+        validate(report)
+        assert report["target"]["levels"] == ["ngram", "mid", "target"]
+        assert report["outputs_identical"] is True and report["skipped"] == []
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    assert cli_main(["bench", "--config", str(bad), "--workload-file", str(workload), "--quiet"]) == 2
