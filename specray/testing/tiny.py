@@ -521,3 +521,61 @@ def repetitive_target(root: str | os.PathLike[str]) -> Path:
         build_tiny_model(out, fam.tokenizer_dir, hidden=64, num_layers=2, heads=2, kv_heads=1, seed=3,
                          tie_embeddings=True, residual_scale=8.0)
     return out
+
+
+@dataclass(frozen=True)
+class RegimePair:
+    """A target and a cheaper draft that agrees with it often (`regime_pair`), sharing one tokenizer."""
+
+    tokenizer_dir: Path
+    target_dir: Path
+    draft_dir: Path
+    agreement: float  # measured teacher-forced greedy agreement of the draft with the target
+
+
+def regime_pair(
+    root: str | os.PathLike[str], hidden: int = 512, num_layers: int = 6, deep_scale: float = 0.1, seed: int = 3
+) -> RegimePair:
+    """A target whose CPU step cost grows with batch x tokens, and a draft that is its own first layer.
+
+    Perturbed drafts (`tiny_family`) cost as much as their target, so speculation with them can never pay. Here
+    the target (`num_layers` x `hidden`, untied) has the output projections of every layer after the first
+    scaled by `deep_scale`: those layers cost full compute but move the residual stream little, so the draft --
+    the same model cut to its first layer (same embeddings, norm and head) -- agrees with the target often
+    (~0.8 at the defaults; a smaller `deep_scale` agrees more) at ~1/4 of its step cost. A stand-in for a small
+    and a large model of one family: speculation pays at batch 1 and stops paying as the batch grows
+    (notebooks/regimes.ipynb). Built once under `root`, cached by its arguments like `tiny_family`.
+    """
+    key_src = json.dumps({"v": BUILD_VERSION, "hidden": hidden, "layers": num_layers, "deep_scale": deep_scale,
+                          "seed": seed}, sort_keys=True)
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    final = Path(root) / f"regime-pair-{key}"
+    manifest = final / "pair.json"
+    if not manifest.is_file():
+        tmp = Path(root) / f".regime-pair-{key}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tok = train_tokenizer(tmp / "tokenizer")
+            build_tiny_model(tmp / "target", tok, hidden=hidden, num_layers=num_layers, heads=8, kv_heads=4,
+                             intermediate=2 * hidden, seed=seed)
+            model = load_tiny(tmp / "target")
+            with torch.no_grad():
+                for layer in model.model.layers[1:]:
+                    layer.self_attn.o_proj.weight.mul_(deep_scale)
+                    layer.mlp.down_proj.weight.mul_(deep_scale)
+            model.save_pretrained(tmp / "target")
+            model.model.layers = model.model.layers[:1]
+            model.config.num_hidden_layers = 1
+            model.save_pretrained(tmp / "draft")
+            tok.save_pretrained(tmp / "draft")
+            agreement = measure_agreement(tmp / "target", tmp / "draft")
+            (tmp / "pair.json").write_text(json.dumps({"agreement": agreement}))
+            try:
+                os.replace(tmp, final)
+            except OSError:  # another process finished first: keep theirs
+                if not manifest.is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    info = json.loads(manifest.read_text())
+    return RegimePair(final / "tokenizer", final / "target", final / "draft", info["agreement"])

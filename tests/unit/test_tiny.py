@@ -152,3 +152,21 @@ def test_tiny_family_hits_targets_and_caches(tmp_path: Path) -> None:
     assert tiny.tiny_family(tmp_path) == fam
     assert time.monotonic() - t0 < 0.5
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
+
+
+def test_regime_pair_draft_is_the_targets_first_layer_and_cheaper(tmp_path: Path) -> None:
+    pair = tiny.regime_pair(tmp_path)
+    target, draft = tiny.load_tiny(pair.target_dir), tiny.load_tiny(pair.draft_dir)
+    assert (target.config.num_hidden_layers, draft.config.num_hidden_layers) == (6, 1)
+    t, d = target.state_dict(), draft.state_dict()
+    assert set(d) < set(t) and all(torch.equal(d[k], t[k]) for k in d)  # embeddings, first layer, norm, head
+    assert sum(p.numel() for p in draft.parameters()) < 0.6 * sum(p.numel() for p in target.parameters())
+    assert 0.7 <= pair.agreement <= 0.95  # the deep layers change the argmax sometimes, not often
+    assert tiny.measure_agreement(pair.target_dir, pair.draft_dir) == pytest.approx(pair.agreement)
+    for folder in (pair.target_dir, pair.draft_dir):
+        assert AutoTokenizer.from_pretrained(folder).get_vocab() == AutoTokenizer.from_pretrained(
+            pair.tokenizer_dir).get_vocab()
+    t0 = time.monotonic()
+    assert tiny.regime_pair(tmp_path) == pair
+    assert time.monotonic() - t0 < 0.5
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
