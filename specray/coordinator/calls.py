@@ -24,6 +24,15 @@ from specray.spec.params import VerifyMethod
 
 __all__ = ["LevelCalls"]
 
+#: a call in which some row first catches up on more tokens than this (a level that sat out rounds, or starts a
+#: sequence) runs a prefill-sized forward: its time says nothing about a step, so the planner is not fed it
+UNTIMED_CATCH_UP = 16
+
+
+def _catch_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:
+    """The most tokens of canonical text any row had to append before the call's own work."""
+    return max((len(y.append) - len(t) for y, t in zip(syncs, tails)), default=0)
+
 
 class LevelCalls:
     """Sync, call, map failures, time: the only place that talks to workers during a round."""
@@ -55,7 +64,8 @@ class LevelCalls:
         t0 = time.perf_counter()
         prop = self.call(i, lvl.worker.propose, [s.seq_id for s in rows], list(want), [s.sampling for s in rows],
                          mode=mode, level=i, sync=syncs, stop_below=lvl.confidence)
-        self.feed.proposed(i, len(rows), max(want, default=0), time.perf_counter() - t0)
+        if _catch_up(syncs, tails) <= UNTIMED_CATCH_UP:
+            self.feed.proposed(i, len(rows), max(want, default=0), time.perf_counter() - t0)
         for s, toks in zip(rows, prop.token_ids):
             s.mirror[i].extend(toks)
         return prop
@@ -78,7 +88,8 @@ class LevelCalls:
         seconds = time.perf_counter() - t0
         for s, toks in zip(rows, res.token_ids):
             s.mirror[i].extend(toks)
-        self.feed.verified(Verified(i, lower, drafts, res, seconds, drafters))
+        self.feed.verified(Verified(i, lower, drafts, res, seconds, drafters,
+                                    timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP))
         return res
 
     def sync(self, i: int, s: Seq, tail: Sequence[int]) -> SeqSync:

@@ -45,6 +45,8 @@ class Verified:
     seconds: float
     #: a hybrid round: the level that drafted each row (None: `lower` drafted every row)
     drafters: Sequence[int] | None = None
+    #: False: the call also caught a row up on much earlier text (a prefill-sized forward): not a step's time
+    timed: bool = True
 
 
 def fed_lengths(res: VerifyResult, drafts: Sequence[Sequence[int]]) -> list[int]:
@@ -85,7 +87,7 @@ class PlannerFeed:
         rows = [b for b in range(len(drafts)) if b not in nat]  # rows that verified a given draft
         # a stepped call in which a row's engine request started ran that row's prefill: its time says nothing
         # about a decode step (it would price plain decoding at a prefill's cost), so it is not timed
-        timed = not (res.stepped and any(cold))
+        timed = ev.timed and not (res.stepped and any(cold))
         for ob in self.observers:
             if timed:
                 ob.on_call(ev.level, kind, len(drafts), tokens, ev.seconds)

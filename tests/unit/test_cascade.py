@@ -349,3 +349,32 @@ def test_target_failure_is_raised():
     with pytest.raises(LevelCallError) as ei:
         eng.step([s])
     assert ei.value.level == 1 and "target" in str(ei.value)
+
+
+def test_a_level_catching_up_on_earlier_text_is_not_timed_for_the_planner():
+    """A drafter that sat out rounds (or joins a sequence) first feeds everything it missed: that call is a prefill,
+    not a step, so the planner feed gets no time for it (it would price every later draft at a prefill's cost);
+    the calls after it are timed, and greedy output is unchanged."""
+    levels = [Level("draft", worker=draft(0.3), k=3), Level("target", worker=target())]
+    engine = CascadeEngine(levels)
+    timed: list[tuple[int, str, int]] = []
+
+    class Recorder:
+        def on_call(self, level, kind, batch, tokens, seconds):
+            timed.append((level, kind, tokens))
+
+        def on_verify(self, level, lower, draft_lens, accepted):
+            pass
+
+    engine.feed.observers.append(Recorder())
+    proposes = []
+    real = levels[0].worker.propose
+    levels[0].worker.propose = lambda *a, **kw: proposes.append(1) or real(*a, **kw)
+    rounds = itertools.count()
+    plain, spec = Plan((1,), ()), Plan((0, 1), (3,))
+    out = generate(engine, [[5, 6, 7, 8]], max_tokens=48, ignore_eos=True,
+                   plan=lambda batch: plain if next(rounds) < 30 else spec)  # the drafter joins after 30 rounds
+    ref = generate(CascadeEngine([levels[1]]), [[5, 6, 7, 8]], max_tokens=48, ignore_eos=True)
+    assert out.results[0].token_ids == ref.results[0].token_ids
+    fed = [t for t in timed if t[0] == 0 and t[1] == "propose"]
+    assert len(proposes) >= 3 and len(fed) == len(proposes) - 1  # all but the joining call
