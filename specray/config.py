@@ -98,6 +98,11 @@ class LevelConfig(_Strict):
     suffix_decoding_min_token_prob: float = Field(
         0.1, ge=0, le=1, description="suffix: stop a draft before a token whose estimated probability (from "
         "frequency counts along the path) is below this (vLLM's knob and default).")
+    tree_width: int = Field(
+        1, ge=1, le=16, description="suffix: draft a token tree with at most this many children per node (K nodes in "
+        "all) instead of a chain, verified in one target forward (the accepted path plus one token). Only for a "
+        "target that scores trees (hf; vllm verifies chains only, so the level drafts chains there, logged once) "
+        "directly above the suffix level. 1 (default): chains.")
     # --- where the level runs (Ray); ignored in-process and for lookup levels (they run inside the coordinator) ---
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for this level's actor.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for this level's actor (fractions allowed).")
@@ -162,6 +167,8 @@ class LevelConfig(_Strict):
                               if f.startswith("suffix_decoding_") and getattr(self, f) != info.default)
         if suffix_knobs and self.kind != "suffix":
             raise ValueError(f"{suffix_knobs[0]} is for suffix levels, not a {self.kind} level")
+        if self.tree_width != 1 and self.kind != "suffix":
+            raise ValueError(f"tree_width is for suffix levels (they draft token trees), not a {self.kind} level")
         if self.kind == "suffix" and "num_speculative_tokens" not in self.model_fields_set:
             self.num_speculative_tokens = min(64, self.suffix_decoding_max_tree_depth)
         if self.kind == "ngram":

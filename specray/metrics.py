@@ -92,6 +92,10 @@ NUM_DRAFT_TOKENS = _spec_decode("vllm:spec_decode_num_draft_tokens", "Draft toke
 NUM_ACCEPTED_TOKENS = _spec_decode("vllm:spec_decode_num_accepted_tokens", "Draft tokens the level accepted.")
 ACCEPTED_PER_POS = _spec_decode("vllm:spec_decode_num_accepted_tokens_per_pos",
                                 "Accepted draft tokens by position in the draft (0-based).", "position")
+TREE_DRAFTS = _spec_decode("specray_spec_decode_num_tree_drafts",
+                           "Verifications of a draft token tree (also counted in num_drafts).")
+TREE_NODES = _spec_decode("specray_spec_decode_num_tree_nodes",
+                          "Nodes of the draft trees verified (also counted in num_draft_tokens).")
 RUNNING = MetricSpec("gauge", "vllm:num_requests_running", "Requests in the running batch.", ("model_name",))
 WAITING = MetricSpec("gauge", "vllm:num_requests_waiting", "Requests waiting for a place in the batch.",
                      ("model_name",))
@@ -131,8 +135,8 @@ BREAK_EVEN = MetricSpec("gauge", "specray_break_even_batch",
 
 #: every metric specray records, in one place (sinks create them all up front)
 CATALOG: tuple[MetricSpec, ...] = (
-    NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS, ACCEPTED_PER_POS, RUNNING, WAITING, PROMPT_TOKENS,
-    GENERATION_TOKENS, REQUEST_SUCCESS, TTFT, TPOT, E2E, REQUESTS, ERRORS, ROUND_LATENCY, BATCH_SIZE,
+    NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS, ACCEPTED_PER_POS, TREE_DRAFTS, TREE_NODES, RUNNING, WAITING,
+    PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT, TPOT, E2E, REQUESTS, ERRORS, ROUND_LATENCY, BATCH_SIZE,
     PLAN_SEQUENCES, REGIME, ROUTED, POOL_INFLIGHT, BREAK_EVEN,
 )
 #: the router's own metrics in pools mode (the pools record the requests they run: each is counted once)
@@ -254,6 +258,9 @@ class SpecMetrics:
                 self._inc(NUM_ACCEPTED_TOKENS, ps.accepted_tokens, level, pair)
                 for pos, count in enumerate(ps.accepted_per_pos):
                     self._inc(ACCEPTED_PER_POS, count, level, pair, str(pos))
+                if ps.tree_drafts:
+                    self._inc(TREE_DRAFTS, ps.tree_drafts, level, pair)
+                    self._inc(TREE_NODES, ps.tree_nodes, level, pair)
 
     def observe_cancelled(self) -> None:
         """A request whose client went away before it finished."""

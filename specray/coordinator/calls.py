@@ -1,7 +1,8 @@
 """Every worker call of a round goes through `LevelCalls`: it brings the worker's copy of each sequence in line
 (a `SeqSync`: keep n tokens, append the rest; rollback is a shorter keep; keep 0 starts a sequence the level has
 not seen), makes one batched call, maps a failure to `LevelCallError` (the engine's failover acts on it), and
-reports the call's timing to the planner feed. One call per level per (inner) round, nothing else.
+reports the call's timing to the planner feed (`verify_tree`: a target verifying token trees). One call per
+level per (inner) round, nothing else.
 
 A row's context is always the sequence's canonical tokens plus a short `tail` (drafted tokens not committed
 yet), so a sync compares and sends only what changed since the worker last agreed with the canonical text:
@@ -21,6 +22,7 @@ from specray.coordinator.feed import PlannerFeed, Verified
 from specray.coordinator.state import Level, Seq
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult
 from specray.spec.params import VerifyMethod
+from specray.spec.tree import DraftTree
 
 __all__ = ["LevelCalls"]
 
@@ -92,6 +94,28 @@ class LevelCalls:
                                     timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP))
         return res
 
+    def verify_tree(
+        self, i: int, lower: int | None, rows: Sequence[Seq], trees: Sequence[DraftTree | None],
+        probs: torch.Tensor | None,  # [B, N + 1, V] (rejection only)
+        override: VerifyMethod | None,
+    ) -> VerifyResult:
+        """Level `i` (with `WorkerCaps.tree_verify`) verifies a draft tree per row (from `lower`) in one call; like
+        `verify`, the worker then holds the emitted tokens (the accepted path plus the final token), and so does
+        its mirror here."""
+        worker = self.levels[i].worker
+        syncs = [self.sync(i, s, ()) for s in rows]
+        method = self.method(i, lower, override)
+        t0 = time.perf_counter()
+        res = self.call(i, worker.verify_tree, [s.seq_id for s in rows], list(trees),
+                        probs if method is VerifyMethod.REJECTION else None, [s.sampling for s in rows], method,
+                        level=i, sync=syncs)
+        seconds = time.perf_counter() - t0
+        for s, toks in zip(rows, res.token_ids):
+            s.mirror[i].extend(toks)
+        chains = [_longest_path(t) for t in trees]
+        self.feed.verified(Verified(i, lower, chains, res, seconds))
+        return res
+
     def sync(self, i: int, s: Seq, tail: Sequence[int]) -> SeqSync:
         """What level `i` must do to hold `s.tokens + tail`; updates the mirror of what it holds."""
         mirror = s.mirror.get(i)
@@ -139,6 +163,14 @@ class LevelCalls:
             if worker is not None:
                 _free_quietly(worker, s.seq_id)
             del s.mirror[i]
+
+
+def _longest_path(tree: DraftTree | None) -> list[int]:
+    """The tokens of a tree's longest root-to-leaf path (the first of equal length): the chain it stands for in
+    the planner's acceptance model."""
+    if tree is None or not tree.num_nodes:
+        return []
+    return [tree.token_ids[j] for j in max(tree.paths(), key=len)]
 
 
 def _free_quietly(worker: Any, seq_id: str) -> None:

@@ -15,10 +15,16 @@ every row, then one propose call of the model level for the rows the lookup foun
 depends only on its text, and each row's draft is verified against the q of its own drafter: a lookup row's q
 is the one-hot of its tokens (rejection with it is the deterministic method), so a batch verified by rejection
 stays exact row by row.
+
+Token trees: a suffix level with `Level.tree_width` > 1 directly below a target with `WorkerCaps.tree_verify`
+drafts a `DraftTree` per row (`Drafts.trees`; `Drafter.tree_width` decides), which the target verifies in one
+forward (`LevelCalls.verify_tree`). Under any other verifier (a vLLM target, a middle model, a hybrid plan) it
+drafts chains, logged once per pair.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,11 +41,14 @@ from specray.coordinator.stats import LevelStats, drafter_of
 from specray.engine.protocol import DraftMode
 from specray.engine.protocol import DraftProposal as Drafts
 from specray.spec.params import VerifyMethod
+from specray.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
 
 __all__ = ["DraftSource", "Drafter", "Drafts", "Immediate", "RoundState", "Until"]
+
+log = logging.getLogger(__name__)
 
 #: each row's draft for the level above and q when the drafter sampled: `DraftProposal` (token_ids, probs)
 
@@ -141,6 +150,8 @@ class Drafter:
         self.chunk = 2
         #: a hybrid plan: the shortest lookup match a row takes instead of the model's draft
         self.min_match = 1
+        #: (tree level, verifier) pairs already logged as drafting chains instead of trees
+        self._chains_logged: set[tuple[int, int]] = set()
 
     def produce(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int],
@@ -152,6 +163,10 @@ class Drafter:
         i = r.chain[ci]
         lvl = self.levels[i]
         if lvl.is_ngram:
+            width = self.tree_width(r, ci)
+            if width > 1:
+                trees = self._lookup_trees(i, rows, tails, want, width)
+                return Drafts([list(t.token_ids) for t in trees], trees=list(trees))
             return Drafts(self._lookup(i, rows, tails, want))
         if ci == 0:
             if until is not None and any(until.rows):
@@ -159,6 +174,33 @@ class Drafter:
             prop = self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
             return prop
         return self._inner_rounds(r, ci, rows, tails, want, until)
+
+    def tree_width(self, r: RoundState, ci: int) -> int:
+        """Children per node of the trees level r.chain[ci] drafts this round: its `Level.tree_width` when it is a
+        suffix level drafting for the round's target and that target scores trees (`WorkerCaps.tree_verify`);
+        else 1, chains (logged once per pair: a vLLM target, or a middle model, which verifies chains only)."""
+        i = r.chain[ci]
+        lvl = self.levels[i]
+        if lvl.tree_width <= 1 or lvl.suffix is None:
+            return 1
+        upper = r.chain[ci + 1]
+        caps = self.levels[upper].caps
+        if upper == r.top and not r.plan.hybrid and caps is not None and caps.tree_verify:
+            return lvl.tree_width
+        if (i, upper) not in self._chains_logged:
+            self._chains_logged.add((i, upper))
+            why = ("it verifies chains only (no tree_verify)" if caps is None or not caps.tree_verify else
+                   "only a target directly above verifies trees")
+            log.info("level %s drafts chains, not trees (tree_width %d), for level %s: %s", lvl.name,
+                     lvl.tree_width, self.levels[upper].name, why)
+        return 1
+
+    def _lookup_trees(self, i: int, rows: list[Seq], tails: list[list[int]], want: list[int], width: int,
+                      ) -> list[DraftTree]:
+        """Suffix level `i`: each row's draft tree beyond its context, want[b] nodes at most (empty: no match)."""
+        sx = self.levels[i].suffix
+        return [sx.propose_tree_seq(s.seq_id, s.tokens, s.prompt_len, s.tokens + t if t else s.tokens, w, width)
+                if w > 0 else DraftTree((), ()) for s, t, w in zip(rows, tails, want)]
 
     def _lookup(self, i: int, rows: list[Seq], tails: list[list[int]], want: list[int]) -> list[list[int]]:
         """Lookup level `i` (n-gram or suffix): each row's match beyond its context, want[b] tokens at most."""

@@ -36,7 +36,10 @@ class NativeObserver(Protocol):
 
 @dataclass(frozen=True)
 class Verified:
-    """One verify call: `level` scored `drafts` (from `lower`; None for plain decoding) in `seconds`."""
+    """One verify call: `level` scored `drafts` (from `lower`; None for plain decoding) in `seconds`. A tree
+    verification (`VerifyResult.tree_nodes`) gives each row's longest root-to-leaf path as its draft: the planner
+    sees a tree round as a chain as deep as the tree whose accepted count is the accepted path's length (the call
+    is timed by the nodes it fed)."""
 
     level: int
     lower: int | None
@@ -50,8 +53,10 @@ class Verified:
 
 
 def fed_lengths(res: VerifyResult, drafts: Sequence[Sequence[int]]) -> list[int]:
-    """Draft tokens verified per row: the given draft, or for a row without one the verifier's own native
-    speculation (`VerifyResult.native_drafts`)."""
+    """Draft tokens verified per row: the given draft (a tree: its nodes, `VerifyResult.tree_nodes`), or for a row
+    without one the verifier's own native speculation (`VerifyResult.native_drafts`)."""
+    if res.tree_nodes is not None:
+        return [int(n) for n in res.tree_nodes]
     native = res.native_drafts
     if native is None:
         return [len(d) for d in drafts]

@@ -80,8 +80,9 @@ def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
     if cfg.kind == "suffix":
         sx = SuffixDrafter(SuffixConfig(
             cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
-            cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob))
-        return Level(cfg.display_name, suffix=sx, k=cfg.num_speculative_tokens, method=cfg.verify_method)
+            cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob, cfg.tree_width))
+        return Level(cfg.display_name, suffix=sx, k=cfg.num_speculative_tokens, method=cfg.verify_method,
+                     tree_width=cfg.tree_width)
     # native_k (a native vLLM target's own K) comes from the worker (`Level.__post_init__`)
     return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
                  method=cfg.verify_method, confidence=cfg.draft_confidence)

@@ -9,6 +9,11 @@ rows commit what it emitted, and the statistics are recorded.
     looks = r.source.settle(r, ahead)                # the look-ahead stops at its next step
     commit, record, keep the look-ahead that continues the committed text
 
+A suffix level with `tree_width` > 1 under a target that scores token trees drafts a tree per row instead, and
+the target verifies them (`LevelCalls.verify_tree`: the accepted path plus one token, committed like a chain's
+emitted tokens). Such rounds always run immediate: a lookup level alone below the target never drafts ahead
+(`LookAhead.overlaps`), so the look-ahead of other plans is untouched.
+
 A hybrid plan drafts per row (the lookup's match, else the model's draft: `Drafter.hybrid`), still with one
 verification; statistics are recorded under each row's own drafter.
 
@@ -53,8 +58,11 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
     drafts = r.source.drafts(r)
     ahead = r.source.start_ahead(r, drafts)
     try:
-        res = calls.verify(r.top, r.verify_lower, r.rows, [[] for _ in r.rows], drafts.token_ids, drafts.probs,
-                           r.override, drafters=r.drafters)
+        if drafts.trees is not None:  # a suffix level's token trees (`Drafter.tree_width`)
+            res = calls.verify_tree(r.top, r.lower, r.rows, drafts.trees, drafts.probs, r.override)
+        else:
+            res = calls.verify(r.top, r.verify_lower, r.rows, [[] for _ in r.rows], drafts.token_ids, drafts.probs,
+                               r.override, drafters=r.drafters)
     finally:
         looks = r.source.settle(r, ahead)  # never leave a look-ahead running past the round
     fed = fed_lengths(res, drafts.token_ids)  # a native target's own drafts count on rows it got none
@@ -67,6 +75,8 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
         s.rounds += 1
         lower = r.drafters[b] if r.drafters is not None else r.lower  # a hybrid round: each row's own drafter
         who = drafter_of(lower, bool(drafts.token_ids[b]), res.native_drafts is not None)
-        s.stats.setdefault((r.top, who), LevelStats()).record(fed[b], res.num_accepted[b], len(toks))
+        tree = drafts.trees[b] if drafts.trees is not None else None
+        s.stats.setdefault((r.top, who), LevelStats()).record(
+            fed[b], res.num_accepted[b], len(toks), tree.max_depth if tree is not None else None)
         r.source.keep(r, b, s, looks.get(b), len(drafts.token_ids[b]), res, new)
     return committed

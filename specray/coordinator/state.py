@@ -30,6 +30,9 @@ class Level:
     confidence: a model level below the target ends a row's draft after a token it gave a probability below
     this (0: off; HF's assisted generation uses 0.4): the target rejects such tokens often, and tokens drafted
     after them are mostly wasted work. Exact at any value: the draft's length depends only on the drafter.
+    tree_width: a suffix level drafts a token tree (at most this many children per node, K nodes in all) instead
+    of a chain when > 1, only for a verifier with `WorkerCaps.tree_verify` directly above it (the target of a
+    `suffix -> target` plan); otherwise it drafts chains (logged once). 1: chains.
     """
 
     name: str
@@ -43,6 +46,7 @@ class Level:
     live_decode: bool | None = None
     engine_verify: int | None = None
     confidence: float = 0.0
+    tree_width: int = 1
     #: the worker's declared capabilities (None for an n-gram level), read once here
     caps: WorkerCaps | None = field(default=None, repr=False)
 
@@ -51,6 +55,9 @@ class Level:
             raise ValueError(f"level {self.name!r}: confidence must be in [0, 1)")
         if sum(x is not None for x in (self.worker, self.ngram, self.suffix)) != 1:
             raise ValueError(f"level {self.name!r}: give exactly one of worker, ngram or suffix")
+        if self.tree_width < 1 or (self.tree_width > 1 and self.suffix is None):
+            raise ValueError(f"level {self.name!r}: tree_width={self.tree_width} must be >= 1, and > 1 only for a "
+                             "suffix level (it drafts token trees)")
         if self.worker is not None and self.caps is None:
             self.caps = self.worker.capabilities()
         caps = self.caps or WorkerCaps(self.name, 0)

@@ -39,7 +39,12 @@ def drafter_of(lower: int | None, had_draft: bool, native: bool) -> int | None:
 @dataclass
 class LevelStats:
     """What one level saw as a verifier: drafts proposed to it and how many it accepted, per position; with
-    the same counts split by drafter -> verifier pair in `pairs` (filled by `named_stats`)."""
+    the same counts split by drafter -> verifier pair in `pairs` (filled by `named_stats`).
+
+    Token trees (`Worker.verify_tree`): a tree counts as one draft of `draft_tokens` = its nodes, with
+    `accepted_tokens` = the accepted path's length and `accepted_per_pos` by depth; `tree_drafts` and
+    `tree_nodes` count the tree rounds apart (their nodes are also in `draft_tokens`), so the acceptance rate of
+    a tree round reads as accepted path tokens per node drafted."""
 
     num_drafts: int = 0
     draft_tokens: int = 0
@@ -47,18 +52,27 @@ class LevelStats:
     emitted_tokens: int = 0
     verify_calls: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    #: verifications of a draft tree (with at least one node) and the nodes those trees had
+    tree_drafts: int = 0
+    tree_nodes: int = 0
     #: the same statistics per "<drafter>-><verifier>" pair; the draft counts of the pairs sum to the level's
     pairs: dict[str, LevelStats] = field(default_factory=dict)
 
-    def record(self, n_draft: int, n_acc: int, n_emitted: int) -> None:
+    def record(self, n_draft: int, n_acc: int, n_emitted: int, tree_depth: int | None = None) -> None:
+        """One verification of n_draft draft tokens (a tree: nodes, of `tree_depth` levels) that accepted n_acc
+        (a tree: the path's length) and emitted n_emitted tokens."""
         self.verify_calls += 1
         self.emitted_tokens += n_emitted
         if n_draft > 0:
             self.num_drafts += 1
             self.draft_tokens += n_draft
             self.accepted_tokens += n_acc
-            if len(self.accepted_per_pos) < n_draft:
-                self.accepted_per_pos.extend([0] * (n_draft - len(self.accepted_per_pos)))
+            if tree_depth is not None:
+                self.tree_drafts += 1
+                self.tree_nodes += n_draft
+            span = n_draft if tree_depth is None else tree_depth
+            if len(self.accepted_per_pos) < span:
+                self.accepted_per_pos.extend([0] * (span - len(self.accepted_per_pos)))
             for j in range(n_acc):
                 self.accepted_per_pos[j] += 1
 
@@ -68,6 +82,8 @@ class LevelStats:
         self.accepted_tokens += other.accepted_tokens
         self.emitted_tokens += other.emitted_tokens
         self.verify_calls += other.verify_calls
+        self.tree_drafts += other.tree_drafts
+        self.tree_nodes += other.tree_nodes
         if len(self.accepted_per_pos) < len(other.accepted_per_pos):
             self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
         for j, c in enumerate(other.accepted_per_pos):
@@ -101,6 +117,8 @@ class LevelStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
         }
+        if self.tree_drafts:
+            out["tree_drafts"], out["tree_nodes"] = self.tree_drafts, self.tree_nodes
         if self.pairs:
             out["pair"] = self.pair
             out["pairs"] = {name: st.as_dict() for name, st in self.pairs.items()}

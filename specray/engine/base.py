@@ -32,6 +32,7 @@ from specray.spec.sampling import (
     raw_logprobs,
     sample_tokens,
 )
+from specray.spec.tree import DraftTree, verify_tree_logits
 from specray.spec.verify import verify as verify_batch
 
 
@@ -421,6 +422,44 @@ class LogitsWorker(abc.ABC):
             out.append(toks)
         self._move_kv(slots, src, dst)
         return out
+
+    def verify_tree(
+        self,
+        seq_ids: Sequence[str],
+        trees: Sequence[TreeLike | None],
+        draft_probs: torch.Tensor | None,  # [B, N_max + 1, V] or [B, N_max, V] (rejection only)
+        sampling: Sequence[SamplingParams],
+        method: VerifyMethod,
+        level: int = 0,
+        sync: Sequence[SeqSync | None] | None = None,
+    ) -> VerifyResult:
+        """`Worker.verify_tree`: `score_tree` -> `spec.tree.verify_tree_logits` (the rows' penalties counted along
+        each slot's path) -> `accept_paths`. The row then holds the accepted path and the final token, exactly as
+        `verify` holds its emitted tokens; the noise is keyed by `level` as in `verify`, so a chain tree emits
+        what `verify` would."""
+        method = VerifyMethod(method)
+        if len(trees) != len(seq_ids) or len(sampling) != len(seq_ids):
+            raise ValueError(f"{self.name}: trees and sampling must be aligned with seq_ids")
+        dtrees = [DraftTree(*_check_tree(self.name, b, t)) for b, t in enumerate(trees)]
+        logits = self.score_tree(seq_ids, dtrees, sync)  # [B, N_max + 1, V]
+        seqs = [self._get(s) for s in seq_ids]
+        sb = SamplingBatch.from_params(sampling)
+        positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)  # the root's children
+        q = None
+        if method == VerifyMethod.REJECTION and logits.shape[1] > 1:
+            if draft_probs is None:
+                raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
+            q = draft_probs.to(torch.float32)
+        out = verify_tree_logits(method, logits, dtrees, q, sb, positions, level, self._history(seqs, sampling, sb))
+        paths = out.path_lists()
+        emitted = self.accept_paths(seq_ids, paths, [int(t) for t in out.final_token.tolist()])
+        # slot j of a row's emitted tokens: after the root (j = 0), else after the path's (j - 1)-th node
+        slots = torch.zeros(len(seqs), max(len(e) for e in emitted), dtype=torch.long)  # [B, n]
+        for b, path in enumerate(paths):
+            slots[b, 1 : len(path) + 1] = torch.tensor(path, dtype=torch.long) + 1
+        along = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, n, V]
+        return VerifyResult(emitted, [len(p) for p in paths], logprobs=_logprobs(along, emitted, sampling),
+                            tree_nodes=[t.num_nodes for t in dtrees])
 
     def accept_path(self, seq_id: str, path: Sequence[int], bonus: int | None = None) -> list[int]:
         """`accept_paths` for one row."""

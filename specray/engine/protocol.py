@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from specray.engine.caps import WorkerCaps
 from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
+
+if TYPE_CHECKING:
+    from specray.spec.tree import DraftTree
 
 __all__ = ["DraftMode", "DraftProposal", "SeqSync", "VerifyResult", "Worker", "WorkerCaps", "WorkerStats"]
 
@@ -60,10 +63,15 @@ class DraftMode:
 
 @dataclass
 class DraftProposal:
-    """Tokens proposed for each sequence (ragged), and q when the drafter sampled (rejection)."""
+    """Tokens proposed for each sequence (ragged), and q when the drafter sampled (rejection).
+
+    trees: a round that drafts token trees for a verifier with `WorkerCaps.tree_verify` (`Worker.verify_tree`):
+    each row's `DraftTree` (None: no draft); `token_ids[b]` then holds the tree's nodes in its flat order, so
+    `len(token_ids[b])` is the number of nodes drafted (what the statistics count)."""
 
     token_ids: list[list[int]]
     probs: torch.Tensor | None = None  # [B, k_max, V] float32; rows padded past len(token_ids[b])
+    trees: list[DraftTree | None] | None = None
 
 
 @dataclass
@@ -89,6 +97,9 @@ class VerifyResult:
     #: `SamplingParams.logprobs` asks for (an empty list for a row that asks for none); None when no row asks, or
     #: from a worker without `WorkerCaps.logprobs`
     logprobs: list[list[TokenLogprob]] | None = None
+    #: per sequence, the nodes of the draft tree `Worker.verify_tree` verified (None from `verify`); then
+    #: `num_accepted` is the accepted path's length and `token_ids` the path's tokens plus the final token
+    tree_nodes: list[int] | None = None
 
 
 @dataclass
@@ -151,6 +162,21 @@ class Worker(Protocol):
 
         `confidence`: also report `VerifyResult.confidence` (None from a worker without
         `WorkerCaps.draft_confidence`)."""
+
+    def verify_tree(
+        self,
+        seq_ids: Sequence[str],
+        trees: Sequence[DraftTree | None],
+        draft_probs: torch.Tensor | None,
+        sampling: Sequence[SamplingParams],
+        method: VerifyMethod,
+        level: int = 0,
+        sync: Sequence[SeqSync | None] | None = None,
+    ) -> VerifyResult:
+        """`verify` for a draft tree per row (None: no draft; `specray.spec.tree` for the layout and the methods):
+        score every node in one forward, accept a root-to-leaf path, append its tokens plus one correction/bonus
+        token (the emitted tokens, as `verify`'s). `draft_probs` [B, N + 1, V] or [B, N, V]: each slot's q
+        (rejection only). Only a worker with `WorkerCaps.tree_verify`; the others raise NotImplementedError."""
 
     def stats(self) -> WorkerStats:
         """Live sequences and cache usage."""

@@ -416,6 +416,11 @@ class VLLMWorker(LiveRequests, PromptScoring):
         """Refused (see `score_tree`)."""
         raise self._chains_only()
 
+    def verify_tree(self, seq_ids: Sequence[str], trees: Sequence[Any], draft_probs: Any, sampling: Any,
+                    method: Any, level: int = 0, sync: Any = None) -> VerifyResult:
+        """Refused (see `score_tree`): the coordinator sends this level chains only."""
+        raise self._chains_only()
+
 
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:
     """End-of-sequence ids from generation_config.json and the tokenizer (as the hf backend reads them)."""

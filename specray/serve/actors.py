@@ -9,8 +9,8 @@
 - `RemoteNesting` lets a middle level run its inner rounds in its actor, calling the level below directly
   (`specray.coordinator.inner`; direct transport).
 
-Transport. A round's calls (`propose`, `verify`) travel as one `LevelRequest` each, by one of three transports
-(`cascade.transport`), compared side by side in benchmarks/bench_overhead.py:
+Transport. A round's calls (`propose`, `verify`, `verify_tree`) travel as one `LevelRequest` each, by one of
+three transports (`cascade.transport`), compared side by side in benchmarks/bench_overhead.py:
 - `direct` (default): a socket the actor serves beside Ray (`specray.serve.direct`): one pickle frame each way,
   a fraction of an actor call's cost, and an idle level sleeps;
 - `compiled`: a Ray Compiled Graph of one node per level: a shared-memory channel to a loop running in the
@@ -18,7 +18,8 @@ Transport. A round's calls (`propose`, `verify`) travel as one `LevelRequest` ea
 - `call`: a plain actor call (for nodes that cannot reach each other's ephemeral ports).
 Sequences finished by the coordinator are freed inside the level's next request (or before any other call),
 never by a call of their own, and a level joins a sequence inside the call that first uses it
-(`SeqSync.start`). Only token ids travel, plus q when a drafter sampled (rejection). After the actor restarts,
+(`SeqSync.start`). Only token ids travel (a draft tree: its token ids and parents), plus q when a drafter
+sampled (rejection). After the actor restarts,
 the connection is made again to its new address (or the graph rebuilt); a call that finds it broken raises
 `LevelUnavailable` like a dead actor.
 
@@ -54,10 +55,12 @@ from specray.serve.wire import (
     NestedCall,
     ProposeCall,
     Samplings,
+    TreeVerifyCall,
     VerifyCall,
     WireSampling,
     WireSync,
     wire_syncs,
+    wire_trees,
 )
 from specray.spec.params import SamplingParams, VerifyMethod
 
@@ -315,7 +318,7 @@ class ActorWorker:
             raise mapped from e
 
     # ----- transport ------------------------------------------------------------------------------
-    def _request(self, call: ProposeCall | VerifyCall | NestedCall) -> LevelRequest:
+    def _request(self, call: ProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> LevelRequest:
         with self._frees_lock:
             frees, self._frees = tuple(self._frees), []
         return LevelRequest(frees, call)
@@ -341,7 +344,7 @@ class ActorWorker:
         with self._frees_lock:
             self._sampled.clear()
 
-    def _send(self, call: ProposeCall | VerifyCall | NestedCall) -> Any:
+    def _send(self, call: ProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> Any:
         """One round call over the transport."""
         if self.transport == "direct":
             return self._send_direct(call)
@@ -368,7 +371,7 @@ class ActorWorker:
                     raise
                 raise mapped from e
 
-    def _send_direct(self, call: ProposeCall | VerifyCall | NestedCall) -> Any:
+    def _send_direct(self, call: ProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> Any:
         with self._direct_lock:
             try:
                 if self._direct is None:
@@ -468,6 +471,17 @@ class ActorWorker:
         sp, sy = self._wire(ids, sampling, sync)
         return self._send(VerifyCall(ids, [list(d) for d in draft_ids], draft_probs, sp, method, level, sy,
                                      return_probs, confidence))
+
+    def verify_tree(
+        self, seq_ids: Sequence[str], trees: Sequence[Any], draft_probs: torch.Tensor | None,
+        sampling: Sequence[SamplingParams], method: VerifyMethod, level: int = 0,
+        sync: Sequence[SeqSync | None] | None = None,
+    ) -> VerifyResult:
+        """`Worker.verify_tree` in the actor (a level with `WorkerCaps.tree_verify`); the trees travel as token
+        ids and parents."""
+        ids = list(seq_ids)
+        sp, sy = self._wire(ids, sampling, sync)
+        return self._send(TreeVerifyCall(ids, wire_trees(trees), draft_probs, sp, method, level, sy))
 
     def nested(self, draft: NestedDraft, low: ActorWorker) -> NestedOutcome:
         """This (middle) level runs `draft`'s inner rounds beside its model, calling `low`'s actor directly

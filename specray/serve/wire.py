@@ -15,13 +15,16 @@ from typing import Any
 import torch
 
 from specray.coordinator.inner import NestedDraft, NestedOutcome, run_nested
+from specray.engine.base import TokenTree
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult, Worker
 from specray.spec.params import SamplingParams, VerifyMethod
 
-__all__ = ["LevelRequest", "NestedCall", "ProposeCall", "Samplings", "VerifyCall", "WireSampling", "WireSync", "syncs",
-           "wire_syncs"]
+__all__ = ["LevelRequest", "NestedCall", "ProposeCall", "Samplings", "TreeVerifyCall", "VerifyCall", "WireSampling",
+           "WireSync", "WireTree", "syncs", "wire_syncs", "wire_trees"]
 
 WireSync = tuple[int, tuple[int, ...]] | None
+#: a draft tree as (token_ids, parents) (`specray.spec.tree.DraftTree`'s layout); None: no draft
+WireTree = tuple[tuple[int, ...], tuple[int, ...]] | None
 WireSampling = SamplingParams | None  # None: the actor has it
 #: (address, token) of a level actor's direct transport
 Endpoint = tuple[tuple[str, int], str]
@@ -91,6 +94,25 @@ class VerifyCall:
 
 
 @dataclass(frozen=True)
+class TreeVerifyCall:
+    """`Worker.verify_tree` with its arguments, in wire form: each tree as token ids and parents only."""
+
+    seq_ids: list[str]
+    trees: list[WireTree]
+    draft_probs: torch.Tensor | None  # [B, N + 1, V] (rejection only)
+    sampling: list[WireSampling]
+    method: VerifyMethod
+    level: int
+    sync: list[WireSync] | None
+
+    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> VerifyResult:
+        trees = [None if t is None else TokenTree(*t) for t in self.trees]
+        return worker.verify_tree(self.seq_ids, trees, self.draft_probs,
+                                  samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
+                                  sync=syncs(self.sync))
+
+
+@dataclass(frozen=True)
 class NestedCall:
     """A middle level runs its inner rounds itself (`specray.coordinator.inner.run_nested`), calling the level
     below at `low_at` directly. Sampling parameters in wire form for each level (`draft.sampling` is empty);
@@ -125,8 +147,14 @@ class LevelRequest:
     """One message to a level actor: sequences the coordinator finished (freed first), then the call."""
 
     frees: tuple[str, ...]
-    call: ProposeCall | VerifyCall | NestedCall
+    call: ProposeCall | VerifyCall | TreeVerifyCall | NestedCall
 
 
 def wire_syncs(sync: Sequence[SeqSync | None] | None) -> list[WireSync] | None:
     return None if sync is None else [None if x is None else (x.keep, tuple(x.append)) for x in sync]
+
+
+def wire_trees(trees: Sequence[Any]) -> list[WireTree]:
+    """Trees (anything with `token_ids` and `parents`) as plain tuples."""
+    return [None if t is None else (tuple(int(x) for x in t.token_ids), tuple(int(p) for p in t.parents))
+            for t in trees]

@@ -49,18 +49,24 @@ def _now() -> int:
 class SpeculationPairUsage(_Response):
     """Acceptance stats of one drafter -> verifier pair in one request (extension)."""
 
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"tree_drafts", "tree_nodes"})
+
     num_drafts: int
     draft_tokens: int
     accepted_tokens: int
     acceptance_rate: float = Field(description="accepted_tokens / draft_tokens (0 when nothing was drafted).")
     mean_acceptance_length: float = Field(description="Tokens emitted per verification call (accepted + 1).")
+    tree_drafts: int | None = Field(None, description=(
+        "Verifications of a draft token tree (a suffix level's `tree_width`); each counts in num_drafts with its "
+        "nodes as draft_tokens and its accepted path's length as accepted_tokens. Left out without trees."))
+    tree_nodes: int | None = Field(None, description="Nodes of those trees (left out without trees).")
 
 
 class SpeculationLevelUsage(SpeculationPairUsage):
     """Per-level acceptance stats of one request (extension); a level counts the drafts proposed to it, by
     whichever level drafted them: `pair` names the drafter(s), `pairs` splits the counts by drafter."""
 
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"pair"})
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"pair", "tree_drafts", "tree_nodes"})
 
     pair: str | None = Field(None, description=(
         '"<drafter>-><verifier>" whose drafts these are (e.g. "ngram->mid"); drafters joined by "+" when the '
@@ -85,8 +91,11 @@ def usage_from_stats(
 ) -> Usage:
     """Usage with the per-level speculation stats of one request (omitted when there are none)."""
     def counts(s: LevelStats) -> dict[str, Any]:
-        return {"num_drafts": s.num_drafts, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-                "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length}
+        out = {"num_drafts": s.num_drafts, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+               "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length}
+        if s.tree_drafts:
+            out.update(tree_drafts=s.tree_drafts, tree_nodes=s.tree_nodes)
+        return out
 
     spec = {
         name: SpeculationLevelUsage(**counts(s), pair=s.pair,
