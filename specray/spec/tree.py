@@ -590,7 +590,7 @@ def tree_penalized_logits(
     dev = x.device
     tok = torch.nn.functional.one_hot(trees.token_ids.clamp(min=0), vocab).to(dev, torch.float32)  # [B, N, V]
     on_path = trees.ancestors().to(dev, torch.float32) @ (tok * trees.valid.to(dev).unsqueeze(-1))  # [B, N, V]
-    path_counts = torch.cat([torch.zeros_like(on_path[:, :1]), on_path], dim=1)  # [B, S, V]
+    path_counts = torch.cat([on_path.new_zeros(bsz, 1, vocab), on_path], dim=1)  # [B, S, V] (S = 1 for N = 0)
     counts = history.output_counts.to(dev).unsqueeze(1) + path_counts
     seen = history.seen.to(dev).unsqueeze(1) | (counts > 0)
     rows = torch.arange(bsz, device=dev).repeat_interleave(slots)
