@@ -14,7 +14,7 @@ import ray
 import torch
 
 from specray.config import CascadeConfig, LevelConfig, PlacementConfig
-from specray.coordinator.cascade import Level
+from specray.coordinator.cascade import Level, Plan
 from specray.coordinator.generate import generate
 from specray.engine.hf import HFWorker
 from specray.engine.models import TokenizerMismatchError
@@ -154,6 +154,53 @@ def test_every_transport_gives_the_in_process_output(setup, fakes):
     finally:
         for w in others["compiled"].values():
             w.close()  # an idle compiled graph's reader keeps a core busy
+
+
+def test_tree_rounds_over_actors_equal_plain(fakes):
+    """A suffix level drafting token trees for the target's actor (`verify_tree` over the direct transport and a
+    plain actor call: token ids and parents on the wire): greedy == plain decoding in process, with trees that
+    branched; the same call in process and over the actor gives the same result."""
+    from specray.engine.base import TokenTree
+    from specray.spec.suffix import SuffixConfig, SuffixDrafter
+    from specray.spec.tree import DraftTree
+
+    prompts = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 8, 5, 6], [1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2], [9],
+               [3, 3, 4, 3, 3, 5, 3, 3, 4, 3, 3, 6, 3, 3]]
+    remote = fakes.workers["target"]
+    assert remote.capabilities().tree_verify
+    local = in_process()["target"]
+    trees = [TokenTree((7, 9, 8, 10), (-1, -1, 0, 1)), None]
+    sp = [SamplingParams(temperature=0.8, seed=3), G]
+    for w in (remote, local):
+        w.add("tr", prompts[0])
+        w.add("tr2", prompts[1])
+    got = [w.verify_tree(["tr", "tr2"], trees, None, sp, VerifyMethod.DETERMINISTIC, level=1) for w in (remote, local)]
+    assert got[0] == got[1] and got[0].tree_nodes == [4, 0]
+    remote.free_many(["tr", "tr2"])
+
+    def levels(target) -> list[Level]:
+        sx = SuffixDrafter(SuffixConfig(num_speculative_tokens=6, max_spec_factor=4.0, min_token_prob=0.0))
+        return [Level("suffix", suffix=sx, k=6, tree_width=3), Level("target", worker=target)]
+
+    sent: list[DraftTree] = []
+    call = ActorWorker(remote.handle, info=remote._info_cache, level="target", transport="call")
+    plain = generate([Level("target", worker=local)], prompts, max_tokens=20, ignore_eos=True, plain=True)
+    for target in (remote, call):
+        orig = target.verify_tree
+
+        def spy(seq_ids, trees, *a, _orig=orig, **kw):
+            sent.extend(trees)
+            return _orig(seq_ids, trees, *a, **kw)
+
+        target.verify_tree = spy
+        try:
+            got = generate(levels(target), prompts, max_tokens=20, ignore_eos=True, plan=Plan((0, 1), (6,)))
+        finally:
+            del target.verify_tree
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in plain.results]
+        assert got.stats["target"].tree_drafts > 0 and got.stats["target"].accepted_tokens > 0
+        assert target.stats().live_sequences == 0  # everything freed (with this client's next call)
+    assert any(t.num_nodes and not t.is_chain for t in sent)
 
 
 def test_nested_drafting_over_actors_equals_in_process(fakes):
