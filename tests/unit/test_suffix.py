@@ -409,7 +409,7 @@ def test_suffix_level_config():
     assert lc.num_speculative_tokens == 16  # K defaults to the tree depth, as in vLLM
     lvl = level_from_config(lc)
     assert lvl.is_ngram and lvl.worker is None and lvl.k == 16
-    assert lvl.suffix.config == SuffixConfig(16, 16, 5, 2.0, 0.2)
+    assert lvl.suffix.config == SuffixConfig(16, 16, 5, 2.0, 0.2, tree_width=1)  # the level's tree_width (chains)
     assert LevelConfig(kind="suffix", num_speculative_tokens=3).num_speculative_tokens == 3
     with pytest.raises(ValueError, match="suffix_decoding_max_spec_factor is for suffix levels"):
         LevelConfig(kind="hf", model="m", suffix_decoding_max_spec_factor=2.0)
