@@ -216,22 +216,27 @@ def test_tree_width_config():
         Level("t", worker=FakeWorker(), tree_width=2)
 
 
-def test_greedy_tree_rounds_equal_plain_with_tiny_hf_models(tiny_root):
+@pytest.mark.parametrize("method", [VerifyMethod.GREEDY, VerifyMethod.COUPLED])
+def test_tree_rounds_equal_plain_with_tiny_hf_models(tiny_root, method):
     """fp32 tiny models in process: a suffix level drafting trees for an HF target whose greedy text copies its
-    context, ragged batch; trees branch and accept."""
+    context, ragged batch; trees branch and accept. Greedy, and seeded coupled sampling (T > 0): plain
+    decoding's text."""
     from specray.engine.hf import HFWorker
     from specray.testing.tiny import repetitive_target
 
     path = str(repetitive_target(tiny_root))
 
     def target() -> Level:
-        return Level("t", worker=HFWorker(path, name="t", dtype="float32"))
+        return Level("t", worker=HFWorker(path, name="t", dtype="float32"), method=method)
 
     prompts = [[p + 20 for p in row] for row in PROMPTS]
-    plain = generate([target()], prompts, max_tokens=20, ignore_eos=True, plain=True)
+    sp = None
+    if method == VerifyMethod.COUPLED:
+        sp = [SamplingParams(temperature=0.7, top_p=0.95, seed=40 + b) for b in range(len(prompts))]
+    plain = generate([target()], prompts, max_tokens=20, sampling=sp, ignore_eos=True, plain=True)
     levels = [suffix(3), target()]
     spy = Spy(levels[1].worker)
-    batch = generate(levels, prompts, max_tokens=20, ignore_eos=True, plan=TREE)
+    batch = generate(levels, prompts, max_tokens=20, sampling=sp, ignore_eos=True, plan=TREE)
     assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
     st = batch.stats["t"]
     assert spy.branched > 0 and st.tree_drafts > 0 and st.accepted_tokens > 0
