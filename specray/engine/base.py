@@ -453,12 +453,15 @@ class LogitsWorker(abc.ABC):
         out = verify_tree_logits(method, logits, dtrees, q, sb, positions, level, self._history(seqs, sampling, sb))
         paths = out.path_lists()
         emitted = self.accept_paths(seq_ids, paths, [int(t) for t in out.final_token.tolist()])
-        # slot j of a row's emitted tokens: after the root (j = 0), else after the path's (j - 1)-th node
-        slots = torch.zeros(len(seqs), max(len(e) for e in emitted), dtype=torch.long)  # [B, n]
-        for b, path in enumerate(paths):
-            slots[b, 1 : len(path) + 1] = torch.tensor(path, dtype=torch.long) + 1
-        along = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, n, V]
-        return VerifyResult(emitted, [len(p) for p in paths], logprobs=_logprobs(along, emitted, sampling),
+        logprobs = None
+        if any(sp.logprobs is not None for sp in sampling):
+            # slot j of a row's emitted tokens: after the root (j = 0), else after the path's (j - 1)-th node
+            slots = torch.zeros(len(seqs), max(len(e) for e in emitted), dtype=torch.long)  # [B, n]
+            for b, path in enumerate(paths):
+                slots[b, 1 : len(path) + 1] = torch.tensor(path, dtype=torch.long) + 1
+            along = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, n, V]
+            logprobs = _logprobs(along, emitted, sampling)
+        return VerifyResult(emitted, [len(p) for p in paths], logprobs=logprobs,
                             tree_nodes=[t.num_nodes for t in dtrees])
 
     def accept_path(self, seq_id: str, path: Sequence[int], bonus: int | None = None) -> list[int]:
