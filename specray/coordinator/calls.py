@@ -113,7 +113,8 @@ class LevelCalls:
         for s, toks in zip(rows, res.token_ids):
             s.mirror[i].extend(toks)
         chains = [_longest_path(t) for t in trees]
-        self.feed.verified(Verified(i, lower, chains, res, seconds))
+        self.feed.verified(Verified(i, lower, chains, res, seconds,
+                                    timed=_catch_up(syncs, [()] * len(rows)) <= UNTIMED_CATCH_UP))
         return res
 
     def sync(self, i: int, s: Seq, tail: Sequence[int]) -> SeqSync:
