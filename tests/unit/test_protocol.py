@@ -172,7 +172,7 @@ INVALID_COMPLETIONS = [
     ({"prompt": 3}, "prompt", "string or a list"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
     ({"stream": True, "stream_options": {"extra": 1}}, "stream_options.extra", "unknown field"),
-    ({"speculation": {"method": "magic"}}, "speculation.method", "'cascade' or 'auto' (got 'magic')"),
+    ({"speculation": {"method": "magic"}}, "speculation.method", "'cascade', 'hybrid' or 'auto' (got 'magic')"),
     ({"speculation": {"num_speculative_tokens": 0}}, "speculation.num_speculative_tokens", ">= 1"),
     ({"speculation": {"num_speculative_tokens": 33}}, "speculation.num_speculative_tokens", "<= 32"),
     ({"speculation": {"verify_method": "fast"}}, "speculation.verify_method", "'coupled'"),
