@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_serve import answers, served, wait_ready
+from served_app import serve_run
 
 from tests.e2e.vllm_bench_client import run_client, server_ttft
 
@@ -40,25 +37,12 @@ def main() -> None:
     args = ap.parse_args()
     from specray.engine.models import resolve_model
 
-    url, model = served(args.config)
-    if answers(url):
-        raise RuntimeError(f"something already answers on {url}: stop it first")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(args.config)], cwd=ROOT,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_ready(url, proc, args.startup_s)
+    with serve_run(args.config, args.startup_s) as (url, model):
         tokenizer = str(resolve_model(model))
         run_client(url, model, tokenizer, Path("/tmp/specray-clients-warmup.json"), 2, 4)  # warm-up
         s0, c0 = server_ttft(url)
         res = run_client(url, model, tokenizer, Path("/tmp/specray-clients.json"), args.num_prompts, args.output_len)
         s1, c1 = server_ttft(url)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
     server_ms = (s1 - s0) / (c1 - c0) * 1000 if c1 > c0 else None
     out = {"config": str(args.config), "client": res, "server_mean_ttft_ms": server_ms,
            "ttft_within_10pct": server_ms is not None and abs(res["mean_ttft_ms"] - server_ms)

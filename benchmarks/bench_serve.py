@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,38 +26,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prompts import SETS
+from served_app import serve_run
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def served(config: Path) -> tuple[str, str]:
-    """(base URL, model id) from a Serve config file."""
-    cfg = yaml.safe_load(config.read_text())
-    http = cfg.get("http_options", {})
-    app = cfg["applications"][0]
-    url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}{app.get('route_prefix', '/').rstrip('/')}"
-    return url, app["args"]["config"]["server"]["model_name"]
-
-
-def answers(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code < 500
-    except httpx.HTTPError:
-        return False
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"`serve run` exited with {proc.returncode} before the app was ready")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s")
 
 
 def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: bool,
@@ -78,17 +46,10 @@ def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: boo
 
 
 def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: float, temperature: float = 0.0) -> dict:
-    url, model = served(config)
-    if answers(url):  # an app left from an earlier run would be measured instead of this config's
-        raise RuntimeError(f"something already answers on {url}: stop it first (`ray stop --force`)")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     print(f"== {config}: starting `serve run` (models load in the level actors) ...", flush=True)
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     out: dict = {}
-    try:
-        t0 = time.monotonic()
-        wait_ready(url, proc, startup_s)
+    t0 = time.monotonic()
+    with serve_run(config, startup_s) as (url, model):
         print(f"   ready in {time.monotonic() - t0:.0f}s", flush=True)
         with httpx.Client(base_url=url, timeout=600) as client:
             ask(client, model, "Say hi.", 8, plain=False)  # warm-up
@@ -113,16 +74,6 @@ def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: floa
                 out[name] = res
                 print(f"   {name}: served {res['served']['tok_s']:.2f} tok/s, plain {res['plain']['tok_s']:.2f} "
                       f"tok/s, {res['speedup']:.2f}x", flush=True)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)  # `serve run` shuts the app and its Ray down on Ctrl-C
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        deadline = time.monotonic() + 120
-        while answers(url) and time.monotonic() < deadline:  # the next config must not find this app
-            time.sleep(2)
     return out
 
 
