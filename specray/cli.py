@@ -231,12 +231,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_verify_arguments(sub.add_parser("verify", formatter_class=_Help, help="check on your own prompts that "
                                         "speculation gives plain decoding's output (exit code 1 if not)"))
     from specray.bench.cli import add_bench_arguments
+    from specray.bench.sla import add_sla_arguments
 
-    add_bench_arguments(sub.add_parser(
+    bench = sub.add_parser(
         "bench", formatter_class=_Help, help="measure speculation modes (and peers) side by side on workloads: "
         "JSON report + plots", description="Measure speculation modes none / ngram / draft / cascade / adaptive "
         "(and peer engines) on the same requests, in process or against a running server; writes report.json "
-        "and PNG plots (docs/bench.md)."))
+        "and PNG plots (docs/bench.md). `specray bench sla --help`: throughput at a latency ceiling.")
+    add_bench_arguments(bench)
+    add_sla_arguments(bench.add_subparsers(dest="bench_cmd", metavar="sla").add_parser(
+        "sla", formatter_class=_Help, help="throughput at a P90 latency ceiling under Poisson arrivals, with and "
+        "without speculation, against a running server", description="Poisson arrivals at several request rates "
+        "against a running server, each rate with the server's speculation and with plain decoding; the highest "
+        "throughput whose P90 end-to-end latency is under a ceiling (docs/bench.md, SLA experiment)."))
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         from specray.serve.command import run_serve
@@ -246,6 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_generate(args)
     if args.cmd == "verify":
         return verify_main(args)
+    if args.cmd == "bench" and args.bench_cmd == "sla":
+        from specray.bench.sla import run_sla
+
+        return run_sla(args)
     if args.cmd == "bench":
         from specray.bench.cli import main as bench_main
 
