@@ -167,14 +167,7 @@ def ref_verify_row(
                 return out
             continue
         u = ref_uniform(seed, position + j, accept_stream(salt))
-        if method == VerifyMethod.REJECTION:
-            assert draft_probs is not None
-            q = draft_probs[j].double().tolist()
-            accepted = u * q[x] < p[x]
-            residual = [max(pv - qv, 0.0) for pv, qv in zip(p, q, strict=True)]
-        else:
-            accepted = u < p[x]
-            residual = [0.0 if v == x else pv for v, pv in enumerate(p)]
+        accepted, residual = _ref_accept(method, u, p, draft_probs, j, x)
         if accepted:
             out.append(x)
             continue
@@ -261,14 +254,7 @@ def ref_verify_tree_row(
         for j, c in enumerate(kids):
             x = tree.token_ids[c]
             u = ref_uniform(seed, position + depth, accept_stream(salt), j)
-            if method == VerifyMethod.REJECTION:
-                assert draft_probs is not None
-                q = draft_probs[slot].double().tolist()
-                accepted = u * q[x] < p[x]
-                residual = [max(pv - qv, 0.0) for pv, qv in zip(p, q, strict=True)]
-            else:
-                accepted = u < p[x]
-                residual = [0.0 if v == x else pv for v, pv in enumerate(p)]
+            accepted, residual = _ref_accept(method, u, p, draft_probs, slot, x)
             if accepted:
                 chosen = c
                 break
@@ -308,3 +294,14 @@ def ref_verify_tree(
         paths[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
         num_accepted[b] = len(path)
     return TreeVerifyOutput(output_ids=out, num_accepted=num_accepted, path=paths)
+
+
+def _ref_accept(method: VerifyMethod, u: float, p: list[float], draft_probs: torch.Tensor | None, slot: int,
+                x: int) -> tuple[bool, list[float]]:
+    """One accept test of draft token x against p (a row's slot), and the residual to sample from if it fails:
+    rejection (q = draft_probs[slot]) or its q = delta_x case."""
+    if method == VerifyMethod.REJECTION:
+        assert draft_probs is not None
+        q = draft_probs[slot].double().tolist()
+        return u * q[x] < p[x], [max(pv - qv, 0.0) for pv, qv in zip(p, q, strict=True)]
+    return u < p[x], [0.0 if v == x else pv for v, pv in enumerate(p)]
