@@ -24,7 +24,7 @@ from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyRes
 from specray.spec.params import VerifyMethod
 from specray.spec.tree import DraftTree
 
-__all__ = ["LevelCalls"]
+__all__ = ["LevelCalls", "longest_path"]
 
 #: a call in which some row first catches up on more tokens than this (a level that sat out rounds, or starts a
 #: sequence) runs a prefill-sized forward: its time says nothing about a step, so the planner is not fed it
@@ -97,24 +97,27 @@ class LevelCalls:
     def verify_tree(
         self, i: int, lower: int | None, rows: Sequence[Seq], trees: Sequence[DraftTree | None],
         probs: torch.Tensor | None,  # [B, N + 1, V] (rejection only)
-        override: VerifyMethod | None,
+        override: VerifyMethod | None, *, tails: Sequence[Sequence[int]] | None = None, width: int = 1,
+        return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
-        """Level `i` (with `WorkerCaps.tree_verify`) verifies a draft tree per row (from `lower`) in one call; like
-        `verify`, the worker then holds the emitted tokens (the accepted path plus the final token), and so does
-        its mirror here."""
+        """Level `i` (with `WorkerCaps.tree_verify`) verifies a draft tree per row (from `lower`, drafted `width`
+        children per node) beyond each row's context (its tokens + tails[b]: a middle level's inner round) in one
+        call; like `verify`, the worker then holds the emitted tokens (the accepted path plus the final token),
+        and so does its mirror here."""
         worker = self.levels[i].worker
-        syncs = [self.sync(i, s, ()) for s in rows]
+        tails = tails if tails is not None else [()] * len(rows)
+        syncs = [self.sync(i, s, t) for s, t in zip(rows, tails)]
         method = self.method(i, lower, override)
         t0 = time.perf_counter()
         res = self.call(i, worker.verify_tree, [s.seq_id for s in rows], list(trees),
                         probs if method is VerifyMethod.REJECTION else None, [s.sampling for s in rows], method,
-                        level=i, sync=syncs)
+                        level=i, sync=syncs, return_probs=return_probs, confidence=confidence)
         seconds = time.perf_counter() - t0
         for s, toks in zip(rows, res.token_ids):
             s.mirror[i].extend(toks)
-        chains = [_longest_path(t) for t in trees]
-        self.feed.verified(Verified(i, lower, chains, res, seconds,
-                                    timed=_catch_up(syncs, [()] * len(rows)) <= UNTIMED_CATCH_UP))
+        chains = [longest_path(t) for t in trees]
+        self.feed.verified(Verified(i, lower, chains, res, seconds, timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP,
+                                    trees=list(trees), width=width))
         return res
 
     def sync(self, i: int, s: Seq, tail: Sequence[int]) -> SeqSync:
@@ -166,7 +169,7 @@ class LevelCalls:
             del s.mirror[i]
 
 
-def _longest_path(tree: DraftTree | None) -> list[int]:
+def longest_path(tree: DraftTree | None) -> list[int]:
     """The tokens of a tree's longest root-to-leaf path (the first of equal length): the chain it stands for in
     the planner's acceptance model."""
     if tree is None or not tree.num_nodes:

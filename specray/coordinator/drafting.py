@@ -16,10 +16,11 @@ depends only on its text, and each row's draft is verified against the q of its 
 is the one-hot of its tokens (rejection with it is the deterministic method), so a batch verified by rejection
 stays exact row by row.
 
-Token trees: a suffix level with `Level.tree_width` > 1 directly below a target with `WorkerCaps.tree_verify`
-drafts a `DraftTree` per row (`Drafts.trees`; `Drafter.tree_width` decides), which the target verifies in one
-forward (`LevelCalls.verify_tree`). Under any other verifier (a vLLM target, a middle model, a hybrid plan) it
-drafts chains, logged once per pair.
+Token trees: a suffix level with `Level.tree_width` > 1 (or the plan's `Plan.tree`) below a level with
+`WorkerCaps.tree_verify` drafts a `DraftTree` per row (`Drafts.trees`; `Drafter.tree_width` decides), which that
+level verifies in one forward (`LevelCalls.verify_tree`): the target, or a middle model in each inner round,
+whose emitted tokens (the accepted path plus one token) extend its chain draft for the level above. Under a
+verifier without tree_verify (vLLM) it drafts chains, logged once per pair; a hybrid plan drafts chains.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specray.coordinator.calls import LevelCalls
+from specray.coordinator.calls import LevelCalls, longest_path
 from specray.coordinator.failover import LevelCallError
 from specray.coordinator.feed import Verified, fed_lengths
 from specray.coordinator.inner import InnerLog, NestedDraft, Nesting, inner_rounds
@@ -176,23 +177,23 @@ class Drafter:
         return self._inner_rounds(r, ci, rows, tails, want, until)
 
     def tree_width(self, r: RoundState, ci: int) -> int:
-        """Children per node of the trees level r.chain[ci] drafts this round: its `Level.tree_width` when it is a
-        suffix level drafting for the round's target and that target scores trees (`WorkerCaps.tree_verify`);
-        else 1, chains (logged once per pair: a vLLM target, or a middle model, which verifies chains only)."""
+        """Children per node of the trees level r.chain[ci] drafts this round: the plan's `Plan.tree`, else the
+        level's `Level.tree_width`, when it is a suffix level drafting for a level that scores trees
+        (`WorkerCaps.tree_verify`: the target, or a middle model verifying them in its inner rounds); else 1,
+        chains (logged once per pair: a vLLM verifier; a hybrid plan never drafts trees)."""
         i = r.chain[ci]
         lvl = self.levels[i]
-        if lvl.tree_width <= 1 or lvl.suffix is None:
+        width = r.plan.tree or lvl.tree_width
+        if width <= 1 or lvl.suffix is None or r.plan.hybrid:
             return 1
         upper = r.chain[ci + 1]
         caps = self.levels[upper].caps
-        if upper == r.top and not r.plan.hybrid and caps is not None and caps.tree_verify:
-            return lvl.tree_width
+        if caps is not None and caps.tree_verify:
+            return width
         if (i, upper) not in self._chains_logged:
             self._chains_logged.add((i, upper))
-            why = ("it verifies chains only (no tree_verify)" if caps is None or not caps.tree_verify else
-                   "only a target directly above verifies trees")
-            log.info("level %s drafts chains, not trees (tree_width %d), for level %s: %s", lvl.name,
-                     lvl.tree_width, self.levels[upper].name, why)
+            log.info("level %s drafts chains, not trees (tree_width %d), for level %s: it verifies chains only "
+                     "(no tree_verify)", lvl.name, width, self.levels[upper].name)
         return 1
 
     def _lookup_trees(self, i: int, rows: list[Seq], tails: list[list[int]], want: list[int], width: int,
@@ -263,9 +264,13 @@ class Drafter:
             return self.produce(r, ci - 1, [rows[b] for b in idx], [tails[b] + o for b, o in zip(idx, outs)], k)
 
         def verify(idx: list[int], outs: list[list[int]], d: Drafts) -> VerifyResult:
-            return self.calls.verify(i, lower, [rows[b] for b in idx], [tails[b] + o for b, o in zip(idx, outs)],
-                                     d.token_ids, d.probs, r.override, return_probs=need_probs,
-                                     confidence=lvl.confidence > 0)
+            sub, sub_tails = [rows[b] for b in idx], [tails[b] + o for b, o in zip(idx, outs)]
+            if d.trees is not None:  # a suffix level's trees (`tree_width`): the accepted path + one token
+                return self.calls.verify_tree(i, lower, sub, d.trees, d.probs, r.override, tails=sub_tails,
+                                              width=self.tree_width(r, ci - 1), return_probs=need_probs,
+                                              confidence=lvl.confidence > 0)
+            return self.calls.verify(i, lower, sub, sub_tails, d.token_ids, d.probs, r.override,
+                                     return_probs=need_probs, confidence=lvl.confidence > 0)
 
         def stop() -> list[bool] | None:
             return until.rows if until is not None and until.is_set() else None
@@ -296,10 +301,15 @@ class Drafter:
         for s, mh, lh in zip(sub, got.mid_held, got.low_held):
             s.mirror[i].extend(mh)
             s.mirror[lower].extend(lh)
+        width = self.tree_width(r, ci - 1)
         for log in got.logs:
             if log.steps:
                 self.calls.feed.proposed(lower, len(log.idx), log.steps, log.propose_s)
-            self.calls.feed.verified(Verified(i, lower, log.drafts, log.result, log.verify_s))
+            if log.trees is not None:
+                self.calls.feed.verified(Verified(i, lower, [longest_path(t) for t in log.trees], log.result,
+                                                  log.verify_s, trees=log.trees, width=width))
+            else:
+                self.calls.feed.verified(Verified(i, lower, log.drafts, log.result, log.verify_s))
             _record(sub, i, lower, log)
         if got.low_error is not None:
             raise LevelCallError(lower, low.name, got.low_error)
@@ -339,14 +349,16 @@ class Drafter:
 
 
 def _record(rows: Sequence[Seq], level: int, lower: int, log: InnerLog) -> None:
-    """An inner round's statistics at the middle level (draft tokens fed, accepted, emitted), under the pair
-    `lower` -> `level`."""
+    """An inner round's statistics at the middle level (draft tokens fed, accepted, emitted; a tree: its nodes and
+    depth), under the pair `lower` -> `level`."""
     res = log.result
     fed = fed_lengths(res, log.drafts)
     native = res.native_drafts is not None
     for j, b in enumerate(log.idx):
         key = (level, drafter_of(lower, bool(log.drafts[j]), native))
-        rows[b].stats.setdefault(key, LevelStats()).record(fed[j], res.num_accepted[j], len(res.token_ids[j]))
+        tree = log.trees[j] if log.trees is not None else None
+        rows[b].stats.setdefault(key, LevelStats()).record(fed[j], res.num_accepted[j], len(res.token_ids[j]),
+                                                           tree.max_depth if tree is not None else None)
 
 
 class Immediate:

@@ -7,6 +7,11 @@ forward) or "native" (a call served by the level's own engine path: live decodin
 tokens = the longest fed span + 1); `on_verify(level, lower, draft_lens, accepted)` for the rows that verified a
 draft from `lower` (a hybrid round: once per drafter, `PlannerFeed._hybrid`); and optionally (`NativeObserver`)
 `on_native(level, draft_lens, accepted)` for the rows a native target speculated on by itself.
+
+Token trees: an observer with `on_tree(level, lower, width, walks)` (`TreeObserver`, the planner) gets a tree
+verification as one `TreeWalk` per row instead of `on_verify` (the tree's own acceptance per depth, and the
+counterfactual of the chain along its first children); any other observer sees each tree as a chain as deep as
+the tree (its longest path) through `on_verify`.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from specray.coordinator.state import Level
+from specray.spec.tree import ROOT, DraftTree
 
 if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
 
-__all__ = ["NativeObserver", "Observer", "PlannerFeed", "Verified", "fed_lengths"]
+__all__ = ["NativeObserver", "Observer", "PlannerFeed", "TreeObserver", "TreeWalk", "Verified", "fed_lengths",
+           "tree_walk"]
 
 
 class Observer(Protocol):
@@ -32,6 +39,49 @@ class Observer(Protocol):
 @runtime_checkable
 class NativeObserver(Protocol):
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class TreeWalk:
+    """One row's tree verification as the planner's acceptance model reads it: `nodes` drafted; `reach`, the
+    depths at which the walk down the accepted path met a node with children (a trial at each; the accepted path
+    is `accepted` long, so reach is accepted + 1 where the walk stopped at a node with children, else accepted);
+    `spine`, the length of the path through every node's first child (the chain a chain drafter proposes), and
+    `spine_accepted`, how much of it a chain verification would have accepted (the walk follows the first child
+    exactly as long as a chain's tokens are accepted: the same token, or the same first random number)."""
+
+    nodes: int
+    reach: int
+    accepted: int
+    spine: int
+    spine_accepted: int
+
+
+def tree_walk(tree: DraftTree | None, emitted: Sequence[int], accepted: int) -> TreeWalk:
+    """Replay a verified tree's accepted path (`emitted`: its tokens, then the final token) over its nodes."""
+    if tree is None or not tree.num_nodes:
+        return TreeWalk(0, 0, 0, 0, 0)
+    at, path = ROOT, []
+    for d in range(accepted):
+        kid = next((c for c in tree.children(at) if tree.token_ids[c] == emitted[d]), None)
+        if kid is None:  # cannot happen for a result of this tree; count what matched
+            break
+        path.append(kid)
+        at = kid
+    reach = len(path) + (1 if tree.children(at) else 0)
+    spine, at = [], ROOT
+    while tree.children(at):
+        at = tree.children(at)[0]
+        spine.append(at)
+    same = 0
+    while same < min(len(path), len(spine)) and path[same] == spine[same]:
+        same += 1
+    return TreeWalk(tree.num_nodes, reach, len(path), len(spine), same)
+
+
+@runtime_checkable
+class TreeObserver(Protocol):
+    def on_tree(self, level: int, lower: int, width: int, walks: Sequence[TreeWalk]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -50,6 +100,10 @@ class Verified:
     drafters: Sequence[int] | None = None
     #: False: the call also caught a row up on much earlier text (a prefill-sized forward): not a step's time
     timed: bool = True
+    #: a tree verification: each row's tree (`drafts` then holds each tree's longest path) and the width the
+    #: drafter was asked for (`Plan.tree`)
+    trees: Sequence[DraftTree | None] | None = None
+    width: int = 1
 
 
 def fed_lengths(res: VerifyResult, drafts: Sequence[Sequence[int]]) -> list[int]:
@@ -93,10 +147,15 @@ class PlannerFeed:
         # a stepped call in which a row's engine request started ran that row's prefill: its time says nothing
         # about a decode step (it would price plain decoding at a prefill's cost), so it is not timed
         timed = ev.timed and not (res.stepped and any(cold))
+        walks = None
         for ob in self.observers:
             if timed:
                 ob.on_call(ev.level, kind, len(drafts), tokens, ev.seconds)
-            if ev.drafters is not None and rows:
+            if ev.trees is not None and ev.lower is not None and isinstance(ob, TreeObserver):
+                if walks is None:
+                    walks = [tree_walk(t, res.token_ids[b], res.num_accepted[b]) for b, t in enumerate(ev.trees)]
+                ob.on_tree(ev.level, ev.lower, ev.width, walks)
+            elif ev.drafters is not None and rows:
                 self._hybrid(ob, ev, rows)
             elif ev.lower is not None and rows:
                 ob.on_verify(ev.level, ev.lower, [len(drafts[b]) for b in rows], [res.num_accepted[b] for b in rows])

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from specray.engine.protocol import Worker
+    from specray.spec.tree import DraftTree
 
 __all__ = ["InnerLog", "NestedDraft", "NestedOutcome", "Nesting", "inner_rounds", "run_nested"]
 
@@ -38,7 +39,8 @@ Verify = Callable[[list[int], list[list[int]], DraftProposal], VerifyResult]
 @dataclass
 class InnerLog:
     """One inner round: rows `idx` (of the request) verified `drafts` (from the level below) with `result`;
-    `propose_s` 0 and `steps` 0 when the level below was not called."""
+    `propose_s` 0 and `steps` 0 when the level below was not called. `trees`: the level below drafted a token
+    tree per row (`drafts[j]` then holds its nodes, `result.tree_nodes` their count), verified as a tree."""
 
     idx: list[int]
     drafts: list[list[int]]
@@ -46,6 +48,7 @@ class InnerLog:
     verify_s: float
     propose_s: float = 0.0
     steps: int = 0
+    trees: list[DraftTree | None] | None = None
 
 
 def inner_rounds(
@@ -57,7 +60,9 @@ def inner_rounds(
     probability below `confidence` (the row keeps it and stops), or when `stop()` (checked after each inner
     round) marks the row. Each inner round asks the level below for up to k_low tokens, never more than the
     draft still needs minus the middle level's own correction or bonus token. `need_probs`: return the middle
-    level's distributions of the draft tokens ([B, max(want), vocab]) for a rejection verifier above.
+    level's distributions of the draft tokens ([B, max(want), vocab]) for a rejection verifier above. A draft of
+    the level below may be token trees (`DraftProposal.trees`, verified by `verify` as trees): the middle level
+    emits the accepted path plus one token, as for a chain.
     `always_propose_first`: the first inner round calls the level below even if no row needs its tokens (its
     call carries the rows' syncs, see `run_nested`)."""
     n = len(want)
@@ -80,7 +85,8 @@ def inner_rounds(
         first = False
         t1 = time.perf_counter()
         res = verify(idx, sub_outs, d)
-        log = InnerLog(idx, [list(x) for x in d.token_ids], res, time.perf_counter() - t1, propose_s, steps)
+        log = InnerLog(idx, [list(x) for x in d.token_ids], res, time.perf_counter() - t1, propose_s, steps,
+                       None if d.trees is None else list(d.trees))
         for j, b in enumerate(idx):
             toks = res.token_ids[j]
             if res.confidence is not None and confidence > 0:  # keep up to the first unsure token, then stop
@@ -204,9 +210,10 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
 
     def verify(idx: list[int], outs: list[list[int]], d: DraftProposal) -> VerifyResult:
         syncs = [mid_held.sync(b, o) for b, o in zip(idx, outs)]
-        res = mid.verify([call.seq_ids[b] for b in idx], d.token_ids, d.probs, [call.sampling[b] for b in idx],
-                         call.method, level=call.mid, sync=syncs, return_probs=call.need_probs,
-                         confidence=call.confidence > 0)
+        check = mid.verify if d.trees is None else mid.verify_tree
+        res = check([call.seq_ids[b] for b in idx], d.token_ids if d.trees is None else d.trees, d.probs,
+                    [call.sampling[b] for b in idx], call.method, level=call.mid, sync=syncs,
+                    return_probs=call.need_probs, confidence=call.confidence > 0)
         for b, o, toks in zip(idx, outs, res.token_ids):
             mid_held.held[b] = [*o, *toks]
         return res

@@ -11,7 +11,8 @@ rows commit what it emitted, and the statistics are recorded.
 
 A suffix level with `tree_width` > 1 under a target that scores token trees drafts a tree per row instead, and
 the target verifies them (`LevelCalls.verify_tree`: the accepted path plus one token, committed like a chain's
-emitted tokens). Such rounds always run immediate: a lookup level alone below the target never drafts ahead
+emitted tokens); under a middle model that scores trees, that level verifies them in its inner rounds. Such
+target rounds always run immediate: a lookup level alone below the target never drafts ahead
 (`LookAhead.overlaps`), so the look-ahead of other plans is untouched.
 
 A hybrid plan drafts per row (the lookup's match, else the model's draft: `Drafter.hybrid`), still with one
@@ -59,7 +60,8 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
     ahead = r.source.start_ahead(r, drafts)
     try:
         if drafts.trees is not None:  # a suffix level's token trees (`Drafter.tree_width`)
-            res = calls.verify_tree(r.top, r.lower, r.rows, drafts.trees, drafts.probs, r.override)
+            res = calls.verify_tree(r.top, r.lower, r.rows, drafts.trees, drafts.probs, r.override,
+                                    width=r.plan.tree or calls.levels[r.lower].tree_width)
         else:
             res = calls.verify(r.top, r.verify_lower, r.rows, [[] for _ in r.rows], drafts.token_ids, drafts.probs,
                                r.override, drafters=r.drafters)

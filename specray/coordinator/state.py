@@ -87,17 +87,24 @@ class Plan:
     other rows get the model's draft (k_model tokens), and the target verifies all rows in one call. The model
     does not verify the lookup's drafts (no inner rounds). That the first level is a lookup level and the second
     a model is checked against the levels where the plan meets them (`check_plan`).
+
+    tree: children per node of the token trees a suffix first level drafts (`Level.tree_width`) where the level
+    above it verifies trees: 0 takes the level's own `tree_width`, 1 drafts chains, w > 1 trees of width w (the
+    planner prices both and picks). K of that level is then the tree's node budget.
     """
 
     levels: tuple[int, ...]
     k: tuple[int, ...]
     hybrid: bool = False
+    tree: int = 0
 
     def __post_init__(self) -> None:
         if len(self.k) != len(self.levels) - 1:
             raise ValueError("a plan needs one K per non-target level")
         if any(x < 0 for x in self.k) or list(self.levels) != sorted(set(self.levels)):
             raise ValueError(f"invalid plan {self}")
+        if self.tree < 0:
+            raise ValueError(f"a plan's tree width must be >= 0 (0: the suffix level's own tree_width): {self}")
         if self.hybrid and (len(self.levels) != 3 or min(self.k) < 1):
             raise ValueError(f"a hybrid plan is (lookup, model, target) with K >= 1 for both drafters: {self}")
 
@@ -107,8 +114,11 @@ class Plan:
 
 
 def plan_name(plan: Plan, names: Sequence[str]) -> str:
-    """A plan's label: 'ngram:4>draft:4>target', 'target' (plain decoding), 'ngram:4|draft:4>target' (hybrid)."""
+    """A plan's label: 'ngram:4>draft:4>target', 'target' (plain decoding), 'ngram:4|draft:4>target' (hybrid);
+    a plan with a tree width names it after its first level's K: 'suffix:8/w3>target' (`Plan.tree`)."""
     parts = [f"{names[i]}:{k}" for i, k in zip(plan.levels, plan.k)]
+    if plan.tree and parts:
+        parts[0] += f"/w{plan.tree}"
     if plan.hybrid:
         return f"{parts[0]}|{parts[1]}>{names[plan.levels[-1]]}"
     return ">".join([*parts, names[plan.levels[-1]]])
@@ -119,6 +129,8 @@ def check_plan(plan: Plan, levels: Sequence[Level]) -> None:
     (n-gram or suffix) and its second a model."""
     if plan.levels[-1] != len(levels) - 1 or max(plan.levels) >= len(levels):
         raise ValueError("a plan must end with the target level")
+    if plan.tree > 1 and (len(plan.levels) < 2 or levels[plan.levels[0]].suffix is None):
+        raise ValueError(f"plan tree={plan.tree}: only a suffix first level drafts token trees")
     if plan.hybrid:
         first, second = (levels[i] for i in plan.levels[:2])
         if not first.is_ngram:

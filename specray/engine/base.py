@@ -32,7 +32,7 @@ from specray.spec.sampling import (
     raw_logprobs,
     sample_tokens,
 )
-from specray.spec.tree import DraftTree, verify_tree_logits
+from specray.spec.tree import DraftTree, pad_trees, tree_penalized_logits, verify_tree
 from specray.spec.verify import verify as verify_batch
 
 
@@ -432,11 +432,15 @@ class LogitsWorker(abc.ABC):
         method: VerifyMethod,
         level: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
+        return_probs: bool = False,
+        confidence: bool = False,
     ) -> VerifyResult:
-        """`Worker.verify_tree`: `score_tree` -> `spec.tree.verify_tree_logits` (the rows' penalties counted along
-        each slot's path) -> `accept_paths`. The row then holds the accepted path and the final token, exactly as
-        `verify` holds its emitted tokens; the noise is keyed by `level` as in `verify`, so a chain tree emits
-        what `verify` would."""
+        """`Worker.verify_tree`: `score_tree` -> `spec.tree.verify_tree` on the processed distributions (the rows'
+        penalties counted along each slot's path) -> `accept_paths`. The row then holds the accepted path and the
+        final token, exactly as `verify` holds its emitted tokens; the noise is keyed by `level` as in `verify`,
+        so a chain tree emits what `verify` would. `return_probs` / `confidence` as in `verify`: the
+        distributions (and this level's probability) of the emitted tokens, read at the slots along the path
+        (a middle level verifying a tree drafts for the level above with them)."""
         method = VerifyMethod(method)
         if len(trees) != len(seq_ids) or len(sampling) != len(seq_ids):
             raise ValueError(f"{self.name}: trees and sampling must be aligned with seq_ids")
@@ -450,18 +454,30 @@ class LogitsWorker(abc.ABC):
             if draft_probs is None:
                 raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
             q = draft_probs.to(torch.float32)
-        out = verify_tree_logits(method, logits, dtrees, q, sb, positions, level, self._history(seqs, sampling, sb))
+        batch = pad_trees(dtrees, max_nodes=logits.shape[1] - 1, device=logits.device)
+        p = processed_probs(tree_penalized_logits(logits, sb, self._history(seqs, sampling, sb), batch), sb)
+        out = verify_tree(method, p, batch, q, sb, positions, level)  # as `verify_tree_logits`, keeping p [B, N+1, V]
         paths = out.path_lists()
         emitted = self.accept_paths(seq_ids, paths, [int(t) for t in out.final_token.tolist()])
-        logprobs = None
-        if any(sp.logprobs is not None for sp in sampling):
-            # slot j of a row's emitted tokens: after the root (j = 0), else after the path's (j - 1)-th node
-            slots = torch.zeros(len(seqs), max(len(e) for e in emitted), dtype=torch.long)  # [B, n]
-            for b, path in enumerate(paths):
-                slots[b, 1 : len(path) + 1] = torch.tensor(path, dtype=torch.long) + 1
-            along = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, n, V]
-            logprobs = _logprobs(along, emitted, sampling)
-        return VerifyResult(emitted, [len(p) for p in paths], logprobs=logprobs,
+        n = max((len(e) for e in emitted), default=0)
+        # slot j of a row's emitted tokens: after the root (j = 0), else after the path's (j - 1)-th node
+        slots = torch.zeros(len(seqs), n, dtype=torch.long)  # [B, n]
+        for b, path in enumerate(paths):
+            slots[b, 1 : len(path) + 1] = torch.tensor(path, dtype=torch.long) + 1
+
+        def along(x: torch.Tensor) -> torch.Tensor:  # [B, N + 1, V] -> [B, n, V]
+            return x.gather(1, slots.to(x.device).unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+        logprobs = _logprobs(along(logits), emitted, sampling) if any(
+            sp.logprobs is not None for sp in sampling) else None
+        out_probs = along(p).float() if return_probs else None
+        conf = None
+        if confidence and n:
+            ids = torch.tensor([e + [e[-1]] * (n - len(e)) for e in emitted], dtype=torch.long)  # [B, n]
+            c = token_confidence(along(logits).reshape(-1, logits.shape[-1]), along(p).reshape(-1, p.shape[-1]),
+                                 ids.reshape(-1), sb.select([b for b in range(len(seqs)) for _ in range(n)]))
+            conf = [row[: len(e)] for row, e in zip(c.view(len(seqs), n).tolist(), emitted)]
+        return VerifyResult(emitted, [len(x) for x in paths], out_probs, confidence=conf, logprobs=logprobs,
                             tree_nodes=[t.num_nodes for t in dtrees])
 
     def accept_path(self, seq_id: str, path: Sequence[int], bonus: int | None = None) -> list[int]:

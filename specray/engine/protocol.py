@@ -172,11 +172,15 @@ class Worker(Protocol):
         method: VerifyMethod,
         level: int = 0,
         sync: Sequence[SeqSync | None] | None = None,
+        return_probs: bool = False,
+        confidence: bool = False,
     ) -> VerifyResult:
         """`verify` for a draft tree per row (None: no draft; `specray.spec.tree` for the layout and the methods):
         score every node in one forward, accept a root-to-leaf path, append its tokens plus one correction/bonus
         token (the emitted tokens, as `verify`'s). `draft_probs` [B, N + 1, V] or [B, N, V]: each slot's q
-        (rejection only). Only a worker with `WorkerCaps.tree_verify`; the others raise NotImplementedError."""
+        (rejection only); `return_probs` / `confidence` as in `verify` (a middle level verifying a suffix level's
+        trees drafts for the level above with them). Only a worker with `WorkerCaps.tree_verify`; the others raise
+        NotImplementedError."""
 
     def stats(self) -> WorkerStats:
         """Live sequences and cache usage."""

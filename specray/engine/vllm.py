@@ -417,7 +417,8 @@ class VLLMWorker(LiveRequests, PromptScoring):
         raise self._chains_only()
 
     def verify_tree(self, seq_ids: Sequence[str], trees: Sequence[Any], draft_probs: Any, sampling: Any,
-                    method: Any, level: int = 0, sync: Any = None) -> VerifyResult:
+                    method: Any, level: int = 0, sync: Any = None, return_probs: bool = False,
+                    confidence: bool = False) -> VerifyResult:
         """Refused (see `score_tree`): the coordinator sends this level chains only."""
         raise self._chains_only()
 

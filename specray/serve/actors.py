@@ -475,13 +475,14 @@ class ActorWorker:
     def verify_tree(
         self, seq_ids: Sequence[str], trees: Sequence[Any], draft_probs: torch.Tensor | None,
         sampling: Sequence[SamplingParams], method: VerifyMethod, level: int = 0,
-        sync: Sequence[SeqSync | None] | None = None,
+        sync: Sequence[SeqSync | None] | None = None, return_probs: bool = False, confidence: bool = False,
     ) -> VerifyResult:
         """`Worker.verify_tree` in the actor (a level with `WorkerCaps.tree_verify`); the trees travel as token
         ids and parents."""
         ids = list(seq_ids)
         sp, sy = self._wire(ids, sampling, sync)
-        return self._send(TreeVerifyCall(ids, wire_trees(trees), draft_probs, sp, method, level, sy))
+        return self._send(TreeVerifyCall(ids, wire_trees(trees), draft_probs, sp, method, level, sy, return_probs,
+                                         confidence))
 
     def nested(self, draft: NestedDraft, low: ActorWorker) -> NestedOutcome:
         """This (middle) level runs `draft`'s inner rounds beside its model, calling `low`'s actor directly

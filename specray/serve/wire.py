@@ -104,12 +104,15 @@ class TreeVerifyCall:
     method: VerifyMethod
     level: int
     sync: list[WireSync] | None
+    return_probs: bool = False
+    confidence: bool = False
 
     def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> VerifyResult:
         trees = [None if t is None else TokenTree(*t) for t in self.trees]
         return worker.verify_tree(self.seq_ids, trees, self.draft_probs,
                                   samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
-                                  sync=syncs(self.sync))
+                                  sync=syncs(self.sync), return_probs=self.return_probs,
+                                  confidence=self.confidence)
 
 
 @dataclass(frozen=True)
