@@ -29,6 +29,7 @@ from specray.spec.params import VerifyMethod
 
 if TYPE_CHECKING:
     from specray.coordinator.cascade import CascadeEngine
+    from specray.coordinator.feed import TreeWalk
     from specray.coordinator.state import Level
 
 __all__ = ["Planner", "regime_of"]
@@ -164,6 +165,18 @@ class Planner(Pricing):
         self._match = [0.0, 0.0]  # decayed (rows matched, rows looked up)
         #: the target verifies drafts of up to this many tokens inside its engine, on its decode path
         self.engine_verify = int(levels[-1].engine_verify or 0)
+        #: token trees: a suffix level 0 with `tree_width` w > 1 drafts trees for the levels above it that verify
+        #: them (`WorkerCaps.tree_verify`); each such (verifier, 0, w) gets its own acceptance (at each depth: does
+        #: some child of the walk's node win) and the decayed mean of the nodes a call fed (`on_tree`), and every
+        #: plan of that pair is a candidate twice, as chains (`Plan.tree` = 1) and as trees (`Plan.tree` = w)
+        first = levels[0]
+        self.tree_width = first.tree_width if first.suffix is not None else 1
+        self.tree_acceptance: dict[tuple[int, int, int], Acceptance] = {
+            (up, 0, self.tree_width): Acceptance(prior_alpha_ngram, decay=decay, k_max=max(32, max(self.k_choices) + 1))
+            for up in range(1, self.top + 1)
+            if self.tree_width > 1 and levels[up].caps is not None and levels[up].caps.tree_verify}
+        self.tree_nodes: dict[tuple[int, int, int], float] = {}
+        self.decay_nodes = decay
         self.native_cost: StepCost | None = None
         if self.native_k:
             self.acceptance[(self.top, self.top)] = Acceptance(prior_alpha_ngram, decay=decay,
@@ -179,7 +192,7 @@ class Planner(Pricing):
         self._calls = 0  # plan() answers past the table (rounds), whether ranked or held
         self._explored_at = 0  # _calls at the latest exploration check
         self._clock = 0  # target verify calls seen (~ engine rounds)
-        self._measured: dict[tuple[int, int] | str, int] = {}  # pair or "plain" -> clock of last measurement
+        self._measured: dict[tuple[int, ...] | str, int] = {}  # pair, tree key or "plain" -> clock of last measurement
         self._plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
         self._plain_probed: set[int] = set()  # buckets given their first plain probe
         self._last_bucket, self._bucket_run = 0, 0  # bucket of the latest plan() call, consecutive calls there
@@ -212,8 +225,14 @@ class Planner(Pricing):
         lower = list(range(self.top))
         for r in range(1, len(lower) + 1):
             for subset in itertools.combinations(lower, r):
+                trees = subset[0] == 0 and (subset[1] if r > 1 else self.top, 0, self.tree_width) in \
+                    self.tree_acceptance
                 for ks in itertools.product(self.k_choices, repeat=r):
-                    plans.append(Plan((*subset, self.top), ks))
+                    if trees:  # the suffix level's chains and its trees: widths {1, configured}
+                        plans += [Plan((*subset, self.top), ks, tree=1),
+                                  Plan((*subset, self.top), ks, tree=self.tree_width)]
+                    else:
+                        plans.append(Plan((*subset, self.top), ks))
         if self.is_ngram[0]:  # hybrid: the lookup's match per row, else a model drafter's draft
             for m in range(1, self.top):
                 for ks in itertools.product(self.k_choices, repeat=2):
@@ -288,6 +307,26 @@ class Planner(Pricing):
             self._memo.clear()
             self._measured[(level, lower)] = self._clock
 
+    def on_tree(self, level: int, lower: int, width: int, walks: Sequence[TreeWalk]) -> None:
+        """A tree verification of `lower`'s trees (drafted `width` children per node) by `level`, one walk per
+        row: the tree's acceptance per depth (a depth is a trial where the walk's node has children, a success
+        where one of them is accepted; a walk that ends at a leaf before the node budget counts a failure after
+        it, since the round ends there too) and the nodes fed; the chain along the first children feeds the
+        pair's chain acceptance (`on_verify`), so running trees keeps the chain's price measured."""
+        with self._lock:
+            key = (level, lower, width)
+            acc = self.tree_acceptance.get(key)
+            if acc is not None and walks:
+                last = self._measured.get(key)
+                gap = 1.0 if last is None else float(self._clock - last)
+                budget = max(max(w.nodes for w in walks), 1)
+                acc.observe([w.reach for w in walks], [w.accepted for w in walks], gap=gap, proposed=budget)
+                old = self.tree_nodes.get(key)
+                f = self.decay_nodes
+                self.tree_nodes[key] = float(budget) if old is None else f * old + (1.0 - f) * budget
+                self._measured[key] = self._clock
+            self.on_verify(level, lower, [w.spine for w in walks], [w.spine_accepted for w in walks])
+
     def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
         """Every candidate (and the current and default plans) with its predicted goodput, best first."""
         with self._lock:
@@ -338,14 +377,18 @@ class Planner(Pricing):
         levels, ks = [], []
         hybrid = "|" in s  # 'ngram:3|draft:4>target': the n-gram's match, else the draft's
         parts = s.replace("|", ">", 1).split(">")
+        tree = 0
         for j, part in enumerate(parts):
             name, _, k = part.partition(":")
+            if j == 0 and "/w" in k:  # 'suffix:8/w3>target': the suffix level's tree width (`Plan.tree`)
+                k, _, w = k.partition("/w")
+                tree = int(w)
             if name not in self.names:
                 raise ValueError(f"table entry {s!r}: unknown level {name!r}")
             levels.append(self.names.index(name))
             if j < len(parts) - 1:
                 ks.append(int(k) if k else 0)
-        return Plan(tuple(levels), tuple(ks), hybrid=hybrid)
+        return Plan(tuple(levels), tuple(ks), hybrid=hybrid, tree=tree)
 
     def _override(self, batch: int) -> Plan | None:
         for lo, hi, spec in self.table:
@@ -359,12 +402,22 @@ class Planner(Pricing):
         eff = _effective(plan)
         return [(plan.levels[eff[j + 1]], plan.levels[eff[j]]) for j in range(len(eff) - 1)]
 
+    def _items(self, plan: Plan) -> list[tuple[int, ...]]:
+        """What a round of `plan` measures: its pairs, and (verifier, 0, width) where its suffix level drafts trees
+        (a tree round measures its chain pair too: `on_tree`)."""
+        items: list[tuple[int, ...]] = list(self._pairs(plan))
+        width = self._width(plan, 0)
+        if width > 1:
+            items.append((plan.levels[1], 0, width))
+        return items
+
     def _exploration(self, ranked: list[tuple[Plan, float]], batch: int) -> Plan | None:
         """The best plan measuring the stalest pair not in the current plan, if it is stale enough. Plain
         decoding's staleness is counted at the batch's bucket: its cost is what the choice "stop speculating"
         rests on, and on a CPU it changes with the batch far more than a fitted curve says."""
-        current = set(self._pairs(self._current)) | ({"plain"} if not self._pairs(self._current) else set())
-        items: list[tuple[int, int] | str] = ["plain", *(pair for pair in self.acceptance if pair[0] != pair[1])]
+        current = set(self._items(self._current)) | ({"plain"} if not self._pairs(self._current) else set())
+        items: list[tuple[int, ...] | str] = ["plain", *(pair for pair in self.acceptance if pair[0] != pair[1]),
+                                              *self.tree_acceptance]
         stale = []
         for item in items:
             if item in current:
@@ -378,7 +431,7 @@ class Planner(Pricing):
         stale.sort(key=lambda x: -x[0])
         for _, item in stale:
             for p, _gp in ranked:
-                if (item == "plain" and not self._pairs(p)) or (item != "plain" and item in self._pairs(p)):
+                if (item == "plain" and not self._pairs(p)) or (item != "plain" and item in self._items(p)):
                     return p
         return None
 

@@ -30,6 +30,15 @@ learned as a decayed share of the rows a lookup looked at), else d's draft. E[L]
 P_lookup + (1 - m^B) * K_d * T_d(ceil((1 - m) B), 1) + T_t(B, K + 1), K = K_l when every row matched (probability
 m^B), else max(K_l, K_d). Never overlapped (the engine runs hybrid plans immediate).
 
+Token trees (`Plan.tree`): a suffix level 0 drafting trees of width w (at most w children per node, K nodes) for a
+level v that verifies them (the target, or a middle model in its inner rounds) is priced like its chain with two
+measurements of its own per (v, suffix, w): E[L] = 1 + sum_{i<=K} prod_{j<=i} beta_j, beta_j the decayed chance
+that at depth j some child of the walk's node is accepted (given depths 1..j-1 were; a walk that ends at a leaf
+counts a failure after it), and v's forward costs T_v(B, n + 1), n the decayed mean of the largest tree a call
+fed (K until measured) instead of K + 1. A tree round also measures the chain along the first children (what a
+chain verification accepts of it), so the chain of the same level stays priced while trees run; the planner
+ranks both (widths {1, configured}) and picks by goodput.
+
 Overlap (an engine drafting the next round while the target verifies, `specray.coordinator.lookahead`): a
 bounded look-ahead is priced as a hit/miss renewal chain (`Pricing._bounded`): a miss drafts one drafter step
 before the verification, a hit verifies what the drafter made during the previous verification; unbounded:
@@ -83,6 +92,9 @@ class Pricing:
     bounded: bool
     ahead_chunk: int
     _rejection_top: bool
+    tree_width: int
+    tree_acceptance: dict[tuple[int, int, int], Acceptance]
+    tree_nodes: dict[tuple[int, int, int], float]
     _memo: dict[tuple, float]
     matched: dict[tuple[int, int], Acceptance]
     prior_match: float
@@ -98,12 +110,30 @@ class Pricing:
             t = self._memo[key] = self.costs[level].predict(batch, tokens)
         return t
 
-    def _elen(self, level: int, lower: int, k: int) -> float:
-        key = ("e", level, lower, k)
+    def _elen(self, level: int, lower: int, k: int, width: int = 1) -> float:
+        """E[L] of `level` verifying k drafted tokens from `lower` (width > 1: a tree of k nodes at most)."""
+        key = ("e", level, lower, k, width)
         e = self._memo.get(key)
         if e is None:
-            e = self._memo[key] = self.acceptance[(level, lower)].expected_length(k)
+            acc = self.tree_acceptance[(level, lower, width)] if width > 1 else self.acceptance[(level, lower)]
+            e = self._memo[key] = acc.expected_length(k)
         return e
+
+    def _width(self, plan: Plan, i: int) -> int:
+        """Children per node of what plan.levels[i] drafts: > 1 only for a suffix level 0 drafting token trees for
+        a level that verifies them (`Plan.tree`, 0: the level's configured width)."""
+        if i != 0 or plan.hybrid or self.tree_width <= 1 or plan.levels[0] != 0 or len(plan.levels) < 2:
+            return 1
+        width = plan.tree or self.tree_width
+        return width if width > 1 and (plan.levels[1], 0, width) in self.tree_acceptance else 1
+
+    def _fed(self, level: int, lower: int, k: int, width: int) -> int:
+        """Tokens per row of `level`'s forward verifying a k-token draft of `lower`: k + 1 for a chain; for a tree
+        its nodes + 1, the nodes being the decayed mean of the largest tree per call (k until measured)."""
+        if width <= 1:
+            return k + 1
+        nodes = self.tree_nodes.get((level, lower, width))
+        return (k if nodes is None else max(1, min(k, round(nodes)))) + 1
 
     def alphas(self, level: int, lower: int, k: int) -> list[float]:
         """Current per-position acceptance estimates of `lower`'s drafts by `level` (memoised like the rest: many
@@ -121,10 +151,11 @@ class Pricing:
         lvl = plan.levels[i]
         if i == 0:
             return self.ngram_cost if self.is_ngram[lvl] else want * self.step_time(lvl, batch, 1)
-        k_low = plan.k[i - 1]
-        e = self._elen(lvl, plan.levels[i - 1], k_low)
+        k_low, low, width = plan.k[i - 1], plan.levels[i - 1], self._width(plan, i - 1)
+        e = self._elen(lvl, low, k_low, width)
         inner = math.ceil(want / e - 1e-9)
-        return inner * (self._produce(plan, i - 1, batch, k_low) + self.step_time(lvl, batch, k_low + 1))
+        return inner * (self._produce(plan, i - 1, batch, k_low) +
+                        self.step_time(lvl, batch, self._fed(lvl, low, k_low, width)))
 
     def match_rate(self) -> float:
         """The share of rows on which the lookup level (level 0) finds a match: decayed counts over the rounds
@@ -177,7 +208,10 @@ class Pricing:
             ahead = self._produce(plan, len(plan.levels) - 2, batch, k + 1)
             hit = math.prod(self.alphas(self.top, plan.levels[-2], k + 1))
             return (1.0 - hit) * produce + max(verify, ahead) + self.overhead
-        return self._produce(plan, len(plan.levels) - 2, batch, k) + self._verify_time(batch, k) + self.overhead
+        width = self._width(plan, len(plan.levels) - 2)
+        verify = self._verify_time(batch, k) if width <= 1 else self.step_time(
+            self.top, batch, self._fed(self.top, plan.levels[-2], k, width))
+        return self._produce(plan, len(plan.levels) - 2, batch, k) + verify + self.overhead
 
     def _overlapped(self, plan: Plan) -> bool:
         """Whether the engine drafts this plan's next round while the target verifies (lookahead.py)."""
@@ -211,9 +245,10 @@ class Pricing:
             step_tokens = float(self.ahead_chunk)
             step_time = self.ahead_chunk * self.step_time(d, batch, 1)
         else:
-            k_low = plan.k[i - 1]
-            step_tokens = self._elen(d, plan.levels[i - 1], k_low)
-            step_time = self._produce(plan, i - 1, batch, k_low) + self.step_time(d, batch, k_low + 1)
+            k_low, low, width = plan.k[i - 1], plan.levels[i - 1], self._width(plan, i - 1)
+            step_tokens = self._elen(d, low, k_low, width)
+            step_time = self._produce(plan, i - 1, batch, k_low) + self.step_time(
+                d, batch, self._fed(d, low, k_low, width))
         alphas = self.alphas(top, d, k + 1)
         prefix = list(itertools.accumulate(alphas, lambda a, b: a * b))  # prod alpha_1..j, j = 1..K+1
         full_steps = math.ceil((k + 1) / step_tokens - 1e-9)
@@ -269,7 +304,7 @@ class Pricing:
             return self._elen(self.top, self.top, self.native_k) if self.native_k else 1.0
         if self.bounded and self._overlapped(plan):
             return self._bounded(plan, max(1, batch))[0]
-        return self._elen(self.top, plan.levels[-2], plan.k[-1])
+        return self._elen(self.top, plan.levels[-2], plan.k[-1], self._width(plan, len(plan.levels) - 2))
 
     def goodput(self, plan: Plan, batch: int) -> float:
         """Expected committed tokens per second: E[L] * B / T_round."""

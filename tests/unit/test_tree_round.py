@@ -190,18 +190,32 @@ def test_a_target_without_tree_verify_gets_chains(caplog):
     assert len(logged) == 1 and "no tree_verify" in logged[0].getMessage()
 
 
-def test_width_one_drafts_chains_and_a_middle_model_never_gets_trees():
+class ChainsOnly(FakeWorker):
+    """A model level that verifies chains only (a vLLM level's `WorkerCaps`)."""
+
+    tree_verify = False
+
+
+def test_width_one_drafts_chains_and_a_middle_model_verifies_trees_only_if_it_can(caplog):
     levels = [suffix(1), fake_target()]
     spy = Spy(levels[1].worker)
     generate(levels, PROMPTS[:2], max_tokens=10, ignore_eos=True, plan=TREE)
     assert spy.trees == [] and spy.chains > 0
-    mid = Level("mid", worker=FakeWorker("mid", vocab=16, order=2, table_seed=0, noise=0.3), k=3)
-    levels = [suffix(3), mid, fake_target()]
-    spies = Spy(mid.worker), Spy(levels[2].worker)
     plain = generate([fake_target()], PROMPTS, max_tokens=16, ignore_eos=True, plain=True)
-    batch = generate(levels, PROMPTS, max_tokens=16, ignore_eos=True, plan=Plan((0, 1, 2), (4, 3)))
-    assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
-    assert spies[0].trees == spies[1].trees == [] and spies[0].chains > 0
+    for cls in (FakeWorker, ChainsOnly):
+        mid = Level("mid", worker=cls("mid", vocab=16, order=2, table_seed=0, noise=0.3), k=3)
+        levels = [suffix(3), mid, fake_target()]
+        spies = Spy(mid.worker), Spy(levels[2].worker)
+        with caplog.at_level(logging.INFO, logger="specray.coordinator.drafting"):
+            batch = generate(levels, PROMPTS, max_tokens=16, ignore_eos=True, plan=Plan((0, 1, 2), (6, 6)))
+        assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
+        assert spies[1].trees == [] and spies[1].chains > 0  # the target gets the middle level's chains
+        if cls is FakeWorker:  # the middle level verifies the suffix level's trees, which branch
+            assert spies[0].branched > 0 and spies[0].chains == 0
+            assert batch.stats["mid"].tree_drafts > 0
+        else:
+            assert spies[0].trees == [] and spies[0].chains > 0
+            assert any("no tree_verify" in rec.getMessage() for rec in caplog.records)
 
 
 def test_tree_width_config():
