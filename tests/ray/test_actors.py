@@ -203,6 +203,53 @@ def test_tree_rounds_over_actors_equal_plain(fakes):
     assert any(t.num_nodes and not t.is_chain for t in sent)
 
 
+def test_a_middle_level_actor_verifies_trees_and_equals_in_process(fakes):
+    """suffix(trees) -> d2's actor -> the target's actor, with nested drafting on (a lookup level below runs in
+    the coordinator, so the coordinator makes the inner rounds' calls): d2 verifies the suffix level's trees over
+    the wire (`verify_tree` with return_probs for a rejection target): the in-process tokens and statistics,
+    plain decoding's text when greedy; everything freed."""
+    from specray.coordinator.cascade import CascadeEngine
+    from specray.spec.suffix import SuffixConfig, SuffixDrafter
+
+    prompts = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 8, 5, 6], [1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2], [9],
+               [3, 3, 4, 3, 3, 5, 3, 3, 4, 3, 3, 6, 3, 3]]
+
+    def levels(workers, method) -> list[Level]:
+        sx = SuffixDrafter(SuffixConfig(num_speculative_tokens=6, max_spec_factor=4.0, min_token_prob=0.0,
+                                        tree_width=3))
+        return [Level("suffix", suffix=sx, k=6, tree_width=3), Level("d2", worker=workers["d2"], k=6, method=method),
+                Level("target", worker=workers["target"], method=method)]
+
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(len(prompts))]
+    plan = Plan((0, 1, 2), (6, 6))
+    trees = []
+    mid = fakes.workers["d2"]
+    orig = mid.verify_tree
+
+    def spy(seq_ids, ts, *a, **kw):
+        trees.extend(ts)
+        return orig(seq_ids, ts, *a, **kw)
+
+    mid.verify_tree = spy
+    try:
+        plain = generate(fake_cascade("draft", VerifyMethod.GREEDY, in_process())[-1:], prompts, max_tokens=20,
+                         ignore_eos=True, plain=True)
+        for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.REJECTION, sp)]:
+            want = generate(levels(in_process(), method), prompts, max_tokens=20, sampling=sampling,
+                            ignore_eos=True, plan=plan)
+            eng = CascadeEngine(levels(fakes.workers, method), nesting=fakes.nesting)
+            got = generate(eng, prompts, max_tokens=20, sampling=sampling, ignore_eos=True, plan=plan)
+            assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], method
+            assert {n: st.as_dict() for n, st in got.stats.items()} == {n: st.as_dict() for n, st in want.stats.items()}
+            if sampling is None:
+                assert [r.token_ids for r in got.results] == [r.token_ids for r in plain.results]
+            assert got.stats["d2"].tree_drafts > 0
+            assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
+    finally:
+        del mid.verify_tree
+    assert any(t is not None and t.num_nodes and not t.is_chain for t in trees)
+
+
 def test_nested_drafting_over_actors_equals_in_process(fakes):
     """The middle level runs its inner rounds in its actor, calling the level below's actor directly: the same
     tokens and per-level statistics as the in-process loop, one coordinator call to it per round."""
