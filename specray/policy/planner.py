@@ -177,6 +177,8 @@ class Planner(Pricing):
             if self.tree_width > 1 and levels[up].caps is not None and levels[up].caps.tree_verify}
         self.tree_nodes: dict[tuple[int, int, int], float] = {}
         self.decay_nodes = decay
+        if self._width(self.default_plan, 0) > 1:  # the configured plan drafts trees: name its width
+            self.default_plan = Plan(self.default_plan.levels, self.default_plan.k, tree=self.tree_width)
         self.native_cost: StepCost | None = None
         if self.native_k:
             self.acceptance[(self.top, self.top)] = Acceptance(prior_alpha_ngram, decay=decay,

@@ -597,3 +597,89 @@ class Recorder:
 
     def on_verify(self, level, lower, draft_lens, accepted) -> None:
         self.calls.setdefault((level, lower), []).append((list(draft_lens), list(accepted)))
+
+
+# ----- token trees (`Plan.tree`): a suffix level drafting trees is priced against its own chains -----
+
+
+def tree_levels(width: int = 3) -> list[Level]:
+    from specray.spec.suffix import SuffixConfig, SuffixDrafter
+
+    sx = SuffixDrafter(SuffixConfig(num_speculative_tokens=6, tree_width=width))
+    return [Level("suffix", suffix=sx, k=6, tree_width=width), Level("target", worker=_dummy("target"))]
+
+
+def tree_planner(per_token: float) -> Planner:
+    p = Planner(tree_levels(), k_choices=(6,), decay=0.95, patience=2)
+    p.costs[1] = StepCost(prior=(0.05, per_token, 0.0))  # the target: a fixed cost and a cost per token fed
+    return p
+
+
+def feed(p: Planner, walks, rounds: int = 30, chains: tuple[list[int], list[int]] | None = None) -> None:
+    """Tree rounds (each row's `TreeWalk`), and chain rounds of the same pair if given."""
+    for _ in range(rounds):
+        p.on_call(1, "verify", len(walks), 7, 0.08)
+        p.on_tree(1, 0, 3, walks)
+        if chains is not None:
+            p.on_call(1, "verify", len(chains[0]), 7, 0.08)
+            p.on_verify(1, 0, *chains)
+
+
+def test_tree_candidates_are_the_chain_and_the_configured_width_and_stay_few():
+    p = tree_planner(0.001)
+    assert set(p.candidates) == {p.plain, Plan((0, 1), (6,), tree=1), Plan((0, 1), (6,), tree=3)}
+    many = Planner(tree_levels(), k_max=8)
+    assert len(many.candidates) == 1 + 2 * 8  # widths {1, configured} per K: twice the chain candidates
+    assert Planner(two_levels()).tree_acceptance == {}  # no suffix level: no tree candidates
+    assert p.plan_name(Plan((0, 1), (6,), tree=3)) == "suffix:6/w3>target"
+    assert p._parse("suffix:6/w3>target", 1) == Plan((0, 1), (6,), tree=3)
+
+
+def test_a_wide_tree_whose_siblings_win_is_priced_above_its_chain_and_chosen():
+    """Trees whose walk goes deep through siblings (accepted 4 of a reach of 5) while the chain along their
+    first children stops after one token: the tree's E[L] and goodput beat the chain's, and the planner runs it."""
+    from specray.coordinator.feed import TreeWalk
+
+    p = tree_planner(0.001)
+    feed(p, [TreeWalk(nodes=6, reach=5, accepted=4, spine=3, spine_accepted=1)] * 4)
+    chain, tree = Plan((0, 1), (6,), tree=1), Plan((0, 1), (6,), tree=3)
+    assert p.expected_length(tree, 4) > p.expected_length(chain, 4) + 2.0
+    assert p.goodput(tree, 4) > p.goodput(chain, 4) > 0
+    for _ in range(6):
+        p.plan(4)
+    assert p.current == tree
+
+
+def test_a_tree_whose_siblings_rarely_win_is_priced_below_its_chain_and_not_chosen():
+    """Trees shallow for their nodes (3 children per node leave depth 2 of 6 nodes) whose siblings never win:
+    the chain of the same level, measured by its own rounds, goes deeper for the same cost: the planner runs
+    chains. Fewer nodes fed make a tree round cheaper on a steep cost curve (its price reads the nodes fed)."""
+    from specray.coordinator.feed import TreeWalk
+
+    p = tree_planner(0.02)  # steep: a token fed costs 40% of the fixed cost
+    walks = [TreeWalk(nodes=6, reach=2, accepted=1, spine=2, spine_accepted=1),
+             TreeWalk(nodes=6, reach=2, accepted=2, spine=2, spine_accepted=2)]
+    feed(p, walks, chains=([6, 6], [4, 5]))
+    chain, tree = Plan((0, 1), (6,), tree=1), Plan((0, 1), (6,), tree=3)
+    assert p.expected_length(tree, 2) < p.expected_length(chain, 2) - 1.0
+    assert p.round_time(tree, 2) == pytest.approx(p.round_time(chain, 2))  # both feed 6 drafted tokens
+    assert p.goodput(tree, 2) < p.goodput(chain, 2)
+    for _ in range(6):
+        p.plan(2)
+    assert p.current == chain
+    feed(p, [TreeWalk(nodes=2, reach=2, accepted=1, spine=2, spine_accepted=1)] * 2, rounds=80)
+    assert p.tree_nodes[(1, 0, 3)] < 2.5 and p.round_time(tree, 2) < p.round_time(chain, 2)
+
+
+def test_tree_rounds_through_the_engine_feed_both_estimates():
+    """Real tree rounds (a suffix level under a fake target): the planner's tree acceptance and node count for
+    (target, suffix, 3) and, from the first children, the chain's acceptance of the pair are measured."""
+    from tests.unit.test_tree_round import PROMPTS
+
+    levels = [*tree_levels()[:1], Level("target", worker=FakeWorker("target", vocab=16, order=2, table_seed=0))]
+    eng = CascadeEngine(levels)
+    p = Planner(levels, k_choices=(6,)).attach(eng)
+    generate(eng, PROMPTS, max_tokens=16, ignore_eos=True, plan=Plan((0, 1), (6,), tree=3))
+    assert p.tree_acceptance[(1, 0, 3)].weight > 0 and p.acceptance[(1, 0)].weight > 0
+    assert 1 <= p.tree_nodes[(1, 0, 3)] <= 6
+    assert p._measured[(1, 0, 3)] == p._measured[(1, 0)]  # one round measures both
