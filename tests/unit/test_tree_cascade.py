@@ -49,6 +49,22 @@ def test_a_middle_level_verifies_trees_and_greedy_equals_plain(method):
     assert all(lv.worker.stats().live_sequences == 0 for lv in levels[1:])
 
 
+@pytest.mark.parametrize("overlap", ["bounded", "unbounded"])
+def test_trees_at_the_middle_level_with_overlap_and_confidence_equal_plain(overlap):
+    """The middle level drafts the next round beside the target's verification (its inner rounds verify trees, a
+    bounded look-ahead stopping between them) and stops a row's draft after a token it is unsure of
+    (`Level.confidence`, read along the accepted path): plain decoding's text."""
+    plain = generate([fakes(VerifyMethod.GREEDY)[1]], PROMPTS, max_tokens=24, ignore_eos=True, plain=True)
+    levels = [suffix(3), *fakes(VerifyMethod.GREEDY)]
+    levels[1].confidence = 0.3
+    spy = Spy(levels[1].worker)
+    eng = CascadeEngine(levels, overlap=True)
+    eng.ahead_bounded = overlap == "bounded"
+    batch = generate(eng, PROMPTS, max_tokens=24, ignore_eos=True, plan=CASCADE)
+    assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
+    assert spy.branched > 0 and batch.stats["mid"].tree_drafts > 0
+
+
 def test_return_probs_and_confidence_follow_the_accepted_path():
     """`verify_tree(return_probs=, confidence=)`: the distributions and this level's probabilities of the emitted
     tokens, read at the slots along the accepted path: what `verify` gives for the chain of that path."""
