@@ -51,7 +51,8 @@ class Failover:
                 if i not in failed and (i not in self.down or self.probe(i))]
         if len(keep) == len(plan.k):
             return plan  # a hybrid plan stays hybrid; one losing its model is the lookup's plan
-        return Plan((*[i for i, _ in keep], self.top), tuple(k for _, k in keep))
+        levels = (*[i for i, _ in keep], self.top)
+        return Plan(levels, tuple(k for _, k in keep), tree=plan.tree if levels[0] == plan.levels[0] else 0)
 
     def probe(self, i: int) -> bool:
         """Is down level `i` back? A slow answer takes the level back at a later round."""

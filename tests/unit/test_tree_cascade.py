@@ -154,3 +154,29 @@ def test_tiny_hf_cascade_with_trees_at_the_middle_level_equals_plain(tiny_root):
     assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
     assert spy.branched > 0 and batch.stats["mid"].tree_drafts > 0
     assert batch.stats["t"].accepted_tokens > 0
+
+
+def test_a_failed_middle_level_leaves_the_plans_tree_width_to_the_suffix_level():
+    """The planner chose chains (`Plan.tree` = 1) for suffix -> mid -> target; mid fails (its tree verification
+    raises): the round retried without it keeps the plan's width, so the target gets the suffix level's chains, not
+    the configured trees; greedy output is plain decoding's."""
+    from tests.unit.test_cascade import Dying
+
+    class DyingTrees(Dying):
+        def verify_tree(self, *a, **kw):
+            self._check()
+            return super().verify_tree(*a, **kw)
+
+    plain = generate([fakes(VerifyMethod.GREEDY)[1]], PROMPTS, max_tokens=16, ignore_eos=True, plain=True)
+    top = fakes(VerifyMethod.GREEDY)[1]
+    mid = DyingTrees("mid", vocab=16, order=2, table_seed=0, noise=0.3, noise_seed=5)
+    mid.dead = True
+    levels = [suffix(3), Level("mid", worker=mid, k=6), top]
+    spy = Spy(top.worker)
+    eng = CascadeEngine(levels)
+    eng.retry_after_s = 1e9  # stays down
+    for width, trees in ((1, False), (3, True)):
+        batch = generate(eng, PROMPTS, max_tokens=16, ignore_eos=True, plan=Plan((0, 1, 2), (6, 6), tree=width))
+        assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
+        assert eng.level_status()["mid"] == "down"
+        assert (spy.branched > 0) is trees and spy.chains > 0
