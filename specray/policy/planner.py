@@ -283,8 +283,10 @@ class Planner(Pricing):
             self._measured["plain"] = self._clock
             self._memo.clear()
 
-    def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
-        """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call."""
+    def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
+                  asked: int | None = None) -> None:
+        """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call. `asked`: the tokens each
+        row was asked for, where known (a lookup level: else the call's longest draft)."""
         with self._lock:
             acc = self.acceptance.get((level, lower))
             if acc is None:
@@ -296,7 +298,7 @@ class Planner(Pricing):
             # call in which no row matched (always the case at batch 1 without a match) counts a failure at the
             # first position of each row instead of nothing: such rounds emit one token, and the n-gram's price must
             # include them (else it is overrated at batch 1 against plain decoding and hybrid plans)
-            proposed = max(max(draft_lens, default=0), 1) if self.is_ngram[lower] else None
+            proposed = (asked or max(max(draft_lens, default=0), 1)) if self.is_ngram[lower] else None
             acc.observe(draft_lens, accepted, gap=gap, proposed=proposed)
             if self.is_ngram[lower] and draft_lens:
                 # the rows it matched on: the match rate, and the acceptance of a match (a hybrid plan's price)
@@ -327,7 +329,9 @@ class Planner(Pricing):
                 f = self.decay_nodes
                 self.tree_nodes[key] = float(budget) if old is None else f * old + (1.0 - f) * budget
                 self._measured[key] = self._clock
-            self.on_verify(level, lower, [w.spine for w in walks], [w.spine_accepted for w in walks])
+            # a spine ends where the tree's node budget went to siblings, not where a chain would end: a spine
+            # accepted whole is cut short (no failure after it); a row without a tree is the lookup's miss
+            self.on_verify(level, lower, [w.spine for w in walks], [w.spine_accepted for w in walks], asked=1)
 
     def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
         """Every candidate (and the current and default plans) with its predicted goodput, best first."""
