@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from specray.coordinator.state import Level
-from specray.spec.tree import ROOT, DraftTree
 
 if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
+    from specray.spec.tree import DraftTree
 
 __all__ = ["NativeObserver", "Observer", "PlannerFeed", "TreeObserver", "TreeWalk", "Verified", "fed_lengths",
            "tree_walk"]
@@ -61,7 +61,8 @@ def tree_walk(tree: DraftTree | None, emitted: Sequence[int], accepted: int) -> 
     """Replay a verified tree's accepted path (`emitted`: its tokens, then the final token) over its nodes."""
     if tree is None or not tree.num_nodes:
         return TreeWalk(0, 0, 0, 0, 0)
-    at, path = ROOT, []
+    root = -1  # `specray.spec.tree.ROOT` (that module imports torch; this one does not)
+    at, path = root, []
     for d in range(accepted):
         kid = next((c for c in tree.children(at) if tree.token_ids[c] == emitted[d]), None)
         if kid is None:  # cannot happen for a result of this tree; count what matched
@@ -69,7 +70,7 @@ def tree_walk(tree: DraftTree | None, emitted: Sequence[int], accepted: int) -> 
         path.append(kid)
         at = kid
     reach = len(path) + (1 if tree.children(at) else 0)
-    spine, at = [], ROOT
+    spine, at = [], root
     while tree.children(at):
         at = tree.children(at)[0]
         spine.append(at)

@@ -180,3 +180,17 @@ def test_a_failed_middle_level_leaves_the_plans_tree_width_to_the_suffix_level()
         assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
         assert eng.level_status()["mid"] == "down"
         assert (spy.branched > 0) is trees and spy.chains > 0
+
+
+def test_tree_walk_reads_reach_and_the_first_childrens_chain():
+    """`tree_walk`: the depths at which the accepted path's node had children (trials), and how much of the chain
+    along the first children a chain verification would have accepted."""
+    from specray.coordinator.feed import TreeWalk, tree_walk
+    from specray.spec.tree import DraftTree
+
+    t = DraftTree((7, 9, 8, 10, 11), (-1, -1, 0, 1, 2))  # spine 7 -> 8 -> 11; a sibling branch 9 -> 10
+    assert tree_walk(t, [9, 10, 3], 2) == TreeWalk(5, 2, 2, 3, 0)  # ended at a leaf: no trial after it
+    assert tree_walk(t, [7, 8, 3], 2) == TreeWalk(5, 3, 2, 3, 2)  # rejected below node 8: a third trial
+    assert tree_walk(t, [7, 8, 11, 3], 3) == TreeWalk(5, 3, 3, 3, 3)
+    assert tree_walk(t, [5], 0) == TreeWalk(5, 1, 0, 3, 0)
+    assert tree_walk(None, [5], 0) == tree_walk(DraftTree((), ()), [5], 0) == TreeWalk(0, 0, 0, 0, 0)
