@@ -168,7 +168,8 @@ class Planner(Pricing):
         #: token trees: a suffix level 0 with `tree_width` w > 1 drafts trees for the levels above it that verify
         #: them (`WorkerCaps.tree_verify`); each such (verifier, 0, w) gets its own acceptance (at each depth: does
         #: some child of the walk's node win) and the decayed mean of the nodes a call fed (`on_tree`), and every
-        #: plan of that pair is a candidate twice, as chains (`Plan.tree` = 1) and as trees (`Plan.tree` = w)
+        #: plan of that pair is a candidate twice, as chains (`Plan.tree` = 1) and as trees (`Plan.tree` = w); the
+        #: chains' tokens fed are measured the same way (key width 1), so both are priced at what they feed
         first = levels[0]
         self.tree_width = first.tree_width if first.suffix is not None else 1
         self.tree_acceptance: dict[tuple[int, int, int], Acceptance] = {
@@ -300,6 +301,9 @@ class Planner(Pricing):
             # include them (else it is overrated at batch 1 against plain decoding and hybrid plans)
             proposed = (asked or max(max(draft_lens, default=0), 1)) if self.is_ngram[lower] else None
             acc.observe(draft_lens, accepted, gap=gap, proposed=proposed)
+            if asked is None and (level, lower, self.tree_width) in self.tree_acceptance and draft_lens:
+                # a chain round of a pair that also drafts trees: its tokens fed, priced like a tree's nodes
+                self._fed_nodes((level, lower, 1), max(max(draft_lens), 1))
             if self.is_ngram[lower] and draft_lens:
                 # the rows it matched on: the match rate, and the acceptance of a match (a hybrid plan's price)
                 hit = [j for j, n in enumerate(draft_lens) if n > 0]
@@ -310,6 +314,12 @@ class Planner(Pricing):
                                                          gap=gap, proposed=proposed)
             self._memo.clear()
             self._measured[(level, lower)] = self._clock
+
+    def _fed_nodes(self, key: tuple[int, int, int], nodes: int) -> None:
+        """The decayed mean of the largest draft (tree nodes, or a chain's tokens: width 1) per call of `key`."""
+        old = self.tree_nodes.get(key)
+        f = self.decay_nodes
+        self.tree_nodes[key] = float(nodes) if old is None else f * old + (1.0 - f) * nodes
 
     def on_tree(self, level: int, lower: int, width: int, walks: Sequence[TreeWalk]) -> None:
         """A tree verification of `lower`'s trees (drafted `width` children per node) by `level`, one walk per
@@ -325,9 +335,7 @@ class Planner(Pricing):
                 gap = 1.0 if last is None else float(self._clock - last)
                 budget = max(max(w.nodes for w in walks), 1)
                 acc.observe([w.reach for w in walks], [w.accepted for w in walks], gap=gap, proposed=budget)
-                old = self.tree_nodes.get(key)
-                f = self.decay_nodes
-                self.tree_nodes[key] = float(budget) if old is None else f * old + (1.0 - f) * budget
+                self._fed_nodes(key, budget)
                 self._measured[key] = self._clock
             # a spine ends where the tree's node budget went to siblings, not where a chain would end: a spine
             # accepted whole is cut short (no failure after it); a row without a tree is the lookup's miss

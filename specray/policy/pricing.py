@@ -35,9 +35,10 @@ level v that verifies them (the target, or a middle model in its inner rounds) i
 measurements of its own per (v, suffix, w): E[L] = 1 + sum_{i<=K} prod_{j<=i} beta_j, beta_j the decayed chance
 that at depth j some child of the walk's node is accepted (given depths 1..j-1 were; a walk that ends at a leaf
 counts a failure after it), and v's forward costs T_v(B, n + 1), n the decayed mean of the largest tree a call
-fed (K until measured) instead of K + 1. A tree round also measures the chain along the first children (what a
-chain verification accepts of it), so the chain of the same level stays priced while trees run; the planner
-ranks both (widths {1, configured}) and picks by goodput.
+fed (K until measured) instead of K + 1; the chain of such a pair is priced at the decayed mean of its longest
+draft per call the same way (a suffix level often drafts fewer than K). A tree round also measures the chain
+along the first children (what a chain verification accepts of it), so the chain of the same level stays priced
+while trees run; the planner ranks both (widths {1, configured}) and picks by goodput.
 
 Overlap (an engine drafting the next round while the target verifies, `specray.coordinator.lookahead`): a
 bounded look-ahead is priced as a hit/miss renewal chain (`Pricing._bounded`): a miss drafts one drafter step
@@ -129,10 +130,12 @@ class Pricing:
 
     def _fed(self, level: int, lower: int, k: int, width: int) -> int:
         """Tokens per row of `level`'s forward verifying a k-token draft of `lower`: k + 1 for a chain; for a tree
-        its nodes + 1, the nodes being the decayed mean of the largest tree per call (k until measured)."""
-        if width <= 1:
+        its nodes + 1, the nodes being the decayed mean of the largest tree per call (k until measured). A chain
+        of a pair that also drafts trees is priced the same way (what its chain rounds fed), so that the two
+        compare at what each feeds."""
+        if width <= 1 and (level, lower, self.tree_width) not in self.tree_acceptance:
             return k + 1
-        nodes = self.tree_nodes.get((level, lower, width))
+        nodes = self.tree_nodes.get((level, lower, max(width, 1)))
         return (k if nodes is None else max(1, min(k, round(nodes)))) + 1
 
     def alphas(self, level: int, lower: int, k: int) -> list[float]:
@@ -208,9 +211,11 @@ class Pricing:
             ahead = self._produce(plan, len(plan.levels) - 2, batch, k + 1)
             hit = math.prod(self.alphas(self.top, plan.levels[-2], k + 1))
             return (1.0 - hit) * produce + max(verify, ahead) + self.overhead
-        width = self._width(plan, len(plan.levels) - 2)
-        verify = self._verify_time(batch, k) if width <= 1 else self.step_time(
-            self.top, batch, self._fed(self.top, plan.levels[-2], k, width))
+        width, lower = self._width(plan, len(plan.levels) - 2), plan.levels[-2]
+        if width > 1 or (self.top, lower, self.tree_width) in self.tree_acceptance:  # priced at what it feeds
+            verify = self.step_time(self.top, batch, self._fed(self.top, lower, k, width))
+        else:
+            verify = self._verify_time(batch, k)
         return self._produce(plan, len(plan.levels) - 2, batch, k) + verify + self.overhead
 
     def _overlapped(self, plan: Plan) -> bool:

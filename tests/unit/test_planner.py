@@ -669,6 +669,9 @@ def test_a_tree_whose_siblings_rarely_win_is_priced_below_its_chain_and_not_chos
     assert p.current == chain
     feed(p, [TreeWalk(nodes=2, reach=2, accepted=1, spine=2, spine_accepted=1)] * 2, rounds=80)
     assert p.tree_nodes[(1, 0, 3)] < 2.5 and p.round_time(tree, 2) < p.round_time(chain, 2)
+    for _ in range(80):  # chain rounds that draft 2 tokens: priced at what they feed too
+        p.on_verify(1, 0, [2, 1], [1, 1])
+    assert p.tree_nodes[(1, 0, 1)] < 2.5 and p.round_time(tree, 2) == pytest.approx(p.round_time(chain, 2))
 
 
 def test_tree_rounds_through_the_engine_feed_both_estimates():
