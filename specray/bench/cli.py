@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specray.bench.peers import HF_PEERS, PEERS, VLLM_PEERS
-from specray.bench.runner import MODES, row_max_tokens
+from specray.bench.runner import DEFAULT_MODES, MODES, row_max_tokens
 from specray.bench.workloads import load_workloads, prompt_ids, shipped_names
 
 __all__ = ["DEFAULT_WORKLOADS", "add_bench_arguments", "main", "run_bench"]
@@ -38,9 +38,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request for every line (none: a line's `max_tokens`, else 64)")
     g = p.add_argument_group("what to measure")
-    g.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+    g.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES,
                    help="none: plain decoding; ngram / draft / cascade: that plan each round; adaptive: the live "
-                        "planner (over HTTP: the server's own policy). A mode the cascade cannot run is skipped")
+                        "planner (over HTTP: the server's own policy). Lookup modes, each with a suffix store of its "
+                        "own that learns across a workload's requests (in file order at batch 1; emptied before "
+                        "each workload and batch size): suffix: suffix decoding -> target; suffix-tree: the same "
+                        "drafting token trees (--tree-width children per node; an hf target); hybrid: per row the "
+                        "suffix match, else the largest draft model's draft (--hybrid-lookup). A mode the cascade "
+                        f"cannot run is skipped. Default: {' '.join(DEFAULT_MODES)}")
     g.add_argument("--peers", nargs="*", default=[], choices=PEERS, metavar="PEER",
                    help=f"also measure other engines on the same requests at batch 1: {', '.join(PEERS)}; one that "
                         "is not installed is skipped with the reason")
@@ -66,6 +71,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per proposing level: one for all, or one per level (default 4)")
     g.add_argument("--k-max", type=int, default=None, help="largest K the adaptive planner considers (default: the "
                                                            "config's policy.k_max, else 8)")
+    g.add_argument("--suffix-k", type=int, default=None,
+                   help="suffix modes: most tokens (tree nodes) a suffix draft holds (default: the config's suffix "
+                        "level's, else 24, its max tree depth)")
+    g.add_argument("--tree-width", type=int, default=None,
+                   help="suffix-tree: children per node at most (default: the config's suffix level's if > 1, else 4)")
+    g.add_argument("--hybrid-lookup", choices=["suffix", "ngram"], default="suffix",
+                   help="hybrid: the lookup level whose match a row takes, a suffix store of its own or the "
+                        "cascade's n-gram level")
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weights of the model levels given by flags")
     g.add_argument("--backend", choices=["auto", "vllm", "hf"], default="auto",
@@ -133,6 +146,29 @@ def cascade_from_flags(args: argparse.Namespace) -> Any:
         target["engine_verify"] = max(ks)  # the drafts are verified inside the vLLM engine's step
     return CascadeConfig(levels=[*levels, LevelConfig(kind=args.backend, model=args.model, name=names[-1],
                                                       **target)])
+
+
+def suffix_factory(cfg: Any, args: argparse.Namespace) -> tuple[Callable[[int], Any], int]:
+    """The suffix modes' level maker (tree width -> a fresh suffix `Level`, an empty store) and suffix-tree's width:
+    the config's suffix level's settings when its first level is one, else the suffix defaults; --suffix-k and
+    --tree-width over them."""
+    from specray.config import LevelConfig
+    from specray.coordinator.generate import level_from_config
+
+    first = cfg.levels[0]
+    base = first if first.kind == "suffix" else LevelConfig(kind="suffix")
+    if args.suffix_k is not None:
+        base = LevelConfig.model_validate({**base.model_dump(exclude_unset=True), "kind": "suffix",
+                                           "num_speculative_tokens": args.suffix_k})
+    width = args.tree_width if args.tree_width is not None else (base.tree_width if base.tree_width > 1 else 4)
+    if width < 1:
+        raise ValueError("--tree-width must be at least 1")
+
+    def make(tree_width: int) -> Any:
+        return level_from_config(LevelConfig.model_validate({**base.model_dump(exclude_unset=True), "kind": "suffix",
+                                                             "name": "suffix", "tree_width": tree_width}))
+
+    return make, width
 
 
 def _versions() -> dict[str, str | None]:
@@ -213,7 +249,9 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
                                   rerank_every=pol.rerank_every, rerank_budget=pol.rerank_budget)
         k_max = args.k_max or (pol.k_max if pol is not None else 8)
         overlap = args.overlap or bool(app is not None and app.server.overlap)
-        target = InProcessTarget(levels, sampling, overlap=overlap, k_max=k_max, planner_kwargs=planner_kwargs)
+        suffix, tree_width = suffix_factory(cfg, args)
+        target = InProcessTarget(levels, sampling, overlap=overlap, k_max=k_max, planner_kwargs=planner_kwargs,
+                                 suffix=suffix, tree_width=tree_width, hybrid_lookup=args.hybrid_lookup)
         from specray.engine.hf import HFWorker
 
         hf_target = isinstance(levels[-1].worker, HFWorker)
@@ -259,6 +297,8 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
             target.run(m, first, 1, 8)
         for p in hf_peers:
             hf.run(p, [(0, prompt_ids(target.tokenizer, rows[0]), 8)])
+    # a workload is a stream: its requests go in file order (one after another at batch 1) and a suffix store
+    # learns from the earlier ones; each workload and batch size starts with empty stores (new_stream)
 
     cells: dict[tuple[str, int, str], Cell] = {}
 
@@ -273,6 +313,7 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
     with tqdm(total=steps, desc="bench", unit="run", disable=args.quiet, file=log) as bar:
         for w, wrows in by_workload.items():
             for b in batches:
+                target.new_stream()
                 for chunk in _chunks(wrows, b):
                     for m in modes:
                         bar.set_postfix_str(f"{w} {batch_kind} {b} {m}")

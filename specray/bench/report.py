@@ -29,7 +29,7 @@ from specray.spec.bound import speedup_bound
 __all__ = ["SCHEMA_VERSION", "Cell", "alphas", "build_report", "load_schema", "plot_report", "validate"]
 
 #: bump on any change of the report's shape (the schema's `schema` const follows it)
-SCHEMA_VERSION = "specray.bench/1"
+SCHEMA_VERSION = "specray.bench/2"
 
 
 def alphas(st: LevelStats) -> list[float]:
@@ -120,7 +120,7 @@ def _level_json(st: LevelStats, per_position: bool) -> dict[str, Any]:
            "acceptance_rate": st.acceptance_rate,
            "accepted_per_pos": list(st.accepted_per_pos) if per_position else None,
            "alphas": alphas(st) if per_position else None,
-           "bound": bound_of(st, per_position)}
+           "bound": bound_of(st, per_position), "tree_drafts": st.tree_drafts, "tree_nodes": st.tree_nodes}
     if st.pairs:
         out["pairs"] = {name: _level_json(p, per_position) for name, p in st.pairs.items()}
     return out

@@ -8,14 +8,22 @@ that comes and goes on a shared machine hits every mode alike and their ratios s
 
 Modes: `none` (plain decoding: the target alone, same loop), `ngram` (n-gram level -> target), `draft` (the largest
 draft model -> target), `cascade` (every level), `adaptive` (the live goodput planner picks levels and K every
-round; over HTTP: the server's own policy, `speculation.method = "auto"`).
+round; over HTTP: the server's own policy, `speculation.method = "auto"`); and the lookup modes, each on an engine of
+its own with its own suffix store: `suffix` (a suffix level -> target, chains), `suffix-tree` (the same with
+`tree_width` > 1: a token tree per round, verified in one target forward), `hybrid` (per row the lookup level's
+match, else the largest draft model's draft, in one verification; `speculation.method = "hybrid"`).
+
+Streams: a target keeps one engine per mode for the whole run and runs a chunk's requests in the order given, so
+at batch 1 a workload's requests run one after another in file order and a suffix store learns from the outputs
+of the earlier ones. `new_stream()` empties the suffix stores (the run calls it before each workload and batch
+size, so no mode draws on outputs of the same prompts from another pass).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,11 +31,18 @@ from specray.bench.workloads import prompt_ids
 from specray.coordinator.stats import LevelStats
 from specray.spec.params import SamplingParams
 
-__all__ = ["MODES", "HTTPTarget", "InProcessTarget", "RequestResult", "Target", "stats_from_usage"]
+__all__ = ["DEFAULT_MODES", "MODES", "SUFFIX_MODES", "HTTPTarget", "InProcessTarget", "RequestResult", "Target",
+           "stats_from_usage"]
 
-MODES = ("none", "ngram", "draft", "cascade", "adaptive")
-#: the per-request `speculation.method` of each mode (the scheduler's and the HTTP API's names)
-_METHOD = {"none": "none", "ngram": "ngram", "draft": "draft", "cascade": "cascade", "adaptive": "auto"}
+MODES = ("none", "ngram", "draft", "cascade", "adaptive", "suffix", "suffix-tree", "hybrid")
+#: what a run measures when --modes is not given (the lookup modes are asked for by name)
+DEFAULT_MODES = ("none", "ngram", "draft", "cascade", "adaptive")
+#: modes that run on a suffix store of their own (in process)
+SUFFIX_MODES = ("suffix", "suffix-tree", "hybrid")
+#: the per-request `speculation.method` of each mode (the scheduler's and the HTTP API's names); a suffix mode's
+#: engine has the suffix level first, where the scheduler's `ngram` plan takes its lookup level
+_METHOD = {"none": "none", "ngram": "ngram", "draft": "draft", "cascade": "cascade", "adaptive": "auto",
+           "suffix": "ngram", "suffix-tree": "ngram", "hybrid": "hybrid"}
 
 
 @dataclass
@@ -68,6 +83,9 @@ class Target(Protocol):
     def describe(self) -> dict[str, Any]:
         """What the report says about the target (levels, model, URL)."""
 
+    def new_stream(self) -> None:
+        """The next requests start a new stream: nothing learnt from earlier requests' outputs carries over."""
+
     def close(self) -> None: ...
 
 
@@ -83,9 +101,16 @@ class InProcessTarget:
     per_position = True
 
     def __init__(self, levels: Sequence[Any], sampling: SamplingParams, *, overlap: bool = False, k_max: int = 8,
-                 planner_kwargs: dict[str, Any] | None = None) -> None:
+                 planner_kwargs: dict[str, Any] | None = None, suffix: Callable[[int], Any] | None = None,
+                 tree_width: int = 4, hybrid_lookup: str = "suffix") -> None:
+        """`levels`: the cascade (smallest first) of modes none..adaptive. `suffix(tree_width)` makes a fresh suffix
+        `Level` (an empty store) for the suffix modes (None: they are unavailable); `tree_width` is suffix-tree's;
+        `hybrid_lookup`: the lookup level of mode hybrid, `suffix` (a store of its own) or `ngram` (the cascade's
+        n-gram level)."""
         from specray.coordinator.cascade import CascadeEngine
 
+        if hybrid_lookup not in ("suffix", "ngram"):
+            raise ValueError(f"hybrid_lookup must be 'suffix' or 'ngram', got {hybrid_lookup!r}")
         self.levels = list(levels)
         self.sampling = sampling
         self.tokenizer = self.levels[-1].worker.tokenizer
@@ -94,19 +119,73 @@ class InProcessTarget:
         self.overlap = overlap
         self.k_max = k_max
         self.planner_kwargs = dict(planner_kwargs or {})
+        self.suffix = suffix
+        self.tree_width = tree_width
+        self.hybrid_lookup = hybrid_lookup
         self._adaptive: tuple[Any, Any] | None = None  # (engine, planner): one live planner for the whole run
+        self._lookup: dict[str, Any] = {}  # suffix mode -> its engine, made on first use, emptied by new_stream
+
+    def _draft_model(self) -> Any | None:
+        """The largest draft model level of the cascade (None: there is none)."""
+        return next((lv for lv in reversed(self.levels[:-1]) if lv.worker is not None), None)
+
+    def _mode_levels(self, mode: str) -> list[Any]:
+        """A suffix mode's levels: a fresh suffix level (hybrid: then the largest draft model), then the target."""
+        if mode == "hybrid":
+            return [self.suffix(1), self._draft_model(), self.levels[-1]]
+        return [self.suffix(self.tree_width if mode == "suffix-tree" else 1), self.levels[-1]]
+
+    def _engine(self, mode: str) -> Any:
+        if mode not in SUFFIX_MODES or (mode == "hybrid" and self.hybrid_lookup == "ngram"):
+            return self.engine
+        if mode not in self._lookup:
+            from specray.coordinator.cascade import CascadeEngine
+
+            self._lookup[mode] = CascadeEngine(self._mode_levels(mode), overlap=self.overlap)
+        return self._lookup[mode]
+
+    def new_stream(self) -> None:
+        """Start the suffix modes over with empty suffix stores (the next requests draw on no earlier output)."""
+        self._lookup.clear()
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "levels": [lv.name for lv in self.levels], "overlap": self.overlap}
+        out: dict[str, Any] = {"kind": self.kind, "levels": [lv.name for lv in self.levels], "overlap": self.overlap}
+        if self.suffix is not None:
+            shared = [self.levels[0], self._draft_model(), self.levels[-1]]  # hybrid over the cascade's n-gram
+            out["mode_levels"] = {
+                m: [lv.name for lv in (shared if m == "hybrid" and self.hybrid_lookup == "ngram"
+                                       else self._mode_levels(m))]
+                for m in SUFFIX_MODES if self.unavailable(m) is None}
+            out["tree_width"] = self.tree_width
+        return out
 
     def unavailable(self, mode: str) -> str | None:
         below = self.levels[:-1]
+        if mode in SUFFIX_MODES:
+            return self._lookup_unavailable(mode)
         if mode in ("cascade", "adaptive") and not below:
             return "the cascade has only the target"
         if mode == "ngram" and not (below and below[0].is_ngram):
             return "the cascade has no n-gram level"
         if mode == "draft" and all(lv.is_ngram for lv in below):
             return "the cascade has no draft model level"
+        return None
+
+    def _lookup_unavailable(self, mode: str) -> str | None:
+        target = self.levels[-1]
+        if mode == "hybrid":
+            if self._draft_model() is None:
+                return "the cascade has no draft model level"
+            if self.hybrid_lookup == "ngram":
+                return None if self.levels[0].is_ngram else "the cascade has no n-gram level (--hybrid-lookup ngram)"
+        if self.suffix is None:
+            return "no suffix level to build here"
+        if mode == "suffix-tree":
+            if self.tree_width < 2:
+                return f"--tree-width {self.tree_width}: a tree needs at least 2 children per node"
+            if target.caps is None or not target.caps.tree_verify:
+                return (f"the target {target.name!r} verifies chains only (a vllm level): trees need an hf target "
+                        "(--backend hf)")
         return None
 
     def _planner(self):
@@ -129,7 +208,7 @@ class InProcessTarget:
             engine, planner = self._planner()
             spec = None
         else:
-            engine, planner, spec = self.engine, None, Speculation(_METHOD[mode])
+            engine, planner, spec = self._engine(mode), None, Speculation(_METHOD[mode])
         sched = Scheduler(engine, self.tokenizer, max_batch_size=batch, planner=planner, stop_token_ids=self.stop_ids)
 
         async def one(index: int, row: dict[str, Any]) -> RequestResult:
@@ -149,6 +228,7 @@ class InProcessTarget:
 
         t0 = time.perf_counter()
         try:
+            # tasks start in list order, so the scheduler admits the requests in the order given (a stream's order)
             results = await asyncio.gather(*[one(i, r) for i, r in rows])
         finally:
             await sched.close()
@@ -195,7 +275,12 @@ class HTTPTarget:
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "url": self.url, "model": self.model}
 
+    def new_stream(self) -> None:
+        pass  # a server's suffix store is its own
+
     def unavailable(self, mode: str) -> str | None:
+        if mode in ("suffix", "suffix-tree"):
+            return "in process only (over HTTP, mode ngram measures the server's lookup level, suffix or n-gram)"
         return None  # the server answers 400 for a mode it cannot run; that request fails loudly
 
     def run(self, mode: str, rows: Sequence[tuple[int, dict[str, Any]]], batch: int, max_tokens: int | None

@@ -150,7 +150,7 @@ def test_two_modes_at_batch_1_and_2_report_validates_with_plots(tiny, workload, 
                                            "--out", str(out))]) == 0
     report = json.loads((out / "report.json").read_text())
     validate(report)
-    assert report["schema"] == "specray.bench/1" and report["target"]["kind"] == "in_process"
+    assert report["schema"] == "specray.bench/2" and report["target"]["kind"] == "in_process"
     assert report["settings"]["batches"] == [1, 2] and report["settings"]["workloads"] == {"copy": 2, "chat": 1}
     keys = {(r["workload"], r["batch"], r["name"]) for r in report["results"]}
     assert keys == {(w, b, m) for w in ("copy", "chat") for b in (1, 2) for m in ("none", "cascade")}
