@@ -3,10 +3,13 @@
     specray bench --model qwen-1.5b --draft qwen-0.5b --workload code extraction --batch 1 4
     specray bench --config serve_config.yaml --workload screening --peers hf_plain hf_assisted vllm_plain
     specray bench --url http://127.0.0.1:8001/v1 --workload-file mine.jsonl --concurrency 1 4
+    specray bench --model qwen-1.5b --draft qwen-0.5b --backend hf --workload screening agent \
+        --modes none cascade suffix suffix-tree hybrid --peers vllm_ngram hf_lookup
 
-Every mode runs the same requests of a chunk before the next chunk starts (docs/bench.md). Exit code 0 when the run
-finished (a greedy output mismatch across modes is reported and warned about, not an exit code: `specray verify`
-is the gate), 2 on bad input.
+Every mode runs the same requests of a chunk before the next chunk starts (docs/bench.md); a workload's requests go
+in file order, so a mode's suffix store learns across them (each workload and batch size starts it empty). Exit
+code 0 when the run finished (a greedy output mismatch across modes is reported and warned about, not an exit
+code: `specray verify` is the gate), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workload-file", nargs="+", default=[], metavar="FILE",
                    help="your JSONL files: one object per line with `prompt` or `messages`, optionally `max_tokens` "
                         "and `workload` (default: the file's stem)")
+    g.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="the first N requests of each workload only (a stream's first N, in file order)")
     g.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request for every line (none: a line's `max_tokens`, else 64)")
     g = p.add_argument_group("what to measure")
@@ -213,6 +218,16 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
 
     workloads = args.workload if (args.workload or args.workload_file) else list(DEFAULT_WORKLOADS)
     rows = load_workloads(workloads, args.workload_file)
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ValueError("--limit must be at least 1")
+        kept: dict[str, int] = {}
+        limited = []
+        for r in rows:
+            if kept.get(r["workload"], 0) < args.limit:
+                kept[r["workload"]] = kept.get(r["workload"], 0) + 1
+                limited.append(r)
+        rows = limited
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
     if args.temperature < 0:
