@@ -110,11 +110,16 @@ def test_the_store_learns_across_the_stream_and_new_stream_empties_it(tiny):
 def test_unavailable_lookup_modes_say_why(tiny, stream):
     report = run_bench(_args("--model", str(tiny.target_dir), "--dtype", "float32", "--backend", "hf",
                              "--workload-file", str(stream), "--max-tokens", "4", "--quiet", "--no-warmup",
-                             "--modes", "none", "suffix", "hybrid", "suffix-tree", "--tree-width", "1"))
+                             "--modes", "none", "suffix", "hybrid", "suffix-tree", "--tree-width", "1",
+                             "--limit", "1"))
+    assert report["settings"]["workloads"] == {"repeat": 1, "chat": 1}  # a stream's first request
+    assert {r["requests"] for r in report["results"]} == {1}
     reasons = {s["name"]: s["reason"] for s in report["skipped"]}
     assert set(reasons) == {"hybrid", "suffix-tree"}
     assert "no draft model" in reasons["hybrid"] and "--tree-width 1" in reasons["suffix-tree"]
     assert set(DEFAULT_MODES).isdisjoint(SUFFIX_MODES)  # asked for by name
+    with pytest.raises(ValueError, match="--limit"):
+        run_bench(_args(*_tiny_flags(tiny, stream, "--limit", "0")))
 
 
 def test_stream_sets_load():
