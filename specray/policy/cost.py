@@ -216,3 +216,16 @@ class Acceptance:
     def expected_length(self, k: int) -> float:
         """E[L] = 1 + sum_{i<=k} prod_{j<=i} alpha_j: tokens emitted per verify of a k-token draft."""
         return expected_accepted_length(self.alphas(k))
+
+    def expected_lengths(self, k_max: int) -> list[float]:
+        """[expected_length(1), ..., expected_length(k_max)] in one pass (alphas(k) is a prefix of alphas(k_max);
+        the same running sums as `expected_accepted_length`, so each entry is exactly expected_length(k))."""
+        out: list[float] = []
+        total, survive = 1.0, 1.0
+        for a in self.alphas(k_max):
+            if not 0.0 <= a <= 1.0:  # NaN fails too
+                expected_accepted_length([a])  # its error names the rate
+            survive *= a
+            total += survive
+            out.append(total)
+        return out

@@ -22,7 +22,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from specray.coordinator.state import Plan, plan_name
+from specray.policy.chains import ChainTable
 from specray.policy.cost import Acceptance, StepCost
 from specray.policy.pricing import Pricing, _effective
 from specray.spec.params import VerifyMethod
@@ -187,6 +190,10 @@ class Planner(Pricing):
         if self.native_k or self.engine_verify or levels[-1].live_decode:
             self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
         self.candidates = self._enumerate()
+        self._index = {p: i for i, p in enumerate(self.candidates)}
+        self._chains = ChainTable(self.candidates)  # the ranking's vectorised pricing of chain candidates
+        self._n_levels = np.array([len(p.levels) for p in self.candidates])  # explain's tie-breaks
+        self._k_sum = np.array([sum(p.k) for p in self.candidates])
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
 
         self._lock = threading.RLock()
@@ -200,7 +207,7 @@ class Planner(Pricing):
         self._plain_probed: set[int] = set()  # buckets given their first plain probe
         self._last_bucket, self._bucket_run = 0, 0  # bucket of the latest plan() call, consecutive calls there
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
-        self._memo: dict[tuple, float] = {}  # predictions, cleared by every measurement
+        self._memo: dict[tuple, Any] = {}  # predictions (and rankings), cleared by every measurement
         for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
             plan = None if spec in (*REGIMES, "hybrid") else self._parse(spec, lo)
             if plan is not None and (plan.levels[-1] != self.top or max(plan.levels) > self.top):
@@ -341,15 +348,44 @@ class Planner(Pricing):
             # accepted whole is cut short (no failure after it); a row without a tree is the lookup's miss
             self.on_verify(level, lower, [w.spine for w in walks], [w.spine_accepted for w in walks], asked=1)
 
+    def _scores(self, batch: int) -> tuple[list[Plan], np.ndarray, dict[Plan, int]]:
+        """(plans, goodput of each, index of each plan): every candidate, then the held and default plans where they
+        are not candidates, priced at `batch` -- chain candidates by `ChainTable` (the same values as `goodput`, in
+        one vectorised pass), the others one by one. Memoised until the next measurement; callers must not modify."""
+        extras = tuple(p for p in dict.fromkeys((self._current, self.default_plan)) if p not in self._index)
+        key = ("g", batch, extras)
+        got = self._memo.get(key)
+        if got is not None:
+            return got
+        gp, covered = self._chains.goodputs(self, batch)
+        plans, index = self.candidates, self._index
+        for i in np.flatnonzero(~covered).tolist():
+            gp[i] = self.goodput(plans[i], batch)
+        if extras:
+            plans = [*plans, *extras]
+            index = {**index, **{p: len(self.candidates) + j for j, p in enumerate(extras)}}
+            gp = np.concatenate([gp, [self.goodput(p, batch) for p in extras]])
+        got = self._memo[key] = (plans, gp, index)
+        return got
+
+    def _goodput(self, plan: Plan, batch: int) -> float:
+        """`goodput(plan, batch)`, read from the ranking's table when the plan is in it."""
+        plans, gp, index = self._scores(batch)
+        i = index.get(plan)
+        return float(gp[i]) if i is not None else self.goodput(plan, batch)
+
     def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
-        """Every candidate (and the current and default plans) with its predicted goodput, best first."""
+        """Every candidate (and the current and default plans) with its predicted goodput, best first (ties: fewer
+        levels, then a smaller total K, then candidate order)."""
         with self._lock:
-            plans = list(self.candidates)
-            for extra in (self._current, self.default_plan):
-                if extra not in plans:
-                    plans.append(extra)
-            scored = [(p, self.goodput(p, max(1, batch_size))) for p in plans]
-        return sorted(scored, key=lambda x: (-x[1], len(x[0].levels), sum(x[0].k)))
+            plans, gp, _ = self._scores(max(1, batch_size))
+            if np.isnan(gp).any():  # no total order: what Python's sort makes of it
+                return sorted(zip(plans, gp.tolist()), key=lambda x: (-x[1], len(x[0].levels), sum(x[0].k)))
+            extra = plans[len(self.candidates):]
+            n_levels = np.concatenate([self._n_levels, [len(p.levels) for p in extra]]) if extra else self._n_levels
+            k_sum = np.concatenate([self._k_sum, [sum(p.k) for p in extra]]) if extra else self._k_sum
+            order = np.lexsort((k_sum, n_levels, -gp)).tolist()  # stable: equal keys keep the candidates' order
+            return [(plans[i], g) for i, g in zip(order, gp[order].tolist())]
 
     def describe(self, batch_size: int, top: int = 5) -> dict[str, Any]:
         """The planner's view for `/health`: the plan it holds and its best-ranked candidates at `batch_size`,
@@ -482,7 +518,7 @@ class Planner(Pricing):
             best, best_gp = ranked[0]
             if self._clock < self.warmup:
                 # nothing measured yet: run the configured plan unless even the priors say it loses
-                start = self.default_plan if self.goodput(self.default_plan, batch) >= self.goodput(
+                start = self.default_plan if self._goodput(self.default_plan, batch) >= self._goodput(
                     self.plain, batch) else best
                 self._current, self._streak = start, 0
                 self._last = (batch, start)
@@ -506,7 +542,7 @@ class Planner(Pricing):
                     self._probe_round = True
                     return probe
             if best != self._current:
-                cur_gp = self.goodput(self._current, batch)
+                cur_gp = self._goodput(self._current, batch)
                 if best_gp > cur_gp * (1.0 + self.hysteresis):
                     self._streak += 1
                     # plain decoding predicted to beat the held plan by more than `decisive` (2x by default) is

@@ -1,0 +1,87 @@
+"""Goodput of every chain candidate at once: the planner's ranking, vectorised over K.
+
+A ranking prices each (levels, K) candidate -- 289 plans for three levels with K up to 16 -- and pricing them one
+by one through `Pricing.round_time` (a recursion, dict memo look-ups per call) costs milliseconds of the
+coordinator's CPU, paid on the rounds that rank. A chain [l_0(K_0), ..., l_{m-1}(K_{m-1}), target] without overlap
+is priced from a few per-ranking tables: each level's step time T_l(B, q) for q = 1..k_max + 1, the target's
+verification time per K, and E[L] per (verifier, drafter) pair and K. `ChainTable` groups the candidates by their
+levels and evaluates each group's recursion (`Pricing._produce`) on arrays of K, with the same operations in the
+same order as the scalar path, so every goodput is bit-for-bit the one `Pricing.goodput` gives (the planner's unit
+tests and `tests/unit/test_plannercost.py` hold it to that). Plans it does not cover (plain decoding, hybrid,
+overlapped, a K of 0, a pair priced for token trees) are left to the scalar path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from specray.coordinator.state import Plan
+
+if TYPE_CHECKING:
+    from specray.policy.pricing import Pricing
+
+__all__ = ["ChainTable"]
+
+
+class ChainTable:
+    """The chain candidates of a fixed candidate list, grouped by levels; `goodputs` prices them per batch."""
+
+    def __init__(self, plans: Sequence[Plan]) -> None:
+        groups: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for i, p in enumerate(plans):
+            if not p.hybrid and len(p.levels) >= 2 and all(k >= 1 for k in p.k):
+                groups.setdefault((p.levels, p.tree), []).append(i)
+        #: (levels, first plan, candidate indices (n,), K per drafting level (n, len(levels) - 1))
+        self.groups: list[tuple[tuple[int, ...], Plan, np.ndarray, np.ndarray]] = [
+            (levels, plans[idx[0]], np.array(idx, dtype=np.intp),
+             np.array([plans[i].k for i in idx], dtype=np.intp).reshape(len(idx), len(levels) - 1))
+            for (levels, _tree), idx in groups.items()]
+        self.k_max = max((int(ks.max()) for *_, ks in self.groups), default=0)
+        self.size = len(plans)
+
+    def goodputs(self, pricing: Pricing, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(goodput per candidate (size,), covered (size,) bool): E[L] * B / T_round of each chain candidate that is
+        not overlapped; the others are left at 0 and not covered."""
+        out = np.zeros(self.size)
+        covered = np.zeros(self.size, dtype=bool)
+        if not self.groups:
+            return out, covered
+        kmax = self.k_max
+        ks = np.arange(kmax + 2)
+        steps: dict[int, np.ndarray] = {}  # level -> T_l(B, q) at index q (q = 0 unused)
+        elens: dict[tuple[int, int], np.ndarray] = {}  # (verifier, drafter) -> E[L] at index K
+        verify = np.array([0.0] + [pricing._verify_time(batch, int(k)) for k in ks[1:kmax + 1]])
+
+        def step(level: int) -> np.ndarray:
+            t = steps.get(level)
+            if t is None:
+                t = steps[level] = np.array([0.0] + [pricing.step_time(level, batch, int(q)) for q in ks[1:]])
+            return t
+
+        def elen(up: int, lo: int) -> np.ndarray:
+            e = elens.get((up, lo))
+            if e is None:
+                e = elens[(up, lo)] = np.array([1.0, *pricing.acceptance[(up, lo)].expected_lengths(kmax)])
+            return e
+
+        for levels, first, idx, kk in self.groups:
+            if pricing._overlapped(first) or (levels[0] == 0 and pricing.tree_acceptance):
+                continue  # overlapped; or a suffix level 0 that also drafts trees (priced at the tokens fed)
+            # Pricing._produce, level by level: the first drafter's K_0 steps (an n-gram: its flat cost), then each
+            # middle level's ceil(K_i / E_i) inner rounds of (its drafter's tokens + its own check)
+            low = levels[0]
+            produce = np.full(len(idx), pricing.ngram_cost) if pricing.is_ngram[low] else kk[:, 0] * step(low)[1]
+            for i in range(1, len(levels) - 1):
+                lvl, k_low = levels[i], kk[:, i - 1]
+                inner = np.ceil(kk[:, i] / elen(lvl, levels[i - 1])[k_low] - 1e-9)
+                produce = inner * (produce + step(lvl)[k_low + 1])
+            k = kk[:, -1]
+            t = produce + verify[k] + pricing.overhead
+            with np.errstate(divide="ignore"):
+                gp = elen(pricing.top, levels[-2])[k] * batch / t
+            out[idx] = np.where(t > 0, gp, np.inf)
+            covered[idx] = True
+        return out, covered
