@@ -50,15 +50,13 @@ class ChainTable:
         if not self.groups:
             return out, covered
         kmax = self.k_max
-        ks = np.arange(kmax + 2)
         steps: dict[int, np.ndarray] = {}  # level -> T_l(B, q) at index q (q = 0 unused)
         elens: dict[tuple[int, int], np.ndarray] = {}  # (verifier, drafter) -> E[L] at index K
-        verify = np.array([0.0] + [pricing._verify_time(batch, int(k)) for k in ks[1:kmax + 1]])
-
-        def step(level: int) -> np.ndarray:
+        def step(level: int) -> np.ndarray:  # Pricing.step_time(level, batch, q) for every q at once
             t = steps.get(level)
             if t is None:
-                t = steps[level] = np.array([0.0] + [pricing.step_time(level, batch, int(q)) for q in ks[1:]])
+                t = steps[level] = np.full(kmax + 2, pricing.ngram_cost) if pricing.is_ngram[level] else \
+                    np.array([0.0, *pricing.costs[level].predict_many(batch, range(1, kmax + 2))])
             return t
 
         def elen(up: int, lo: int) -> np.ndarray:
@@ -67,6 +65,10 @@ class ChainTable:
                 e = elens[(up, lo)] = np.array([1.0, *pricing.acceptance[(up, lo)].expected_lengths(kmax)])
             return e
 
+        if pricing.native_cost is None or not pricing.engine_verify:  # Pricing._verify_time: one forward of K + 1
+            verify = np.concatenate([[0.0], step(pricing.top)[2:]])
+        else:
+            verify = np.array([0.0] + [pricing._verify_time(batch, k) for k in range(1, kmax + 1)])
         for levels, first, idx, kk in self.groups:
             if pricing._overlapped(first) or (levels[0] == 0 and pricing.tree_acceptance):
                 continue  # overlapped; or a suffix level 0 that also drafts trees (priced at the tokens fed)

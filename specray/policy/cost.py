@@ -20,6 +20,16 @@ __all__ = ["Acceptance", "StepCost", "linear_cost"]
 Coefs = tuple[float, float, float]
 
 
+#: the fit's active sets (the coefficients left free), each as indices padded to 3 with a mask: the 7 reduced systems
+#: are solved as one stack of 3x3 systems, each padded with an identity block (zeros elsewhere), which leaves the
+#: LU arithmetic on the reduced block as it is
+_SETS = [list(c) for r in range(1, 4) for c in itertools.combinations(range(3), r)]
+_SET_IDX = np.array([[*c, *[0] * (3 - len(c))] for c in _SETS], dtype=np.intp)  # (7, 3)
+_SET_MASK = np.array([[j < len(c) for j in range(3)] for c in _SETS])  # (7, 3)
+_SET_MASK2 = _SET_MASK[:, :, None] & _SET_MASK[:, None, :]  # (7, 3, 3)
+_SET_PAD = np.where(~_SET_MASK[:, :, None] & np.eye(3, dtype=bool), 1.0, 0.0)  # (7, 3, 3)
+
+
 def _features(batch: int, tokens: int) -> np.ndarray:
     return np.array([1.0, float(batch * tokens), float(batch)])
 
@@ -116,25 +126,44 @@ class StepCost:
         H = self._A + lam * np.diag(m)
         g = self._v + lam * m * ref
         best, best_val = np.zeros(3), 0.0  # theta = 0 is feasible with objective 0
-        for r in range(1, 4):
-            for free in itertools.combinations(range(3), r):
-                idx = list(free)
-                try:
-                    sol = np.linalg.solve(H[np.ix_(idx, idx)], g[idx])
-                except np.linalg.LinAlgError:
-                    continue
-                if np.any(sol < -1e-15):
-                    continue
-                theta = np.zeros(3)
-                theta[idx] = np.maximum(sol, 0.0)
-                val = float(theta @ H @ theta - 2.0 * theta @ g)
-                if val < best_val:
-                    best, best_val = theta, val
+        # each active set's equality-constrained optimum (all 7 in one stacked solve; one by one where one of them
+        # is singular, skipping it); the best feasible one wins
+        try:
+            stack = np.linalg.solve(np.where(_SET_MASK2, H[_SET_IDX[:, :, None], _SET_IDX[:, None, :]], _SET_PAD),
+                                    np.where(_SET_MASK, g[_SET_IDX], 0.0)[..., None])[..., 0]
+            sols: list[np.ndarray | None] = [stack[j, :len(idx)] for j, idx in enumerate(_SETS)]
+            feasible = (~(np.where(_SET_MASK, stack, 0.0) < -1e-15).any(axis=1)).tolist()
+        except np.linalg.LinAlgError:
+            sols = [self._solve_one(H, g, idx) for idx in _SETS]
+            feasible = [sol is not None and not np.any(sol < -1e-15) for sol in sols]
+        for idx, sol, ok in zip(_SETS, sols, feasible):
+            if not ok:
+                continue
+            theta = np.zeros(3)
+            theta[idx] = np.maximum(sol, 0.0)
+            val = float(theta @ H @ theta - 2.0 * theta @ g)
+            if val < best_val:
+                best, best_val = theta, val
         return (float(best[0]), float(best[1]), float(best[2]))
+
+    @staticmethod
+    def _solve_one(H: np.ndarray, g: np.ndarray, idx: list[int]) -> np.ndarray | None:
+        try:
+            return np.linalg.solve(H[np.ix_(idx, idx)], g[idx])
+        except np.linalg.LinAlgError:
+            return None
 
     def predict(self, batch: int, tokens: int) -> float:
         """Expected seconds for one forward of (batch, tokens)."""
-        a, b, c = self.coefficients
+        return self._predict(self.coefficients, batch, tokens)
+
+    def predict_many(self, batch: int, tokens: Sequence[int]) -> list[float]:
+        """[predict(batch, q) for q in tokens], the fit looked up once."""
+        coefs = self.coefficients
+        return [self._predict(coefs, batch, q) for q in tokens]
+
+    def _predict(self, coefs: Coefs, batch: int, tokens: int) -> float:
+        a, b, c = coefs
         fit = a + b * batch * tokens + c * batch
         entry = self._table.get((batch, tokens))
         if entry is None:
