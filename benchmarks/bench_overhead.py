@@ -465,6 +465,41 @@ def bound_for(plan_names: Sequence[str], stats: dict[str, Any], k: int, batch: i
     return out
 
 
+class TimedPlanner:
+    """Stands in for the planner (as the round's plan callable and as the engine's observer) and adds up the CPU
+    time of this thread spent in it (`time.thread_time`: what other processes on the box do counts far less than
+    in the wall time), per hook: the planner's own share of the coordinator's overhead."""
+
+    def __init__(self, planner: Planner) -> None:
+        self.planner = planner
+        self.cpu: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    def _timed(self, hook: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            self.cpu[hook] += time.thread_time() - t0
+            self.calls[hook] += 1
+
+    def __call__(self, batch: int) -> Any:
+        return self._timed("plan", self.planner.plan, batch)
+
+    def on_call(self, *args: Any) -> None:
+        self._timed("on_call", self.planner.on_call, *args)
+
+    def on_verify(self, *args: Any) -> None:
+        self._timed("on_verify", self.planner.on_verify, *args)
+
+    def on_native(self, *args: Any) -> None:
+        self._timed("on_native", self.planner.on_native, *args)
+
+    def reset(self) -> None:
+        self.cpu.clear()
+        self.calls.clear()
+
+
 def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int, max_tokens: int, overlap: bool,
             k: int = 4, warmup_tokens: int = 8, planner: tuple[int, str] | None = None) -> dict[str, Any]:
     """One configuration: an untimed warm-up `generate`, then the timed one; the run's numbers (module docstring).
@@ -483,14 +518,19 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
         else:
             kw = dict(rerank_every=int(planner[1]))
         policy = Planner(levels, k_max=planner[0], **kw).attach(engine)
+    timed = None if policy is None else TimedPlanner(policy)
+    if timed is not None:
+        engine.observers[engine.observers.index(policy)] = timed
     prompts = make_prompts(batch)
     load = os.getloadavg()[0]
     try:
-        generate(engine, prompts, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=True, plan=policy)
+        generate(engine, prompts, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=True, plan=timed or policy)
         backend.drain()
         client.clear()
+        if timed is not None:
+            timed.reset()
         t0 = time.monotonic()
-        out = generate(engine, prompts, max_tokens=max_tokens, ignore_eos=True, plan=policy)
+        out = generate(engine, prompts, max_tokens=max_tokens, ignore_eos=True, plan=timed or policy)
         t1 = time.monotonic()
     finally:
         pool = getattr(engine, "_ahead_pool", None)
@@ -544,7 +584,12 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
     return {
         "path": backend.path, "preset": preset, "plan": plan, "levels": list(names), "overlap": overlap,
         "planner": None if planner is None else {"k_max": planner[0], "rerank": planner[1],
-                                                 "held": policy.plan_name(policy.current)},
+                                                 "held": policy.plan_name(policy.current),
+                                                 # its own CPU (thread time) per round, in all and per hook
+                                                 "cpu_ms_per_round": 1000 * sum(timed.cpu.values()) / rounds,
+                                                 "cpu_ms_per_round_by_hook": {k: 1000 * v / rounds
+                                                                              for k, v in sorted(timed.cpu.items())},
+                                                 "calls": dict(timed.calls)},
         "batch": batch, "max_tokens": max_tokens, "k": k,
         "rounds": rounds, "tokens": tokens, "wall_s": wall, "model_s": model, "in_calls_s": in_calls,
         "overhead_s": wall - model, "overhead_ms_per_round": 1000 * (wall - model) / rounds,
@@ -599,6 +644,8 @@ def row_text(r: dict[str, Any]) -> str:
     flags = []
     if r["load1_before"] > BUSY_LOAD:
         flags.append(f"load {r['load1_before']:.1f}")
+    if r.get("planner") and "cpu_ms_per_round" in r["planner"]:
+        flags.append(f"planner CPU {r['planner']['cpu_ms_per_round']:.2f} ms/round")
     if r["logic_over_cost_s"] > 0.02 * r["model_s"]:
         flags.append(f"worker Python over its cost {r['logic_over_cost_s']:.3f}s, counted as model time")
     return (f"{r['path']:<18} {config_label(r):<12} {r['batch']:>3} {r['max_tokens']:>3} {r['rounds']:>6} "

@@ -1,0 +1,154 @@
+"""The planner's ranking priced in one vectorised pass (`specray.policy.chains`) and its cheaper cost fit give the
+same numbers -- hence the same plans -- as pricing every candidate one by one through `Pricing.goodput` and
+solving each active set of the fit on its own."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from specray.coordinator.cascade import Level, Plan
+from specray.policy.cost import Acceptance, StepCost, linear_cost
+from specray.policy.planner import Planner
+from tests.unit.test_planner import Sim, _dummy, three_levels, two_levels
+
+
+def three_models() -> list[Level]:
+    return [Level("small", worker=_dummy("small"), k=4), Level("mid", worker=_dummy("mid"), k=4),
+            Level("target", worker=_dummy("target"))]
+
+
+class OneByOne(Planner):
+    """The reference: every candidate priced by `goodput`, ranked by Python's sort."""
+
+    def _scores(self, batch: int):
+        extras = [p for p in dict.fromkeys((self._current, self.default_plan)) if p not in self._index]
+        plans = [*self.candidates, *extras]
+        return plans, np.array([self.goodput(p, batch) for p in plans]), {p: i for i, p in enumerate(plans)}
+
+    def _goodput(self, plan: Plan, batch: int) -> float:
+        return self.goodput(plan, batch)
+
+    def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
+        plans, gp, _ = self._scores(max(1, batch_size))
+        return sorted(zip(plans, gp.tolist()), key=lambda x: (-x[1], len(x[0].levels), sum(x[0].k)))
+
+
+class Lockstep:
+    """Feeds one simulated engine's events to both planners and checks, every round, that they choose the same
+    plan and rank every candidate with the same goodput."""
+
+    def __init__(self, fast: Planner, ref: Planner) -> None:
+        self.fast, self.ref = fast, ref
+        self.top, self.is_ngram = fast.top, fast.is_ngram
+        self.rounds = 0
+
+    def __call__(self, batch: int) -> Plan:
+        ranked = self.fast.explain(batch)
+        assert ranked == self.ref.explain(batch)  # plans, order and goodputs, bit for bit
+        plan = self.fast(batch)
+        assert plan == self.ref(batch)
+        assert (self.fast.current, self.fast._streak) == (self.ref.current, self.ref._streak)
+        self.rounds += 1
+        return plan
+
+    def on_call(self, *args) -> None:
+        self.fast.on_call(*args)
+        self.ref.on_call(*args)
+
+    def on_verify(self, *args) -> None:
+        self.fast.on_verify(*args)
+        self.ref.on_verify(*args)
+
+
+CASES = {
+    # levels, true step-time curves, true acceptance, overlap (None: off, else bounded?)
+    "draft": (two_levels, {1: linear_cost(0.1, 0.004), 0: linear_cost(0.01, 0.0004)}, {(1, 0): 0.8}, None),
+    "cascade": (three_models, {2: linear_cost(0.015, 0.0001, 0.0002), 1: linear_cost(0.008, 0.0001),
+                               0: linear_cost(0.003, 0.00005)}, {(2, 1): 0.8, (2, 0): 0.6, (1, 0): 0.75}, None),
+    "ngram+hybrid": (three_levels, {2: linear_cost(0.1, 0.004), 1: linear_cost(0.01, 0.0004)},
+                     {(2, 0): 0.7, (2, 1): 0.8, (1, 0): 0.6}, None),
+    "cascade+overlap": (three_models, {2: linear_cost(0.015, 0.0001), 1: linear_cost(0.008, 0.0001),
+                                       0: linear_cost(0.003, 0.00005)}, {(2, 1): 0.8, (2, 0): 0.6, (1, 0): 0.75},
+                        False),
+    "draft+bounded": (two_levels, {1: linear_cost(0.015, 0.0001), 0: linear_cost(0.006, 0.0001)}, {(1, 0): 0.8},
+                      True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_vectorised_ranking_chooses_as_pricing_one_by_one(case):
+    levels, truth, alpha, overlap = CASES[case]
+    kw = dict(k_max=6, rerank_every=1, explore_every=12)
+    fast, ref = Planner(levels(), **kw), OneByOne(levels(), **kw)
+    for p in (fast, ref):
+        p.overlap, p.bounded = overlap is not None, bool(overlap)
+    both = Lockstep(fast, ref)
+    sim = Sim(both, truth, alpha, noise=0.3, seed=7)
+    rng = random.Random(3)
+    for _ in range(12):
+        sim.run(rng.choice([1, 2, 3, 8, 17, 64]), rng.randint(3, 12))
+    assert both.rounds >= 36
+    # the table did the ranking: its goodputs are covered for every chain candidate, except overlapped ones
+    gp, covered = fast._chains.goodputs(fast, 4)
+    chains = [i for i, p in enumerate(fast.candidates) if not p.hybrid and len(p.levels) > 1]
+    assert covered[chains].all() if overlap is None else not covered[chains].any()
+    assert all(gp[i] == fast.goodput(fast.candidates[i], 4) for i in chains if covered[i])
+
+
+def _reference_fit(c: StepCost, prior: tuple[float, float, float]) -> tuple[float, float, float]:
+    """The constrained least squares solved one active set at a time."""
+    p = np.array(prior)
+    denom = float(c._wx @ p)
+    ref = p * (c._wt / denom) if denom > 0 else p
+    m = np.maximum(np.diag(c._A) / c._w, 1e-12)
+    lam = c.ridge * c._w
+    H = c._A + lam * np.diag(m)
+    g = c._v + lam * m * ref
+    best, best_val = np.zeros(3), 0.0
+    for r in range(1, 4):
+        for free in itertools.combinations(range(3), r):
+            idx = list(free)
+            try:
+                sol = np.linalg.solve(H[np.ix_(idx, idx)], g[idx])
+            except np.linalg.LinAlgError:
+                continue
+            if np.any(sol < -1e-15):
+                continue
+            theta = np.zeros(3)
+            theta[idx] = np.maximum(sol, 0.0)
+            val = float(theta @ H @ theta - 2.0 * theta @ g)
+            if val < best_val:
+                best, best_val = theta, val
+    return (float(best[0]), float(best[1]), float(best[2]))
+
+
+def test_step_cost_fit_equals_solving_each_active_set_alone():
+    rng = np.random.default_rng(5)
+    fits = 0
+    for _ in range(300):
+        c = StepCost(tuple(rng.random(3) * 10 ** rng.uniform(-4, 0, 3)), decay=float(rng.uniform(0.7, 1.0)))
+        a, b, s = rng.random(3) * 10 ** rng.uniform(-5, -1, 3)
+        for _ in range(int(rng.integers(1, 10))):
+            batch, q = int(rng.integers(1, 128)), int(rng.integers(1, 18))
+            t = (a + b * batch * q + s * batch) * rng.uniform(0.5, 1.5) + rng.normal(0, 1e-3)
+            c.observe(batch, q, max(0.0, float(t)))
+            assert c.coefficients == _reference_fit(c, c.prior)
+            fits += 1
+    # a fit in which some active sets are singular (one batch size and one q: the features are collinear)
+    c = StepCost((0.01, 0.001, 0.0))
+    for _ in range(3):
+        c.observe(4, 1, 0.02)
+    assert c.coefficients == _reference_fit(c, c.prior)
+    assert c.predict_many(4, [1, 2, 9]) == [c.predict(4, q) for q in (1, 2, 9)]
+    assert fits > 300
+
+
+def test_expected_lengths_are_expected_length_per_k():
+    acc = Acceptance(0.4, k_max=12)
+    acc.observe([8, 8, 3, 12], [2, 8, 3, 5])
+    acc.observe([0, 5], [0, 1], proposed=5)
+    assert acc.expected_lengths(16) == [acc.expected_length(k) for k in range(1, 17)]
