@@ -172,6 +172,20 @@ class StepCost:
         return (entry[1] * w / entry[0] + fit) / (w + 1.0) if entry[0] > 0 else fit
 
 
+def _add_prefix_counts(values: np.ndarray, ends: list[int]) -> np.ndarray:
+    """`values` with 1.0 added to values[:m] once per count ends[m], as repeated additions of 1.0."""
+    out = values.tolist()
+    rows = 0
+    for j in range(len(ends) - 1, 0, -1):  # rows whose prefix covers position j - 1
+        rows += ends[j]
+        if rows and j - 1 < len(out):
+            x = out[j - 1]
+            for _ in range(rows):
+                x += 1.0
+            out[j - 1] = x
+    return np.array(out)
+
+
 class Acceptance:
     """Decayed per-position conditional acceptance of one (verifier, drafter) pair.
 
@@ -208,15 +222,20 @@ class Acceptance:
         self.trials *= f
         self.successes *= f
         size = len(self.trials)
+        # each row adds 1.0 to a prefix of trials and of successes: count the rows per prefix length, then add the
+        # 1.0s position by position (one by one, as the rows would: the sums stay exactly those of a row loop)
+        t_ends, s_ends = [0] * (size + 2), [0] * (size + 2)
         for n, a in zip(draft_lens, accepted):
             n = min(int(n), size)
             a = max(0, min(int(a), n))
             if proposed is not None and a == n < min(proposed, size):
-                self.trials[: n + 1] += 1.0
-                self.successes[:n] += 1.0
+                t_ends[n + 1] += 1
+                s_ends[n] += 1
             elif n > 0:
-                self.trials[: min(a + 1, n)] += 1.0
-                self.successes[:a] += 1.0
+                t_ends[min(a + 1, n)] += 1
+                s_ends[a] += 1
+        self.trials = _add_prefix_counts(self.trials, t_ends)
+        self.successes = _add_prefix_counts(self.successes, s_ends)
         self.n_obs += 1
 
     @property
@@ -233,12 +252,13 @@ class Acceptance:
     def alphas(self, k: int) -> list[float]:
         """alpha_1..alpha_k."""
         pooled, ps = self.pooled, self.pos_strength
+        trials, successes = self.trials.tolist(), self.successes.tolist()
         out: list[float] = []
         last = pooled
         for j in range(k):
-            t = float(self.trials[j]) if j < len(self.trials) else 0.0
+            t = trials[j] if j < len(trials) else 0.0
             if j == 0 or t >= 1.0:  # measured (at least one decayed trial): shrunk to the pooled rate
-                last = float((self.successes[j] + ps * pooled) / (t + ps))
+                last = float((successes[j] + ps * pooled) / (t + ps))
             out.append(last)  # never (or long ago) measured: the deepest measured position's estimate
         return out
 

@@ -152,3 +152,32 @@ def test_expected_lengths_are_expected_length_per_k():
     acc.observe([8, 8, 3, 12], [2, 8, 3, 5])
     acc.observe([0, 5], [0, 1], proposed=5)
     assert acc.expected_lengths(16) == [acc.expected_length(k) for k in range(1, 17)]
+
+
+def test_acceptance_counts_equal_a_row_by_row_update():
+    """`Acceptance.observe` adds the rows' prefix counts position by position: the same floats as adding 1.0 row by
+    row (decayed counts are not integers, so adding a row count at once would round differently)."""
+    rng = random.Random(11)
+    acc = Acceptance(0.5, decay=0.83, k_max=8)
+    trials, successes = np.zeros(8), np.zeros(8)
+    for _ in range(200):
+        batch = rng.choice([1, 3, 64])
+        lens = [rng.randint(0, 10) for _ in range(batch)]
+        accepted = [rng.randint(0, n) for n in lens]
+        proposed = rng.choice([None, 0, 5, 12])
+        gap = rng.choice([1.0, 3.0])
+        acc.observe(lens, accepted, gap=gap, proposed=proposed)
+        f = 0.83 ** gap
+        trials *= f
+        successes *= f
+        for n, a in zip(lens, accepted):
+            n = min(n, 8)
+            a = min(a, n)
+            if proposed is not None and a == n < min(proposed, 8):
+                trials[: n + 1] += 1.0
+                successes[:n] += 1.0
+            elif n > 0:
+                trials[: min(a + 1, n)] += 1.0
+                successes[:a] += 1.0
+        assert acc.trials.tolist() == trials.tolist() and acc.successes.tolist() == successes.tolist()
+    assert acc.alphas(12)[:3] != [acc.pooled] * 3
