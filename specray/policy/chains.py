@@ -82,8 +82,6 @@ class ChainTable:
                 produce = inner * (produce + step(lvl)[k_low + 1])
             k = kk[:, -1]
             t = produce + verify[k] + pricing.overhead
-            with np.errstate(divide="ignore"):
-                gp = elen(pricing.top, levels[-2])[k] * batch / t
-            out[idx] = np.where(t > 0, gp, np.inf)
+            out[idx] = np.divide(elen(pricing.top, levels[-2])[k] * batch, t, out=np.full(len(t), np.inf), where=t > 0)
             covered[idx] = True
         return out, covered

@@ -131,13 +131,11 @@ class StepCost:
         try:
             stack = np.linalg.solve(np.where(_SET_MASK2, H[_SET_IDX[:, :, None], _SET_IDX[:, None, :]], _SET_PAD),
                                     np.where(_SET_MASK, g[_SET_IDX], 0.0)[..., None])[..., 0]
-            sols: list[np.ndarray | None] = [stack[j, :len(idx)] for j, idx in enumerate(_SETS)]
-            feasible = (~(np.where(_SET_MASK, stack, 0.0) < -1e-15).any(axis=1)).tolist()
+            sols: list[list[float] | None] = [row[:len(idx)] for row, idx in zip(stack.tolist(), _SETS)]
         except np.linalg.LinAlgError:
             sols = [self._solve_one(H, g, idx) for idx in _SETS]
-            feasible = [sol is not None and not np.any(sol < -1e-15) for sol in sols]
-        for idx, sol, ok in zip(_SETS, sols, feasible):
-            if not ok:
+        for idx, sol in zip(_SETS, sols):
+            if sol is None or any(x < -1e-15 for x in sol):
                 continue
             theta = np.zeros(3)
             theta[idx] = np.maximum(sol, 0.0)
@@ -147,9 +145,9 @@ class StepCost:
         return (float(best[0]), float(best[1]), float(best[2]))
 
     @staticmethod
-    def _solve_one(H: np.ndarray, g: np.ndarray, idx: list[int]) -> np.ndarray | None:
+    def _solve_one(H: np.ndarray, g: np.ndarray, idx: list[int]) -> list[float] | None:
         try:
-            return np.linalg.solve(H[np.ix_(idx, idx)], g[idx])
+            return np.linalg.solve(H[np.ix_(idx, idx)], g[idx]).tolist()
         except np.linalg.LinAlgError:
             return None
 
