@@ -56,7 +56,7 @@ class ChainTable:
             t = steps.get(level)
             if t is None:
                 t = steps[level] = np.full(kmax + 2, pricing.ngram_cost) if pricing.is_ngram[level] else \
-                    np.array([0.0, *pricing.costs[level].predict_many(batch, range(1, kmax + 2))])
+                    pricing.costs[level].predict_many(batch, np.arange(kmax + 2))
             return t
 
         def elen(up: int, lo: int) -> np.ndarray:

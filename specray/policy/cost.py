@@ -155,10 +155,14 @@ class StepCost:
         """Expected seconds for one forward of (batch, tokens)."""
         return self._predict(self.coefficients, batch, tokens)
 
-    def predict_many(self, batch: int, tokens: Sequence[int]) -> list[float]:
-        """[predict(batch, q) for q in tokens], the fit looked up once."""
-        coefs = self.coefficients
-        return [self._predict(coefs, batch, q) for q in tokens]
+    def predict_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
+        """[predict(batch, q) for q in tokens] (tokens: (n,) ints) as an (n,) array: the same operations on arrays."""
+        a, b, c = self.coefficients
+        out = a + b * batch * tokens + c * batch
+        for j, q in enumerate(tokens.tolist()):
+            if (batch, q) in self._table:  # measured recently: the blend with its decayed mean, as predict
+                out[j] = self.predict(batch, q)
+        return out
 
     def _predict(self, coefs: Coefs, batch: int, tokens: int) -> float:
         a, b, c = coefs

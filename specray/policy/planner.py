@@ -384,8 +384,8 @@ class Planner(Pricing):
             extra = plans[len(self.candidates):]
             n_levels = np.concatenate([self._n_levels, [len(p.levels) for p in extra]]) if extra else self._n_levels
             k_sum = np.concatenate([self._k_sum, [sum(p.k) for p in extra]]) if extra else self._k_sum
-            order = np.lexsort((k_sum, n_levels, -gp)).tolist()  # stable: equal keys keep the candidates' order
-            return [(plans[i], g) for i, g in zip(order, gp[order].tolist())]
+            order = np.lexsort((k_sum, n_levels, -gp))  # stable: equal keys keep the candidates' order
+            return list(zip(map(plans.__getitem__, order.tolist()), gp[order].tolist()))
 
     def describe(self, batch_size: int, top: int = 5) -> dict[str, Any]:
         """The planner's view for `/health`: the plan it holds and its best-ranked candidates at `batch_size`,
