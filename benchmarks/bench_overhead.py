@@ -47,6 +47,9 @@ Definitions, per run (one timed `generate` after an untimed warm-up on the same 
                       other work on the box, or the fake model's Python at large batches)
   speedup             plain's wall / this wall at the same batch and path (simulated speedup); model-only
                       speedup: plain's model / this model (what zero overhead would give)
+  planner CPU         with --planner: the planner's own CPU time (thread time of the coordinator's thread in its
+                      plan() and observer hooks) per round, part of the overhead; less sensitive than the wall
+                      time to other work on the box (JSON: planner.cpu_ms_per_round, and per hook)
   acceptance          per verifying level, from `generate`'s stats: alpha1 = drafts whose first token was
                       accepted / drafts (the per-token rate), rate = accepted / drafted tokens
   bound               Leviathan et al.: E[L] / (K c + 1), E[L] from the measured per-position acceptance,

@@ -52,6 +52,7 @@ class ChainTable:
         kmax = self.k_max
         steps: dict[int, np.ndarray] = {}  # level -> T_l(B, q) at index q (q = 0 unused)
         elens: dict[tuple[int, int], np.ndarray] = {}  # (verifier, drafter) -> E[L] at index K
+
         def step(level: int) -> np.ndarray:  # Pricing.step_time(level, batch, q) for every q at once
             t = steps.get(level)
             if t is None:

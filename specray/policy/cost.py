@@ -30,8 +30,8 @@ _SET_MASK2 = _SET_MASK[:, :, None] & _SET_MASK[:, None, :]  # (7, 3, 3)
 _SET_PAD = np.where(~_SET_MASK[:, :, None] & np.eye(3, dtype=bool), 1.0, 0.0)  # (7, 3, 3)
 
 
-def _features(batch: int, tokens: int) -> np.ndarray:
-    return np.array([1.0, float(batch * tokens), float(batch)])
+def _features(batch: int, tokens: int) -> list[float]:
+    return [1.0, float(batch * tokens), float(batch)]
 
 
 def linear_cost(a: float, b: float, c: float = 0.0) -> Callable[[int, int], float]:
@@ -66,11 +66,13 @@ class StepCost:
             raise ValueError("decays must be in (0, 1]")
         self._prior = prior
         self.decay, self.table_decay, self.ridge = decay, table_decay, ridge
-        self._A = np.zeros((3, 3))  # sum w x x^T
-        self._v = np.zeros(3)  # sum w x t
+        # the sums are plain floats, updated element by element (the arithmetic numpy would do, without its per-call
+        # cost: an update per timed call), and made arrays only for the solve
+        self._A = [[0.0] * 3 for _ in range(3)]  # sum w x x^T
+        self._v = [0.0] * 3  # sum w x t
         self._w = 0.0  # sum w
         self._wt = 0.0  # sum w t
-        self._wx = np.zeros(3)  # sum w x (to rescale the prior)
+        self._wx = [0.0] * 3  # sum w x (to rescale the prior)
         self._table: dict[tuple[int, int], list[float]] = {}  # (B, q) -> [weight, weighted sum, stamp]
         self._clock = 0
         self.n_obs = 0
@@ -87,9 +89,10 @@ class StepCost:
             return
         x = _features(batch, tokens)
         d = self.decay
-        self._A = self._A * d + weight * np.outer(x, x)
-        self._v = self._v * d + weight * seconds * x
-        self._wx = self._wx * d + weight * x
+        ws = weight * seconds
+        self._A = [[a * d + weight * (xi * xj) for a, xj in zip(row, x)] for row, xi in zip(self._A, x)]
+        self._v = [v * d + ws * xi for v, xi in zip(self._v, x)]
+        self._wx = [v * d + weight * xi for v, xi in zip(self._wx, x)]
         self._w = self._w * d + weight
         self._wt = self._wt * d + weight * seconds
         self._clock += 1
@@ -118,13 +121,14 @@ class StepCost:
 
     def _solve(self, prior: Coefs) -> Coefs:
         p = np.array(prior)
-        denom = float(self._wx @ p)
+        A, v = np.array(self._A), np.array(self._v)
+        denom = float(np.array(self._wx) @ p)
         ref = p * (self._wt / denom) if denom > 0 else p
         # ridge in units of each feature's mean square, so it is scale-free and only breaks ties
-        m = np.maximum(np.diag(self._A) / self._w, 1e-12)
+        m = np.maximum(np.diag(A) / self._w, 1e-12)
         lam = self.ridge * self._w
-        H = self._A + lam * np.diag(m)
-        g = self._v + lam * m * ref
+        H = A + lam * np.diag(m)
+        g = v + lam * m * ref
         best, best_val = np.zeros(3), 0.0  # theta = 0 is feasible with objective 0
         # each active set's equality-constrained optimum (all 7 in one stacked solve; one by one where one of them
         # is singular, skipping it); the best feasible one wins

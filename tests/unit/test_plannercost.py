@@ -101,13 +101,13 @@ def test_vectorised_ranking_chooses_as_pricing_one_by_one(case):
 
 def _reference_fit(c: StepCost, prior: tuple[float, float, float]) -> tuple[float, float, float]:
     """The constrained least squares solved one active set at a time."""
-    p = np.array(prior)
-    denom = float(c._wx @ p)
+    p, A, v, wx = np.array(prior), np.array(c._A), np.array(c._v), np.array(c._wx)
+    denom = float(wx @ p)
     ref = p * (c._wt / denom) if denom > 0 else p
-    m = np.maximum(np.diag(c._A) / c._w, 1e-12)
+    m = np.maximum(np.diag(A) / c._w, 1e-12)
     lam = c.ridge * c._w
-    H = c._A + lam * np.diag(m)
-    g = c._v + lam * m * ref
+    H = A + lam * np.diag(m)
+    g = v + lam * m * ref
     best, best_val = np.zeros(3), 0.0
     for r in range(1, 4):
         for free in itertools.combinations(range(3), r):
