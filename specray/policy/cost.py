@@ -120,15 +120,15 @@ class StepCost:
         return fit
 
     def _solve(self, prior: Coefs) -> Coefs:
-        p = np.array(prior)
-        A, v = np.array(self._A), np.array(self._v)
-        denom = float(np.array(self._wx) @ p)
-        ref = p * (self._wt / denom) if denom > 0 else p
-        # ridge in units of each feature's mean square, so it is scale-free and only breaks ties
-        m = np.maximum(np.diag(A) / self._w, 1e-12)
-        lam = self.ridge * self._w
-        H = A + lam * np.diag(m)
-        g = v + lam * m * ref
+        denom = float(np.array(self._wx) @ np.array(prior))
+        ref = [x * (self._wt / denom) for x in prior] if denom > 0 else prior
+        # ridge in units of each feature's mean square, so it is scale-free and only breaks ties (element by element
+        # on floats: A + lam diag(m), v + lam m ref)
+        A, w = self._A, self._w
+        m = [max(A[i][i] / w, 1e-12) for i in range(3)]
+        lam = self.ridge * w
+        H = np.array([[a + lam * m[i] if i == j else a for j, a in enumerate(row)] for i, row in enumerate(A)])
+        g = np.array([vi + lam * mi * ri for vi, mi, ri in zip(self._v, m, ref)])
         best, best_val = np.zeros(3), 0.0  # theta = 0 is feasible with objective 0
         # each active set's equality-constrained optimum (all 7 in one stacked solve; one by one where one of them
         # is singular, skipping it); the best feasible one wins
