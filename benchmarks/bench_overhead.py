@@ -507,17 +507,18 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
             k: int = 4, warmup_tokens: int = 8, planner: tuple[int, str] | None = None) -> dict[str, Any]:
     """One configuration: an untimed warm-up `generate`, then the timed one; the run's numbers (module docstring).
     `planner` = (k_max, how): the live planner chooses each round's plan over the plan's levels, its ranking
-    included in the overhead; how: "served" (the app's defaults, a time budget for the ranking) or N (it ranks
-    one round in N)."""
+    included in the overhead; how: "served" (the app's defaults, a time budget for the ranking), "b<share>" (the
+    same with another `rerank_budget`, e.g. b0.005) or N (it ranks one round in N)."""
     names = PLAN_LEVELS[preset][plan]
     levels = [backend.levels[n] for n in names]
     engine = CascadeEngine(levels, overlap=overlap, nesting=backend.nesting)
     policy = None
     if planner is not None:
-        if planner[1] == "served":
+        if planner[1] == "served" or planner[1].startswith("b"):
             pol = PolicyConfig()
             kw = dict(hysteresis=pol.hysteresis, patience=pol.patience, explore_every=pol.explore_every,
-                      decisive=pol.decisive, rerank_every=pol.rerank_every, rerank_budget=pol.rerank_budget)
+                      decisive=pol.decisive, rerank_every=pol.rerank_every,
+                      rerank_budget=pol.rerank_budget if planner[1] == "served" else float(planner[1][1:]))
         else:
             kw = dict(rerank_every=int(planner[1]))
         policy = Planner(levels, k_max=planner[0], **kw).attach(engine)
@@ -863,8 +864,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="tokens each level proposes per round")
     ap.add_argument("--planner", nargs="+", default=[], metavar="HOW",
                     help="also run each speculative configuration under the live planner, once per value: 'served' "
-                         "(the app's defaults: the ranking within a time budget) or N (rank one round in N); its "
-                         "ranking counts in the overhead")
+                         "(the app's defaults: the ranking within a time budget), b<share> (the same with another "
+                         "rerank_budget, e.g. b0.005) or N (rank one round in N); its ranking counts in the overhead")
     ap.add_argument("--planner-k-max", type=int, default=16, help="the planner's largest K (the served default: 16)")
     ap.add_argument("--warmup-tokens", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=1,
