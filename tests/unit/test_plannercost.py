@@ -181,3 +181,22 @@ def test_acceptance_counts_equal_a_row_by_row_update():
                 successes[:a] += 1.0
         assert acc.trials.tolist() == trials.tolist() and acc.successes.tolist() == successes.tolist()
     assert acc.alphas(12)[:3] != [acc.pooled] * 3
+
+
+def test_overhead_bench_reports_the_planners_own_cpu():
+    """bench_overhead.py times the planner's hooks in the coordinator's thread (the number its README table gives)."""
+    from specray.testing.sim import StepCostModel
+    from tests.unit.test_sim import _bench
+
+    b = _bench()
+    tiny = StepCostModel(0.002, 0.0)
+    specs = tuple(b.LevelSpec(s.name, s.noise, s.noise_seed, step_cost=tiny, order=2) for s in b.PRESET_LEVELS["gpu"])
+    client = b.ClientLog()
+    backend = b.InprocBackend(specs, 4, client)
+    r = b.measure(backend, client, "gpu", "cascade", batch=1, max_tokens=8, overlap=False, k=4, warmup_tokens=4,
+                  planner=(4, "b0.01"))
+    pl = r["planner"]
+    assert pl["calls"]["plan"] == r["rounds"] and pl["calls"]["on_call"] >= r["rounds"]
+    assert set(pl["cpu_ms_per_round_by_hook"]) >= {"plan", "on_call"}
+    assert pl["cpu_ms_per_round"] == pytest.approx(sum(pl["cpu_ms_per_round_by_hook"].values()))
+    assert 0 < pl["cpu_ms_per_round"] < 1000 * r["wall_s"] / r["rounds"]
