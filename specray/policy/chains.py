@@ -7,7 +7,7 @@ is priced from a few per-ranking tables: each level's step time T_l(B, q) for q 
 verification time per K, and E[L] per (verifier, drafter) pair and K. `ChainTable` groups the candidates by their
 levels and evaluates each group's recursion (`Pricing._produce`) on arrays of K, with the same operations in the
 same order as the scalar path, so every goodput is bit-for-bit the one `Pricing.goodput` gives (the planner's unit
-tests and `tests/unit/test_plannercost.py` hold it to that). Plans it does not cover (plain decoding, hybrid,
+tests and `tests/unit/test_ranking_table.py` hold it to that). Plans it does not cover (plain decoding, hybrid,
 overlapped, a K of 0, a pair priced for token trees) are left to the scalar path.
 """
 
