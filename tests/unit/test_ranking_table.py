@@ -200,3 +200,33 @@ def test_overhead_bench_reports_the_planners_own_cpu():
     assert set(pl["cpu_ms_per_round_by_hook"]) >= {"plan", "on_call"}
     assert pl["cpu_ms_per_round"] == pytest.approx(sum(pl["cpu_ms_per_round_by_hook"].values()))
     assert 0 < pl["cpu_ms_per_round"] < 1000 * r["wall_s"] / r["rounds"]
+
+
+@pytest.mark.parametrize("native", [dict(engine_verify=3, live_decode=True), dict(native_k=2, engine_verify=4)])
+def test_vectorised_ranking_on_a_target_verifying_in_its_engine(native):
+    """A target that verifies drafts on its engine's decode path (`engine_verify`), with or without speculation of its
+    own: the table prices verification in engine steps as `_verify_time` does, and every ranking stays bit for bit."""
+
+    def levels() -> list[Level]:
+        return [Level("small", worker=_dummy("small"), k=4), Level("mid", worker=_dummy("mid"), k=4),
+                Level("target", worker=_dummy("target"), **native)]
+
+    fast, ref = Planner(levels(), k_max=7), OneByOne(levels(), k_max=7)
+    rng = random.Random(2)
+    for _ in range(60):
+        batch = rng.choice([1, 4, 16])
+        for p in (fast, ref):
+            assert p.native_cost is not None and p.engine_verify
+        events = [("on_call", (0, "propose", batch, 4, 0.002 * rng.uniform(0.8, 1.2) * 4)),
+                  ("on_call", (1, "verify", batch, 5, 0.006 * rng.uniform(0.8, 1.2))),
+                  ("on_call", (2, rng.choice(["native", "verify"]), batch, rng.randint(1, 5),
+                               0.012 * rng.uniform(0.8, 1.2))),
+                  ("on_verify", (2, rng.choice([0, 1]), [4] * batch, [rng.randint(0, 4) for _ in range(batch)])),
+                  ("on_verify", (1, 0, [4] * batch, [rng.randint(0, 4) for _ in range(batch)]))]
+        for name, args in events:
+            getattr(fast, name)(*args)
+            getattr(ref, name)(*args)
+        assert fast.explain(batch) == ref.explain(batch)
+        assert fast(batch) == ref(batch)
+    gp, covered = fast._chains.goodputs(fast, 4)
+    assert covered.sum() == len(fast.candidates) - 1  # every chain; plain decoding is priced on its own
