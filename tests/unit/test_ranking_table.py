@@ -230,3 +230,28 @@ def test_vectorised_ranking_on_a_target_verifying_in_its_engine(native):
         assert fast(batch) == ref(batch)
     gp, covered = fast._chains.goodputs(fast, 4)
     assert covered.sum() == len(fast.candidates) - 1  # every chain; plain decoding is priced on its own
+
+
+def test_ranking_with_token_tree_candidates_matches_one_by_one():
+    """A suffix level drafting token trees: its pairs are priced at the tokens fed (the scalar path), the ranking
+    still equals the one-by-one one, and the table leaves exactly those pairs out."""
+    from specray.coordinator.feed import TreeWalk
+    from tests.unit.test_planner import tree_levels
+
+    fast, ref = Planner(tree_levels(), k_max=6), OneByOne(tree_levels(), k_max=6)
+    assert fast.tree_acceptance
+    rng = random.Random(4)
+    for _ in range(40):
+        batch = rng.choice([1, 2, 4])
+        seconds = 0.05 * rng.uniform(0.9, 1.1)
+        walks = [TreeWalk(nodes=6, reach=rng.randint(1, 6), accepted=rng.randint(0, 3), spine=3,
+                          spine_accepted=rng.randint(0, 3)) for _ in range(batch)]
+        accepted = [rng.randint(0, 6) for _ in range(batch)]
+        for p in (fast, ref):
+            p.on_call(1, "verify", batch, 7, seconds)
+            p.on_tree(1, 0, 3, walks)
+            p.on_verify(1, 0, [6] * batch, accepted)
+        assert fast.explain(batch) == ref.explain(batch)
+        assert fast(batch) == ref(batch)
+    _, covered = fast._chains.goodputs(fast, 2)
+    assert not covered.any()  # every speculative candidate here is a suffix pair that drafts trees
