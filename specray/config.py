@@ -368,7 +368,7 @@ class PolicyConfig(_Strict):
         1, ge=1, description="Rank the candidate plans on at most one round in this many (at an unchanged batch "
         "size; a new batch size ranks at once); the others keep the held plan.")
     rerank_budget: float | None = Field(
-        0.02, gt=0, le=1, description="Largest share of the time the ranking may take: ranking prices every (levels, "
+        0.005, gt=0, le=1, description="Largest share of the time the ranking may take: ranking prices every (levels, "
         "K) candidate, milliseconds of the coordinator's CPU, so after a ranking that took t the next waits t / budget "
         "(GPU-speed rounds rank every many rounds, CPU-speed ones every round or two). null: rank by rerank_every "
         "alone.")
