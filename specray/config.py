@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specray.compat import VLLM_APP_KEYS, app_dict_from_vllm, rename_vllm_names, served_name
-from specray.spec.params import VerifyMethod
+from specray.spec.params import TreeShape, VerifyMethod
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,21 @@ class _Strict(BaseModel):
 _ENGINE_ARGS_OWNED = frozenset({
     "model", "tokenizer", "dtype", "max_model_len", "logprobs_mode", "max_logprobs", "enable_prefix_caching",
 })
+
+
+class TreeConfig(_Strict):
+    """A model level's token tree (`tree:` on a level): the shape of the tree it drafts per row instead of a chain."""
+
+    width: int = Field(..., ge=1, le=16, description="Children per node: at each depth the best `width` nodes "
+                       "(by the drafter's path probability) each get their `width` most likely children (sampled "
+                       "under rejection verification). 1: chains.")
+    depth: int | None = Field(None, ge=1, le=64, description="Levels of the tree; default: the level's K (the "
+                              "round's K when the planner picks it).")
+    max_nodes: int | None = Field(None, ge=1, le=256, description="Most nodes per tree (what the target scores "
+                                  "in its forward, beside the row's pending tokens); default width x depth.")
+
+    def shape(self) -> TreeShape:
+        return TreeShape(self.width, self.depth, self.max_nodes)
 
 
 class LevelConfig(_Strict):
@@ -103,6 +118,11 @@ class LevelConfig(_Strict):
         "all) instead of a chain, verified in one target forward (the accepted path plus one token). Only for a "
         "target that scores trees (hf; vllm verifies chains only, so the level drafts chains there, logged once) "
         "directly above the suffix level. 1 (default): chains.")
+    tree: TreeConfig | None = Field(
+        None, description="hf model level below the target: draft a token tree per row ({width, depth, max_nodes}) "
+        "instead of a chain, verified in one target forward (the accepted path plus one token). Only where the "
+        "level drafts directly for a target that scores trees (hf); elsewhere it drafts chains, logged once. "
+        "Exact for every verification method. None: chains.")
     # --- where the level runs (Ray); ignored in-process and for lookup levels (they run inside the coordinator) ---
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for this level's actor.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for this level's actor (fractions allowed).")
@@ -169,6 +189,13 @@ class LevelConfig(_Strict):
             raise ValueError(f"{suffix_knobs[0]} is for suffix levels, not a {self.kind} level")
         if self.tree_width != 1 and self.kind != "suffix":
             raise ValueError(f"tree_width is for suffix levels (they draft token trees), not a {self.kind} level")
+        if self.tree is not None:
+            if self.is_lookup:
+                raise ValueError(f"tree is for model levels, not a {self.kind} level"
+                                 + (" (a suffix level takes tree_width)" if self.kind == "suffix" else ""))
+            if self.kind == "vllm":
+                raise ValueError("tree: a vllm level drafts chains only (no tree attention); use kind hf for a "
+                                 "level that drafts token trees")
         if self.kind == "suffix" and "num_speculative_tokens" not in self.model_fields_set:
             self.num_speculative_tokens = min(64, self.suffix_decoding_max_tree_depth)
         if self.kind == "ngram":
@@ -296,6 +323,9 @@ class CascadeConfig(_Strict):
                                  "never from a level below it")
         if self.levels[-1].is_lookup:
             raise ValueError("the last level (the target) must be a model")
+        if self.levels[-1].tree is not None:
+            raise ValueError(f"level {self.levels[-1].display_name!r}: tree is for a level that drafts; the target "
+                             "verifies (give tree to the level below it)")
         for lvl in self.levels[:-1]:
             if lvl.native_speculation is not None:
                 raise ValueError(f"level {lvl.display_name!r}: native_speculation only on the target (last level); "

@@ -1,8 +1,8 @@
 """Every worker call of a round goes through `LevelCalls`: it brings the worker's copy of each sequence in line
 (a `SeqSync`: keep n tokens, append the rest; rollback is a shorter keep; keep 0 starts a sequence the level has
 not seen), makes one batched call, maps a failure to `LevelCallError` (the engine's failover acts on it), and
-reports the call's timing to the planner feed (`verify_tree`: a target verifying token trees). One call per
-level per (inner) round, nothing else.
+reports the call's timing to the planner feed (`propose_tree` / `verify_tree`: a level drafting token trees, a
+target verifying them). One call per level per (inner) round, nothing else.
 
 A row's context is always the sequence's canonical tokens plus a short `tail` (drafted tokens not committed
 yet), so a sync compares and sends only what changed since the worker last agreed with the canonical text:
@@ -70,6 +70,24 @@ class LevelCalls:
             self.feed.proposed(i, len(rows), max(want, default=0), time.perf_counter() - t0)
         for s, toks in zip(rows, prop.token_ids):
             s.mirror[i].extend(toks)
+        return prop
+
+    def propose_tree(
+        self, i: int, upper: int, rows: Sequence[Seq], depth: Sequence[int], width: int, max_nodes: Sequence[int],
+        override: VerifyMethod | None,
+    ) -> DraftProposal:
+        """Model level `i` (with `WorkerCaps.tree_propose`) drafts a token tree per row beyond its text, for level
+        `upper`, in one call (`Worker.propose_tree`). The worker appends nothing, so neither does its mirror: the
+        next sync brings the accepted path, whose KV the worker keeps."""
+        lvl = self.levels[i]
+        syncs = [self.sync(i, s, ()) for s in rows]
+        mode = DraftMode.for_method(self.method(upper, i, override))
+        t0 = time.perf_counter()
+        prop = self.call(i, lvl.worker.propose_tree, [s.seq_id for s in rows], list(depth),
+                         [s.sampling for s in rows], mode=mode, level=i, sync=syncs, width=width,
+                         max_nodes=list(max_nodes))
+        if _catch_up(syncs, [()] * len(rows)) <= UNTIMED_CATCH_UP:
+            self.feed.proposed(i, len(rows), max(depth, default=0), time.perf_counter() - t0)
         return prop
 
     def verify(

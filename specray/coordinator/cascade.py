@@ -23,7 +23,7 @@ from specray.coordinator.lookahead import LookAhead
 from specray.coordinator.round import new_round, run_round
 from specray.coordinator.state import Level, Plan, Seq, check_plan, plan_name
 from specray.coordinator.stats import LevelStats
-from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
+from specray.spec.params import SamplingParams, TokenLogprob, TreeShape, VerifyMethod
 
 __all__ = ["CascadeEngine", "GenerationResult", "Level", "LevelCallError", "LevelStats", "Plan", "Seq",
            "run_to_completion"]
@@ -136,11 +136,13 @@ class CascadeEngine:
 
     # ----- one round -----------------------------------------------------------------------------
     def step(
-        self, seqs: Sequence[Seq], plan: Plan | None = None, method: VerifyMethod | None = None
+        self, seqs: Sequence[Seq], plan: Plan | None = None, method: VerifyMethod | None = None,
+        tree: TreeShape | None = None,
     ) -> list[list[int]]:
         """One round for the active sequences: returns the tokens newly committed to each.
 
-        `method` overrides every level's verification method for this round (a per-request choice). A draft
+        `method` overrides every level's verification method for this round (a per-request choice), `tree` the
+        token-tree shape of the level drafting for the target (`Drafter.tree_shape`; width 1: chains). A draft
         level that fails is marked down and the round runs again without it (exact: drafts are only proposals).
         """
         plan = plan or self.default_plan
@@ -155,7 +157,8 @@ class CascadeEngine:
             override = VerifyMethod.GREEDY
         failed: set[int] = set()  # levels that failed in this round: its retries run without them
         for _ in range(len(self.levels)):
-            r = new_round(active, self.failover.available(plan, failed), override, self.immediate, self.lookahead)
+            r = new_round(active, self.failover.available(plan, failed), override, self.immediate, self.lookahead,
+                          tree)
             try:
                 committed = run_round(r, self.calls)
                 break

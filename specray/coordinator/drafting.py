@@ -17,10 +17,12 @@ is the one-hot of its tokens (rejection with it is the deterministic method), so
 stays exact row by row.
 
 Token trees: a suffix level with `Level.tree_width` > 1 (or the plan's `Plan.tree`) below a level with
-`WorkerCaps.tree_verify` drafts a `DraftTree` per row (`Drafts.trees`; `Drafter.tree_width` decides), which that
+`WorkerCaps.tree_verify` drafts a `DraftTree` per row (`Drafts.trees`; `Drafter.tree_shape` decides), which that
 level verifies in one forward (`LevelCalls.verify_tree`): the target, or a middle model in each inner round,
-whose emitted tokens (the accepted path plus one token) extend its chain draft for the level above. Under a
-verifier without tree_verify (vLLM) it drafts chains, logged once per pair; a hybrid plan drafts chains.
+whose emitted tokens (the accepted path plus one token) extend its chain draft for the level above. A model level
+with `Level.tree` (and `WorkerCaps.tree_propose`) drafts trees as the first level of the plan directly below a
+target with `tree_verify`. The request's `RoundState.tree` overrides the shape of the level drafting for the
+target. Elsewhere chains, logged once per pair; a hybrid plan drafts chains.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from specray.coordinator.state import Plan, Seq
 from specray.coordinator.stats import LevelStats, drafter_of
 from specray.engine.protocol import DraftMode
 from specray.engine.protocol import DraftProposal as Drafts
-from specray.spec.params import VerifyMethod
+from specray.spec.params import TreeShape, VerifyMethod
 from specray.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -92,6 +94,11 @@ class RoundState:
     until: Until | None = None
     #: a hybrid plan: the level that drafted each row's draft for the target (set when the drafts are made)
     drafters: list[int] | None = None
+    #: the request's token-tree shape for the level drafting for the target (None: the level's own; width 1:
+    #: chains)
+    tree: TreeShape | None = None
+    #: children per node of the trees drafted for the target this round (1: chains; set by `new_round`)
+    tree_width: int = 1
 
     @property
     def chain(self) -> tuple[int, ...]:
@@ -170,6 +177,9 @@ class Drafter:
                 return Drafts([list(t.token_ids) for t in trees], trees=list(trees))
             return Drafts(self._lookup(i, rows, tails, want))
         if ci == 0:
+            shape = self.tree_shape(r, ci)
+            if shape is not None:
+                return self._propose_trees(r, rows, want, shape)
             if until is not None and any(until.rows):
                 return Drafts(self._propose_bounded(r, rows, tails, want, until))
             prop = self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
@@ -177,24 +187,59 @@ class Drafter:
         return self._inner_rounds(r, ci, rows, tails, want, until)
 
     def tree_width(self, r: RoundState, ci: int) -> int:
-        """Children per node of the trees level r.chain[ci] drafts this round: the plan's `Plan.tree`, else the
-        level's `Level.tree_width`, when it is a suffix level drafting for a level that scores trees
-        (`WorkerCaps.tree_verify`: the target, or a middle model verifying them in its inner rounds); else 1,
-        chains (logged once per pair: a vLLM verifier; a hybrid plan never drafts trees)."""
+        """Children per node of the trees level r.chain[ci] drafts this round (1: chains; `tree_shape`)."""
+        shape = self.tree_shape(r, ci)
+        return shape.width if shape is not None else 1
+
+    def tree_shape(self, r: RoundState, ci: int) -> TreeShape | None:
+        """The token tree level r.chain[ci] drafts this round, or None for chains.
+
+        Its shape: the request's (`RoundState.tree`) for the level drafting for the target, else a suffix level's
+        plan width (`Plan.tree`) or `Level.tree_width`, a model level's `Level.tree`. Trees need width > 1, no
+        hybrid plan, a verifier that scores trees (`WorkerCaps.tree_verify`), and a suffix level (below the target
+        or a middle model verifying them in its inner rounds), or a model level that is the plan's first level
+        directly below the target whose worker drafts trees (`WorkerCaps.tree_propose`); otherwise chains,
+        logged once per pair (a vLLM verifier, a middle model, an n-gram level)."""
         i = r.chain[ci]
         lvl = self.levels[i]
-        width = r.plan.tree or lvl.tree_width
-        if width <= 1 or lvl.suffix is None or r.plan.hybrid:
-            return 1
         upper = r.chain[ci + 1]
+        if r.tree is not None and upper == r.top:
+            shape: TreeShape | None = r.tree
+        elif lvl.suffix is not None:
+            shape = TreeShape(r.plan.tree or lvl.tree_width)
+        else:
+            shape = lvl.tree
+        if shape is None or not shape.branches:
+            return None
         caps = self.levels[upper].caps
-        if caps is not None and caps.tree_verify:
-            return width
+        why = None
+        if r.plan.hybrid:
+            why = "a hybrid plan drafts chains"
+        elif lvl.ngram is not None:
+            why = "an n-gram level drafts chains only"
+        elif lvl.worker is not None and upper != r.top:
+            why = "only a target directly above verifies a model level's trees"
+        elif lvl.worker is not None and ci != 0:
+            why = "a middle level drafts by inner rounds (chains)"
+        elif lvl.worker is not None and not (lvl.caps is not None and lvl.caps.tree_propose):
+            why = "its worker drafts chains only (no tree_propose)"
+        elif caps is None or not caps.tree_verify:
+            why = "it verifies chains only (no tree_verify)"
+        if why is None:
+            return shape
         if (i, upper) not in self._chains_logged:
             self._chains_logged.add((i, upper))
-            log.info("level %s drafts chains, not trees (tree_width %d), for level %s: it verifies chains only "
-                     "(no tree_verify)", lvl.name, width, self.levels[upper].name)
-        return 1
+            log.info("level %s drafts chains, not trees (width %d), for level %s: %s", lvl.name, shape.width,
+                     self.levels[upper].name, why)
+        return None
+
+    def _propose_trees(self, r: RoundState, rows: list[Seq], want: list[int], shape: TreeShape) -> Drafts:
+        """A model level drafts a token tree per row for the target: `shape.depth` levels (default the round's K),
+        never past a row's length limit, `shape` giving the width and the node budget."""
+        depth = [0 if w <= 0 else max(1, min(shape.depth_for(r.k(r.lower)), s.remaining - 1))
+                 for s, w in zip(rows, want)]
+        return self.calls.propose_tree(r.chain[0], r.top, rows, depth, shape.width,
+                                       [shape.nodes_for(d) for d in depth], r.override)
 
     def _lookup_trees(self, i: int, rows: list[Seq], tails: list[list[int]], want: list[int], width: int,
                       ) -> list[DraftTree]:

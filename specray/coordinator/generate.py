@@ -85,7 +85,8 @@ def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
                      tree_width=cfg.tree_width)
     # native_k (a native vLLM target's own K) comes from the worker (`Level.__post_init__`)
     return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
-                 method=cfg.verify_method, confidence=cfg.draft_confidence)
+                 method=cfg.verify_method, confidence=cfg.draft_confidence,
+                 tree=cfg.tree.shape() if cfg.tree is not None else None)
 
 
 def build_levels(cfg: CascadeConfig, on_level: Callable[[Level], None] | None = None) -> list[Level]:

@@ -9,11 +9,11 @@ rows commit what it emitted, and the statistics are recorded.
     looks = r.source.settle(r, ahead)                # the look-ahead stops at its next step
     commit, record, keep the look-ahead that continues the committed text
 
-A suffix level with `tree_width` > 1 under a target that scores token trees drafts a tree per row instead, and
-the target verifies them (`LevelCalls.verify_tree`: the accepted path plus one token, committed like a chain's
-emitted tokens); under a middle model that scores trees, that level verifies them in its inner rounds. Such
-target rounds always run immediate: a lookup level alone below the target never drafts ahead
-(`LookAhead.overlaps`), so the look-ahead of other plans is untouched.
+A suffix level with `tree_width` > 1, or a model level with a `tree` shape (`Drafter.tree_shape`; the request's
+`tree` overrides it), under a target that scores token trees drafts a tree per row instead, and the target
+verifies them (`LevelCalls.verify_tree`: the accepted path plus one token, committed like a chain's emitted
+tokens); under a middle model that scores trees, a suffix level's trees are verified in its inner rounds. Target
+tree rounds always run immediate (`new_round`), so the look-ahead of chain plans is untouched.
 
 A hybrid plan drafts per row (the lookup's match, else the model's draft: `Drafter.hybrid`), still with one
 verification; statistics are recorded under each row's own drafter.
@@ -35,23 +35,29 @@ from specray.coordinator.feed import fed_lengths
 from specray.coordinator.lookahead import LookAhead
 from specray.coordinator.state import Plan, Seq
 from specray.coordinator.stats import LevelStats, drafter_of
-from specray.spec.params import VerifyMethod
+from specray.spec.params import TreeShape, VerifyMethod
 
 __all__ = ["new_round", "run_round"]
 
 
 def new_round(
     rows: Sequence[Seq], plan: Plan, override: VerifyMethod | None, immediate: Immediate, lookahead: LookAhead,
+    tree: TreeShape | None = None,
 ) -> RoundState:
     """The state of one round over the active `rows`: the draft length each row gets (its K, never past its
-    length limit) and where the drafts come from."""
+    length limit) and where the drafts come from (`tree`: the request's token-tree shape, None: the levels')."""
     k = (max(plan.k) if plan.hybrid else plan.k[-1]) if len(plan.levels) > 1 else 0
     want = [max(0, min(k, s.remaining - 1)) for s in rows]
+    r = RoundState(list(rows), plan, override, immediate, want, tree=tree)
+    shape = immediate.drafter.tree_shape(r, len(plan.levels) - 2) if r.speculative else None
+    if shape is not None:
+        r.tree_width = shape.width
+        return r  # a tree round: drafted now (the look-ahead drafts chains)
     if lookahead.overlaps(plan, override):
-        r = RoundState(list(rows), plan, override, lookahead, want)
+        r = RoundState(list(rows), plan, override, lookahead, want, tree=tree)
         lookahead.prepare(r)  # cold rows and the look-ahead's stop signal
         return r
-    return RoundState(list(rows), plan, override, immediate, want)
+    return r
 
 
 def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
@@ -59,9 +65,9 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
     drafts = r.source.drafts(r)
     ahead = r.source.start_ahead(r, drafts)
     try:
-        if drafts.trees is not None:  # a suffix level's token trees (`Drafter.tree_width`)
+        if drafts.trees is not None:  # token trees (`Drafter.tree_shape`)
             res = calls.verify_tree(r.top, r.lower, r.rows, drafts.trees, drafts.probs, r.override,
-                                    width=r.plan.tree or calls.levels[r.lower].tree_width)
+                                    width=r.tree_width)
         else:
             res = calls.verify(r.top, r.verify_lower, r.rows, [[] for _ in r.rows], drafts.token_ids, drafts.probs,
                                r.override, drafters=r.drafters)

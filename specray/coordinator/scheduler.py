@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from specray.coordinator.cascade import CascadeEngine, Plan, Seq
 from specray.coordinator.stats import LevelStats, named_stats
 from specray.coordinator.stream import IncrementalDetokenizer, StopChecker
-from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
+from specray.spec.params import SamplingParams, TokenLogprob, TreeShape, VerifyMethod
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class Speculation:
     method: str = "auto"
     num_speculative_tokens: int | None = None
     verify_method: VerifyMethod | None = None
+    #: the token tree of the level drafting for the target (`TreeShape`; width 1: chains); None: the level's own
+    tree: TreeShape | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATION_CHOICES:
@@ -86,6 +88,7 @@ class _Live:
     seq: Seq
     plan: Plan | None
     method: VerifyMethod | None
+    tree: TreeShape | None
     queue: asyncio.Queue
     detok: IncrementalDetokenizer | None
     stopper: StopChecker | None
@@ -191,6 +194,7 @@ class Scheduler:
     def _admit(self, req: Request) -> _Live:
         plan = self.plan_for(req.speculation)
         method = req.speculation.verify_method if req.speculation else None
+        tree = req.speculation.tree if req.speculation else None
         stop_ids = (*(() if req.ignore_eos else self.stop_token_ids), *req.stop_token_ids)
         rid = req.request_id or f"req-{next(self._ids)}"
         try:
@@ -199,7 +203,7 @@ class Scheduler:
             raise RequestError(str(exc)) from exc
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids) if self.tokenizer is not None else None
         stopper = StopChecker(list(req.stop)) if req.stop else None
-        live = _Live(req, seq, plan, method, asyncio.Queue(), detok, stopper, time.perf_counter())
+        live = _Live(req, seq, plan, method, tree, asyncio.Queue(), detok, stopper, time.perf_counter())
         self._waiting.append(live)
         self._report_queue()
         self._ensure_loop()
@@ -240,10 +244,10 @@ class Scheduler:
                     await self._wake.wait()
                 continue
             groups = self._groups()
-            if self.pipeline and len(groups) == 1 and len(groups[0][2]) >= 2:
-                plan, method, members = groups[0]
+            if self.pipeline and len(groups) == 1 and len(groups[0][3]) >= 2:
+                plan, method, tree, members = groups[0]
                 half = len(members) // 2
-                groups = [(plan, method, members[:half]), (plan, method, members[half:])]
+                groups = [(plan, method, tree, members[:half]), (plan, method, tree, members[half:])]
             t0 = time.perf_counter()
             if self.pipeline:  # groups overlap across levels (needs thread-safe workers, e.g. actor proxies)
                 results = await asyncio.gather(
@@ -262,7 +266,7 @@ class Scheduler:
             self.stats.max_batch_observed = max(self.stats.max_batch_observed, batch)
             self.stats.batch_sizes.append(batch)
             del self.stats.batch_sizes[:-1000]
-            for (_plan, _method, members), res in zip(groups, results):
+            for (_plan, _method, _tree, members), res in zip(groups, results):
                 if isinstance(res, BaseException):
                     self._fail_group(members, res)
                 else:
@@ -270,7 +274,7 @@ class Scheduler:
                         self._deliver(live, toks)
             if self.on_round is not None:
                 sizes: dict[Plan, int] = {}
-                for plan, _m, members in groups:
+                for plan, _m, _t, members in groups:
                     sizes[plan] = sizes.get(plan, 0) + len(members)
                 try:
                     self.on_round(batch, sizes, dt)
@@ -289,9 +293,10 @@ class Scheduler:
         except Exception:  # metrics must never break serving
             log.exception("on_queue hook failed")
 
-    def _groups(self) -> list[tuple[Plan, VerifyMethod | None, list[_Live]]]:
+    def _groups(self) -> list[tuple[Plan, VerifyMethod | None, TreeShape | None, list[_Live]]]:
+        """The active sequences by what their round runs: (plan, verification method, token-tree shape)."""
         auto = self._auto_plans()
-        groups: dict[tuple[Plan, VerifyMethod | None], list[_Live]] = {}
+        groups: dict[tuple[Plan, VerifyMethod | None, TreeShape | None], list[_Live]] = {}
         for live in self._active:
             if live.plan is not None:
                 plan = live.plan
@@ -300,8 +305,8 @@ class Scheduler:
                 auto[0][1] -= 1
                 if auto[0][1] <= 0 and len(auto) > 1:
                     auto.pop(0)
-            groups.setdefault((plan, live.method), []).append(live)
-        return [(plan, method, members) for (plan, method), members in groups.items()]
+            groups.setdefault((plan, live.method, live.tree), []).append(live)
+        return [(plan, method, tree, members) for (plan, method, tree), members in groups.items()]
 
     def _auto_plans(self) -> list[list]:
         """[[plan, count], ...] for the sequences without an override (a planner may split them)."""
@@ -313,8 +318,9 @@ class Scheduler:
             return [[p, c] for p, c in split(n)]
         return [[self.planner(len(self._active)), len(self._active)]]
 
-    def _run_group(self, plan: Plan, method: VerifyMethod | None, members: list[_Live]) -> list[list[int]]:
-        return self.engine.step([m.seq for m in members], plan, method)
+    def _run_group(self, plan: Plan, method: VerifyMethod | None, tree: TreeShape | None,
+                   members: list[_Live]) -> list[list[int]]:
+        return self.engine.step([m.seq for m in members], plan, method, tree)
 
     def _deliver(self, live: _Live, toks: list[int]) -> None:
         seq = live.seq

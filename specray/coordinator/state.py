@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from specray.coordinator.stats import LevelStats, StatsKey
 from specray.engine.caps import WorkerCaps
 from specray.spec.ngram import NgramConfig
-from specray.spec.params import SamplingParams, TokenLogprob, VerifyMethod
+from specray.spec.params import SamplingParams, TokenLogprob, TreeShape, VerifyMethod
 from specray.spec.suffix import SuffixDrafter
 
 if TYPE_CHECKING:
@@ -33,6 +33,9 @@ class Level:
     tree_width: a suffix level drafts a token tree (at most this many children per node, K nodes in all) instead
     of a chain when > 1, only for a verifier with `WorkerCaps.tree_verify` directly above it (the target of a
     `suffix -> target` plan); otherwise it drafts chains (logged once). 1: chains.
+    tree: a model level drafts a token tree of this shape (`TreeShape`) instead of a chain, under the same rule:
+    only as the first level of a plan, directly below a target with `WorkerCaps.tree_verify`, and only if its own
+    worker declares `WorkerCaps.tree_propose`. None (or width 1): chains.
     """
 
     name: str
@@ -47,6 +50,7 @@ class Level:
     engine_verify: int | None = None
     confidence: float = 0.0
     tree_width: int = 1
+    tree: TreeShape | None = None
     #: the worker's declared capabilities (None for an n-gram level), read once here
     caps: WorkerCaps | None = field(default=None, repr=False)
 
@@ -58,6 +62,8 @@ class Level:
         if self.tree_width < 1 or (self.tree_width > 1 and self.suffix is None):
             raise ValueError(f"level {self.name!r}: tree_width={self.tree_width} must be >= 1, and > 1 only for a "
                              "suffix level (it drafts token trees)")
+        if self.tree is not None and self.worker is None:
+            raise ValueError(f"level {self.name!r}: tree is for model levels (a suffix level takes tree_width)")
         if self.worker is not None and self.caps is None:
             self.caps = self.worker.capabilities()
         caps = self.caps or WorkerCaps(self.name, 0)

@@ -11,6 +11,11 @@ Token trees (a backend with `tree_verify`): `score_tree` feeds each row's pendin
 one forward and keeps the tree's KV behind the text; `accept_paths` keeps one root-to-leaf path of it, so the
 row is exactly as if that path had been fed as a chain. Between the two the row holds no pending token; any
 other call drops the scored tree first.
+
+A drafter with `tree_propose` drafts a token tree per row (`propose_tree`) the same way: it leaves the nodes of
+its last tree forward in KV behind the text, and when the next call's sync appends tokens that follow a path of
+that tree (the path the verifier accepted), that path's KV is kept (`_keep_paths`, as `accept_paths` does)
+instead of being recomputed; the rest is dropped.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from specray.spec.sampling import (
     raw_logprobs,
     sample_tokens,
 )
-from specray.spec.tree import DraftTree, pad_trees, tree_penalized_logits, verify_tree
+from specray.spec.tree import ROOT, DraftTree, draft_children, pad_trees, tree_penalized_logits, verify_tree
 from specray.spec.verify import verify as verify_batch
 
 
@@ -128,6 +133,8 @@ class LogitsWorker(abc.ABC):
     #: the backend feeds token trees (`score_tree` / `accept_paths`); set by backends whose `_forward` takes
     #: `parents`
     tree_verify: bool = False
+    #: the backend drafts token trees (`propose_tree`); needs a `_forward` that takes `parents`
+    tree_propose: bool = False
     #: pending spans longer than this are prefilled alone, so a batched decode step stays short
     prefill_threshold: int = 8
     prefill_chunk: int = 512
@@ -169,7 +176,8 @@ class LogitsWorker(abc.ABC):
         return WorkerCaps(self.name, int(self.vocab_size), self.max_context, tuple(int(t) for t in self.eos_token_ids),
                           native_k=int(self.native_k), live_decode=bool(self.live_decode),
                           engine_verify=int(self.engine_verify), draft_confidence=True, penalties=True,
-                          logprobs=True, tree_verify=bool(self.tree_verify))
+                          logprobs=True, tree_verify=bool(self.tree_verify),
+                          tree_propose=bool(self.tree_propose))
 
     # ----- sequence state -----------------------------------------------------------------------
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
@@ -227,6 +235,7 @@ class LogitsWorker(abc.ABC):
                     self.add(sid, sy.append)
         seqs = [self._get(s) for s in seq_ids]
         if sync is not None:
+            sync = self._adopt_tree_paths(seqs, sync)
             for seq, sy in zip(seqs, sync):
                 if sy is not None and sy.keep > 0:
                     self._apply_sync(seq, sy)
@@ -286,6 +295,118 @@ class LogitsWorker(abc.ABC):
                 if conf is not None and conf[i] < stop_below:
                     stopped[b] = True
         return DraftProposal(out, probs)
+
+    def propose_tree(
+        self,
+        seq_ids: Sequence[str],
+        depth: Sequence[int],
+        sampling: Sequence[SamplingParams],
+        mode: str = DraftMode.GREEDY,
+        level: int = 0,
+        sync: Sequence[SeqSync | None] | None = None,
+        width: int = 2,
+        max_nodes: Sequence[int] | None = None,
+    ) -> DraftProposal:
+        """`Worker.propose_tree`: a draft tree of depth[b] levels and at most max_nodes[b] nodes per row
+        (`specray.spec.tree.TreeShape`). Level d: the best `width` distinct nodes of level d - 1 (by path
+        score; the root at d = 0) get their children from `draft_children`, the best parents first while the
+        budget lasts. One batched forward per level feeds the nodes on the paths to the parents with a tree mask
+        (the drafter's nodes are few, so recomputing them beats bookkeeping their KV); the last one's KV stays
+        behind the text for the next call to keep the accepted path of (`_adopt_tree_paths`).
+
+        Returns each row's `DraftTree` (`trees`, nodes level by level), its nodes flat (`token_ids`) and, in random
+        mode, q per slot: probs [B, N_max + 1, V] (slot 0: at the root, slot i + 1: at node i; zeros where a node
+        got no children), what rejection verification of the tree reads."""
+        if not self.tree_propose:
+            raise NotImplementedError(f"{self.name}: this worker drafts chains only (WorkerCaps.tree_propose is False)")
+        if len(depth) != len(seq_ids) or len(sampling) != len(seq_ids):
+            raise ValueError(f"{self.name}: depth and sampling must be aligned with seq_ids")
+        if width < 1:
+            raise ValueError(f"{self.name}: tree width={width} must be >= 1")
+        budget = [width * d for d in depth] if max_nodes is None else [int(n) for n in max_nodes]
+        seqs = self._prepare(seq_ids, sync)
+        bsz = len(seqs)
+        sb_all = SamplingBatch.from_params(sampling)
+        history = self._history(seqs, sampling, sb_all)
+        toks: list[list[int]] = [[] for _ in seqs]
+        pars: list[list[int]] = [[] for _ in seqs]
+        score: list[list[float]] = [[] for _ in seqs]
+        frontier: list[list[int]] = [[ROOT] for _ in seqs]  # parents to expand at this level, best first
+        fed: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = [None] * bsz
+        q_at: list[tuple[int, int, torch.Tensor]] = []  # (row, slot, q [V]) in random mode
+        for d in range(max(depth, default=0)):
+            rows = [b for b in range(bsz) if depth[b] > d and frontier[b] and len(toks[b]) < budget[b]]
+            if not rows:
+                break
+            batch = [seqs[b] for b in rows]
+            if d == 0:  # the pending tokens: the root's logits
+                logits = self._forward(batch, [s.tokens[s.kv_len :] for s in batch], [1] * len(batch))
+                for s in batch:
+                    s.kv_len = len(s.tokens)
+                order = [[ROOT] for _ in rows]
+            else:  # every node on a path to a parent, parents last (they are the deepest)
+                inputs, parents, order = [], [], []
+                for b in rows:
+                    sub: set[int] = set()
+                    for n in frontier[b]:
+                        while n != ROOT and n not in sub:
+                            sub.add(n)
+                            n = pars[b][n]
+                    nodes = sorted(sub)
+                    local = {n: j for j, n in enumerate(nodes)}
+                    inputs.append([toks[b][n] for n in nodes])
+                    parents.append([ROOT if pars[b][n] == ROOT else local[pars[b][n]] for n in nodes])
+                    order.append(sorted(frontier[b]))
+                    fed[b] = (tuple(inputs[-1]), tuple(parents[-1]))
+                logits = self._forward(batch, inputs, [len(o) for o in order], parents=parents)
+            owner = [b for b, o in zip(rows, order) for _ in o]  # [M] row of each expanded parent
+            nodes_m = [n for o in order for n in o]
+            sb = sb_all.select(owner)
+            hist = None
+            if history is not None:
+                hist = history.select(owner)
+                paths = [_path(pars[b], n) for b, n in zip(owner, nodes_m)]
+                for j in range(d):
+                    hist.add(list(range(len(owner))), torch.tensor([toks[b][p[j]] for b, p in zip(owner, paths)]))
+            pen = apply_penalties(logits[:, None, :], sb, hist)[:, 0]  # [M, V]
+            p = processed_probs(pen[:, None, :], sb)[:, 0]  # [M, V]
+            positions = torch.tensor([len(seqs[b].tokens) + d for b in owner], dtype=torch.long)
+            kids, kscore, usable = draft_children(pen, p, sb, positions, width, mode, level)
+            kids, kscore, usable = kids.tolist(), kscore.tolist(), usable.tolist()
+            where = {(b, n): m for m, (b, n) in enumerate(zip(owner, nodes_m))}
+            for b in rows:
+                new: list[int] = []
+                for n in frontier[b]:  # best parent first
+                    m = where[(b, n)]
+                    base = 0.0 if n == ROOT else score[b][n]
+                    took = 0
+                    for t, sc, ok in zip(kids[m], kscore[m], usable[m]):
+                        if not ok or len(toks[b]) >= budget[b]:
+                            break
+                        new.append(len(toks[b]))
+                        toks[b].append(int(t))
+                        pars[b].append(n)
+                        score[b].append(base + sc)
+                        took += 1
+                    if took and mode == DraftMode.RANDOM:
+                        q_at.append((b, n + 1, p[m]))
+                seen: set[tuple[int, int]] = set()
+                best: list[int] = []
+                for n in sorted(new, key=lambda i: -score[b][i]):  # distinct (parent, token): a repeat is never
+                    key = (pars[b][n], toks[b][n])  # accepted after its twin was rejected
+                    if key not in seen:
+                        seen.add(key)
+                        best.append(n)
+                frontier[b] = best[:width]
+        for s, f in zip(seqs, fed):
+            s.tree = f
+        trees = [DraftTree(tuple(t), tuple(p)) for t, p in zip(toks, pars)]
+        probs = None
+        if mode == DraftMode.RANDOM:
+            probs = torch.zeros(bsz, max((len(t) for t in toks), default=0) + 1, self.vocab_size)
+            for b, slot, q in q_at:
+                probs[b, slot] = q
+        return DraftProposal([list(t) for t in toks], probs, trees=trees)
 
     def verify(
         self,
@@ -401,6 +522,11 @@ class LogitsWorker(abc.ABC):
                 if not 0 <= i < len(parents) or parents[i] != (path[d - 1] if d else -1):
                     raise ValueError(f"{self.name}: path {list(path)} of sequence {sid!r} is not a root-to-leaf "
                                      f"path of its tree (parents {list(parents)})")
+        return self._keep_paths(seqs, paths, bonus)
+
+    def _keep_paths(self, seqs: Sequence[SeqState], paths: Sequence[Sequence[int]],
+                    bonus: Sequence[int | None] | None = None) -> list[list[int]]:
+        """`accept_paths` on checked paths: append each path's tokens (and bonus) and move its KV in one copy."""
         slots: list[int] = []
         src: list[int] = []
         dst: list[int] = []
@@ -421,6 +547,32 @@ class LogitsWorker(abc.ABC):
             s.tree = None
             out.append(toks)
         self._move_kv(slots, src, dst)
+        return out
+
+    def _adopt_tree_paths(self, seqs: Sequence[SeqState], sync: Sequence[SeqSync | None]) -> list[SeqSync | None]:
+        """Rows holding a tree's KV whose sync appends tokens along a path of it (a drafted tree after the
+        verifier accepted that path): keep the path (`_keep_paths`) and return the sync of what is left."""
+        out = list(sync)
+        rows: list[SeqState] = []
+        paths: list[list[int]] = []
+        for b, (s, sy) in enumerate(zip(seqs, sync)):
+            if s.tree is None or sy is None or sy.keep != len(s.tokens) or s.kv_len != len(s.tokens):
+                continue
+            ids, parents = s.tree
+            path: list[int] = []
+            at = ROOT
+            for t in sy.append:
+                nxt = next((i for i in range(len(ids)) if parents[i] == at and ids[i] == t), None)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                at = nxt
+            if path:
+                rows.append(s)
+                paths.append(path)
+                out[b] = SeqSync(sy.keep + len(path), tuple(sy.append[len(path):]))
+        if rows:
+            self._keep_paths(rows, paths)
         return out
 
     def verify_tree(
@@ -497,6 +649,15 @@ class LogitsWorker(abc.ABC):
                 s.prompt_seen = (n, TokenHistory.seen_mask([s.tokens[:n]], self.vocab_size)[0])
             masks.append(s.prompt_seen[1])
         return TokenHistory.from_parts(torch.stack(masks), [s.tokens[s.prompt_seen[0] :] for s in seqs])
+
+
+def _path(parents: Sequence[int], n: int) -> list[int]:
+    """Nodes from the root's child down to node n (ROOT: none)."""
+    out: list[int] = []
+    while n != ROOT:
+        out.append(n)
+        n = parents[n]
+    return out[::-1]
 
 
 def _logprobs(

@@ -28,6 +28,9 @@ class WorkerCaps:
     tree_verify: the worker scores a token tree per row in one forward (`score_tree`: tree attention mask,
     positions by depth) and keeps an accepted root-to-leaf path of it (`accept_paths`); without it a level
     verifies chains only, and those methods raise.
+    tree_propose: the worker drafts a token tree per row (`propose_tree`: depth by depth, the best nodes of each
+    level expanded with a tree mask), which a verifier with `tree_verify` checks in one forward; without it the
+    level drafts chains.
     """
 
     name: str
@@ -41,3 +44,4 @@ class WorkerCaps:
     penalties: bool = False
     logprobs: bool = False
     tree_verify: bool = False
+    tree_propose: bool = False

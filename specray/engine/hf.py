@@ -87,6 +87,7 @@ class HFWorker(LogitsWorker):
     """
 
     tree_verify = True
+    tree_propose = True
 
     def __init__(
         self,

@@ -146,6 +146,24 @@ class Worker(Protocol):
         (its own confidence; for greedy rows the softmax of its raw logits). A worker without
         `WorkerCaps.draft_confidence` drafts all k[b] (any draft is valid)."""
 
+    def propose_tree(
+        self,
+        seq_ids: Sequence[str],
+        depth: Sequence[int],
+        sampling: Sequence[SamplingParams],
+        mode: str = DraftMode.GREEDY,
+        level: int = 0,
+        sync: Sequence[SeqSync | None] | None = None,
+        width: int = 2,
+        max_nodes: Sequence[int] | None = None,
+    ) -> DraftProposal:
+        """Draft a token tree per sequence (`DraftProposal.trees`): depth[b] levels, at most `width` children per
+        node and max_nodes[b] nodes (default width x depth[b]); the children are made as `DraftMode` says, so the
+        verification method the mode is for stays exact (`specray.spec.tree.draft_children`). In random mode
+        `probs` is q per slot, [B, N_max + 1, V], as `verify_tree` reads it. Nothing is appended to the sequence:
+        the next call's sync brings the accepted tokens. Only a worker with `WorkerCaps.tree_propose`; the others
+        raise NotImplementedError."""
+
     def verify(
         self,
         seq_ids: Sequence[str],

@@ -9,8 +9,8 @@
 - `RemoteNesting` lets a middle level run its inner rounds in its actor, calling the level below directly
   (`specray.coordinator.inner`; direct transport).
 
-Transport. A round's calls (`propose`, `verify`, `verify_tree`) travel as one `LevelRequest` each, by one of
-three transports (`cascade.transport`), compared side by side in benchmarks/bench_overhead.py:
+Transport. A round's calls (`propose`, `propose_tree`, `verify`, `verify_tree`) travel as one `LevelRequest` each,
+by one of three transports (`cascade.transport`), compared side by side in benchmarks/bench_overhead.py:
 - `direct` (default): a socket the actor serves beside Ray (`specray.serve.direct`): one pickle frame each way,
   a fraction of an actor call's cost, and an idle level sleeps;
 - `compiled`: a Ray Compiled Graph of one node per level: a shared-memory channel to a loop running in the
@@ -55,6 +55,7 @@ from specray.serve.wire import (
     NestedCall,
     ProposeCall,
     Samplings,
+    TreeProposeCall,
     TreeVerifyCall,
     VerifyCall,
     WireSampling,
@@ -63,6 +64,7 @@ from specray.serve.wire import (
     wire_trees,
 )
 from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.tree import DraftTree
 
 WorkerFactory = Callable[[], Worker]
 
@@ -318,7 +320,7 @@ class ActorWorker:
             raise mapped from e
 
     # ----- transport ------------------------------------------------------------------------------
-    def _request(self, call: ProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> LevelRequest:
+    def _request(self, call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> LevelRequest:
         with self._frees_lock:
             frees, self._frees = tuple(self._frees), []
         return LevelRequest(frees, call)
@@ -344,7 +346,7 @@ class ActorWorker:
         with self._frees_lock:
             self._sampled.clear()
 
-    def _send(self, call: ProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> Any:
+    def _send(self, call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> Any:
         """One round call over the transport."""
         if self.transport == "direct":
             return self._send_direct(call)
@@ -371,7 +373,7 @@ class ActorWorker:
                     raise
                 raise mapped from e
 
-    def _send_direct(self, call: ProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> Any:
+    def _send_direct(self, call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> Any:
         with self._direct_lock:
             try:
                 if self._direct is None:
@@ -461,6 +463,21 @@ class ActorWorker:
         ids = list(seq_ids)
         sp, sy = self._wire(ids, sampling, sync)
         return self._send(ProposeCall(ids, list(k), sp, mode, level, sy, stop_below))
+
+    def propose_tree(
+        self, seq_ids: Sequence[str], depth: Sequence[int], sampling: Sequence[SamplingParams],
+        mode: str = DraftMode.GREEDY, level: int = 0, sync: Sequence[SeqSync | None] | None = None,
+        width: int = 2, max_nodes: Sequence[int] | None = None,
+    ) -> DraftProposal:
+        """`Worker.propose_tree` in the actor (a level with `WorkerCaps.tree_propose`); the trees travel back as
+        token ids and parents."""
+        ids = list(seq_ids)
+        sp, sy = self._wire(ids, sampling, sync)
+        prop: DraftProposal = self._send(TreeProposeCall(ids, list(depth), sp, mode, level, sy, width,
+                                                         None if max_nodes is None else list(max_nodes)))
+        if prop.trees is not None:
+            prop.trees = [None if t is None else DraftTree(*t) for t in prop.trees]
+        return prop
 
     def verify(
         self, seq_ids: Sequence[str], draft_ids: Sequence[Sequence[int]], draft_probs: torch.Tensor | None,

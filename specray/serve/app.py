@@ -15,6 +15,7 @@ Python handle API (non-streaming and streaming):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -44,7 +45,7 @@ def _speculation(spec: Mapping[str, Any] | SpeculationOptions | Speculation | No
     if spec is None or isinstance(spec, Speculation):
         return spec
     opts = spec if isinstance(spec, SpeculationOptions) else SpeculationOptions.model_validate(dict(spec))
-    return Speculation(opts.method, opts.num_speculative_tokens, opts.verify)
+    return Speculation(opts.method, opts.num_speculative_tokens, opts.verify, opts.tree_shape)
 
 
 #: builds a metrics sink in the process that records (Serve: `RayMetricsSink`, made in the replica)
@@ -216,8 +217,7 @@ class Coordinator:
             # A seed promises reproducible output, but which levels draft changes from round to round (the
             # planner follows live timings). Coupled verification is exact and its output depends only on
             # (seed, target), never on the drafter, so seeded requests use it unless they ask otherwise.
-            spec = Speculation(spec.method if spec else "auto", spec.num_speculative_tokens if spec else None,
-                               VerifyMethod.COUPLED)
+            spec = dataclasses.replace(spec or Speculation(), verify_method=VerifyMethod.COUPLED)
         if stop_token_ids and any(not 0 <= t < self.vocab_size for t in stop_token_ids):
             raise RequestError(f"stop_token_ids: every id must be in [0, {self.vocab_size})")
         return Request(prompt_ids, sampling, max_tokens or room, stops, ignore_eos, spec,

@@ -19,8 +19,8 @@ from specray.engine.base import TokenTree
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult, Worker
 from specray.spec.params import SamplingParams, VerifyMethod
 
-__all__ = ["LevelRequest", "NestedCall", "ProposeCall", "Samplings", "TreeVerifyCall", "VerifyCall", "WireSampling",
-           "WireSync", "WireTree", "syncs", "wire_syncs", "wire_trees"]
+__all__ = ["LevelRequest", "NestedCall", "ProposeCall", "Samplings", "TreeProposeCall", "TreeVerifyCall", "VerifyCall",
+           "WireSampling", "WireSync", "WireTree", "syncs", "wire_syncs", "wire_trees"]
 
 WireSync = tuple[int, tuple[int, ...]] | None
 #: a draft tree as (token_ids, parents) (`specray.spec.tree.DraftTree`'s layout); None: no draft
@@ -71,6 +71,27 @@ class ProposeCall:
     def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> DraftProposal:
         return worker.propose(self.seq_ids, self.k, samplings.resolve(self.seq_ids, self.sampling), mode=self.mode,
                               level=self.level, sync=syncs(self.sync), stop_below=self.stop_below)
+
+
+@dataclass(frozen=True)
+class TreeProposeCall:
+    """`Worker.propose_tree` with its arguments, in wire form; the trees come back as token ids and parents
+    (`DraftProposal.trees` rebuilt on the caller's side), with q [B, N + 1, V] when sampled."""
+
+    seq_ids: list[str]
+    depth: list[int]
+    sampling: list[WireSampling]
+    mode: str
+    level: int
+    sync: list[WireSync] | None
+    width: int
+    max_nodes: list[int] | None
+
+    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> DraftProposal:
+        prop = worker.propose_tree(self.seq_ids, self.depth, samplings.resolve(self.seq_ids, self.sampling),
+                                   mode=self.mode, level=self.level, sync=syncs(self.sync), width=self.width,
+                                   max_nodes=self.max_nodes)
+        return replace(prop, trees=None if prop.trees is None else wire_trees(prop.trees))
 
 
 @dataclass(frozen=True)
@@ -150,7 +171,7 @@ class LevelRequest:
     """One message to a level actor: sequences the coordinator finished (freed first), then the call."""
 
     frees: tuple[str, ...]
-    call: ProposeCall | VerifyCall | TreeVerifyCall | NestedCall
+    call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall
 
 
 def wire_syncs(sync: Sequence[SeqSync | None] | None) -> list[WireSync] | None:

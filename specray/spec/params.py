@@ -119,3 +119,36 @@ class SamplingParams:
     def for_prompt(self, prompt_len: int) -> SamplingParams:
         """A copy for a sequence whose output starts after `prompt_len` tokens (the penalties need it)."""
         return self if self.prompt_len == prompt_len else replace(self, prompt_len=prompt_len)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a model level drafts a token tree (EAGLE-2 / SpecInfer style, `draft_children`): level by level, the
+    best `width` distinct nodes of the deepest level so far (by the drafter's path probability) each get `width`
+    children, for `depth` levels (None: the round's K), with at most `max_nodes` nodes in all (None: width x
+    depth; the best parents get their children first). width 1 is a chain of `depth` tokens."""
+
+    width: int = 1
+    depth: int | None = None
+    max_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.width < 1:
+            raise ValueError(f"tree width={self.width} must be >= 1 (1: chains)")
+        if self.depth is not None and self.depth < 1:
+            raise ValueError(f"tree depth={self.depth} must be >= 1 (or None: the round's K)")
+        if self.max_nodes is not None and self.max_nodes < 1:
+            raise ValueError(f"tree max_nodes={self.max_nodes} must be >= 1 (or None: width x depth)")
+
+    @property
+    def branches(self) -> bool:
+        """Whether this shape makes trees rather than chains."""
+        return self.width > 1
+
+    def depth_for(self, k: int) -> int:
+        """Levels of a tree drafted in a round whose K is k."""
+        return self.depth if self.depth is not None else k
+
+    def nodes_for(self, depth: int) -> int:
+        """Node budget of a tree of `depth` levels."""
+        return self.max_nodes if self.max_nodes is not None else self.width * depth

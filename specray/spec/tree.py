@@ -53,13 +53,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.spec.params import PLACEHOLDER_TOKEN_ID, VerifyMethod
+from specray.spec.params import PLACEHOLDER_TOKEN_ID, TreeShape, VerifyMethod
 from specray.spec.sampling import (
     SamplingBatch,
     TokenHistory,
     accept_stream,
     apply_penalties,
     coupled_argmax,
+    gumbel_noise,
     inverse_cdf_sample,
     keyed_uniform,
     processed_probs,
@@ -70,8 +71,10 @@ from specray.spec.verify import RESIDUAL_EPS, VerifyOutput, count_drafts
 __all__ = [
     "ROOT",
     "DraftTree",
+    "TreeShape",
     "TreeBatch",
     "TreeVerifyOutput",
+    "draft_children",
     "pad_trees",
     "sample_siblings",
     "tree_from_topk",
@@ -251,6 +254,55 @@ def sample_siblings(
     u = keyed_uniform(sb.seed.to(probs.device), positions.to(probs.device, torch.int64), residual_stream(salt), width)
     weights = probs.double().repeat_interleave(width, dim=0)  # [B * width, V]
     return inverse_cdf_sample(weights, u.reshape(-1)).view(-1, width)
+
+
+def draft_children(
+    logits: torch.Tensor,  # [M, V] the drafter's (penalized) raw logits at M parents
+    probs: torch.Tensor,  # [M, V] its processed probs there (q)
+    sb: SamplingBatch,  # M rows
+    positions: torch.Tensor,  # [M] int64 absolute position of the children
+    width: int,
+    mode: str,
+    salt: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tokens [M, W], log score [M, W], usable [M, W] bool
+    """`width` children for each parent, made so that every verification method stays exact.
+
+    greedy (GREEDY / DETERMINISTIC verification): the `width` most likely tokens under q (distinct; chosen
+    without the verifier's noise), the first being `sample_tokens`' greedy draft. coupled: the `width` best
+    tokens of log q + the request's shared Gumbel noise at that position, the first being the coupled chain
+    draft (any tree is exact: the verifier follows its own coupled token). random (REJECTION): `width` i.i.d.
+    draws from q (`sample_siblings`, may repeat), the first being the random chain draft; a caller keeps any
+    prefix of them. Rows at temperature 0 take the top `width` raw logits in every mode (their p is one-hot,
+    so every method verifies them greedily, whatever the tree).
+
+    The score is the token's log-probability under q (temperature 0: under the softmax of the logits), what a
+    caller ranks nodes by; `usable` is False for children with no probability under q (greedy/coupled rows
+    whose q has fewer than `width` tokens), never for the first.
+    """
+    if logits.dim() != 2 or probs.shape != logits.shape:
+        raise ValueError(f"logits and probs must both be [M, V], got {tuple(logits.shape)}, {tuple(probs.shape)}")
+    m, vocab = probs.shape
+    w = min(width, vocab)
+    greedy = sb.greedy.to(probs.device)
+    logp = torch.log(probs.double())  # [M, V]
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    if mode == "random":
+        toks = sample_siblings(probs, sb, positions, w, salt)
+    elif mode == "coupled":
+        seed, pos = sb.seed.to(probs.device), positions.to(probs.device, torch.int64)
+        first = coupled_argmax(probs, seed, pos)  # exactly the chain's coupled draft
+        scores = (logp + gumbel_noise(seed, pos, vocab).double()).scatter(1, first[:, None], float("inf"))
+        toks = torch.topk(scores, w, dim=-1).indices
+    elif mode == "greedy":
+        toks = torch.topk(probs, w, dim=-1).indices
+    else:
+        raise ValueError(f"unknown draft mode {mode!r}; expected greedy, random or coupled")
+    if bool(greedy.any()):
+        toks = torch.where(greedy[:, None], torch.topk(logits, w, dim=-1).indices, toks)
+    score = torch.where(greedy[:, None], raw.gather(1, toks), logp.gather(1, toks))
+    usable = score > float("-inf")
+    usable[:, 0] = True
+    return toks, score, usable
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ It runs the real protocol logic (`LogitsWorker`: sync, propose, verify, rollback
 need no weights and no Ray, and its exact output distribution is known in closed form
 (`next_probs`), which lets tests check end-to-end exactness of whole cascades statistically.
 Drafts are made by adding noise to the target's table (controllable acceptance). It scores token trees too
-(`LogitsWorker.score_tree`): a node's context is the text plus its ancestors; having no KV, keeping a path
-(`accept_paths`) is only the bookkeeping.
+(`LogitsWorker.score_tree`) and drafts them (`LogitsWorker.propose_tree`): a node's context is the text plus its
+ancestors; having no KV, keeping a path (`accept_paths`) is only the bookkeeping.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class FakeWorker(LogitsWorker):
     """next-token logits = table[last `order` tokens]; table ~ sharpness * N(0, 1) (+ noise * N(0, 1))."""
 
     tree_verify = True
+    tree_propose = True
 
     def __init__(
         self,

@@ -264,6 +264,9 @@ class SimWorker(FakeWorker):
     def verify(self, seq_ids, *args, **kwargs):
         return self._timed("verify", len(seq_ids), super().verify, seq_ids, *args, **kwargs)
 
+    def propose_tree(self, seq_ids, *args, **kwargs):
+        return self._timed("propose_tree", len(seq_ids), super().propose_tree, seq_ids, *args, **kwargs)
+
     def score_tree(self, seq_ids, *args, **kwargs):
         return self._timed("score_tree", len(seq_ids), super().score_tree, seq_ids, *args, **kwargs)
 

@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from specray.serve.protocol.errors import InvalidRequest
-from specray.spec.params import MAX_LOGPROBS, SamplingParams, VerifyMethod
+from specray.spec.params import MAX_LOGPROBS, SamplingParams, TreeShape, VerifyMethod
 
 MAX_STOP_STRINGS = 4
 #: Most choices per request (each is a sequence of the running batch)
@@ -46,6 +46,16 @@ def _text(v: str) -> str:
     return v
 
 
+class TreeOptions(_Request):
+    """The token tree the level drafting for the target drafts for this request (`speculation.tree`)."""
+
+    width: int = Field(..., ge=1, le=16, description="Children per node (1: chains).")
+    depth: int | None = Field(None, ge=1, le=64, description="Levels of a model level's tree; None: the round's K "
+                              "(a suffix level's tree has at most K nodes whatever this says).")
+    max_nodes: int | None = Field(None, ge=1, le=256, description="Most nodes of a model level's tree; None: "
+                                  "width x depth.")
+
+
 class SpeculationOptions(_Request):
     """Per-request speculation control (extension field `speculation`)."""
 
@@ -63,6 +73,12 @@ class SpeculationOptions(_Request):
     verify_method: Literal["greedy", "rejection", "deterministic", "coupled"] | None = Field(
         None, description="Override the configured verification method; None keeps the configured one."
     )
+    tree: TreeOptions | Literal[False] | None = Field(
+        None, description="Token trees for the level that drafts for the target: {width, depth, max_nodes} drafts a "
+        "tree of that shape (a model level with tree support, or a suffix level: width only), false drafts chains; "
+        "None keeps the level's configured `tree` / `tree_width`. Trees are only drafted where the target scores "
+        "them (hf); elsewhere chains.",
+    )
 
     @field_validator("method")
     @classmethod
@@ -72,6 +88,15 @@ class SpeculationOptions(_Request):
     @property
     def verify(self) -> VerifyMethod | None:
         return VerifyMethod(self.verify_method) if self.verify_method else None
+
+    @property
+    def tree_shape(self) -> TreeShape | None:
+        """The request's tree as a `TreeShape` (false: width 1, chains; None: the configured one)."""
+        if self.tree is None:
+            return None
+        if self.tree is False:
+            return TreeShape(1)
+        return TreeShape(self.tree.width, self.tree.depth, self.tree.max_nodes)
 
 
 class StreamOptions(_Request):
