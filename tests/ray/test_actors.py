@@ -203,6 +203,35 @@ def test_tree_rounds_over_actors_equal_plain(fakes):
     assert any(t.num_nodes and not t.is_chain for t in sent)
 
 
+def test_model_tree_rounds_over_actors_equal_plain(fakes):
+    """A model level drafting token trees in its actor (`propose_tree`: trees back as token ids and parents, q
+    when sampled) for the target's actor: the call equals the in-process one, and greedy == plain decoding over
+    the direct transport and a plain actor call, with trees that branched."""
+    from specray.spec.params import TreeShape
+
+    remote, local = fakes.workers["d2"], in_process()["d2"]
+    assert remote.capabilities().tree_propose
+    sp = [SamplingParams(temperature=0.8, seed=3), G]
+    got = [w.propose_tree(["pt", "pt2"], [3, 2], sp, mode=DraftMode.RANDOM, level=1, width=2, max_nodes=[5, 4],
+                          sync=[SeqSync.start(PROMPTS[1]), SeqSync.start(PROMPTS[0])]) for w in (remote, local)]
+    assert got[0].trees == got[1].trees and got[0].token_ids == got[1].token_ids
+    assert torch.equal(got[0].probs, got[1].probs) and got[0].trees[0].num_nodes == 5
+    remote.free_many(["pt", "pt2"])
+
+    plain = generate([Level("target", worker=in_process()["target"])], PROMPTS, max_tokens=20, ignore_eos=True,
+                     plain=True)
+    target = fakes.workers["target"]
+    for transport in ("direct", "call"):
+        d2 = remote if transport == "direct" else ActorWorker(remote.handle, info=remote._info_cache, level="d2",
+                                                             transport="call")
+        levels = [Level("d2", worker=d2, k=4, tree=TreeShape(2, 4, 8)), Level("target", worker=target)]
+        got = generate(levels, PROMPTS, max_tokens=20, ignore_eos=True, plan=Plan((0, 1), (4,)))
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in plain.results]
+        st = got.stats["target"]
+        assert st.tree_drafts == st.num_drafts > 0 and st.tree_nodes > st.num_drafts and st.accepted_tokens > 0
+        assert d2.stats().live_sequences == 0  # everything freed (with this client's next call)
+
+
 def test_a_middle_level_actor_verifies_trees_and_equals_in_process(fakes):
     """suffix(trees) -> d2's actor -> the target's actor, with nested drafting on (a lookup level below runs in
     the coordinator, so the coordinator makes the inner rounds' calls): d2 verifies the suffix level's trees over
@@ -381,6 +410,17 @@ def test_hf_cascades_over_actors_equal_plain_greedy(tiny):
         levels = [Level("ngram", ngram=NgramConfig(3, 1, 3)), *lc.levels[1:]]
         got = generate(levels, prompts, max_tokens=16, ignore_eos=True)
         assert [r.token_ids for r in got.results] == [r.token_ids for r in plain.results]
+        # mid drafting token trees in its actor for the target's, ragged batch of 4 (reusing the actors)
+        from dataclasses import replace
+
+        from specray.spec.params import TreeShape
+
+        prompts4 = [*prompts, "class Stack:\n    def __init__(self):\n        self.items = []\n    def push"]
+        plain4 = generate([Level("t", worker=target)], prompts4, max_tokens=16, ignore_eos=True)
+        levels = [replace(lc.levels[1], tree=TreeShape(2, 4, 8)), lc.levels[2]]
+        got = generate(levels, prompts4, max_tokens=16, ignore_eos=True, plan=Plan((0, 1), (4,)))
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in plain4.results]
+        assert got.stats["t"].tree_drafts > 0 and got.stats["t"].accepted_tokens > 0
 
 
 def test_tokenizer_mismatch_fails_at_startup(tiny, tmp_path):

@@ -113,6 +113,39 @@ def test_openai_client_through_serve(serve_app):
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
+def test_per_request_model_tree_through_serve(serve_app):
+    """`speculation.tree` over HTTP with the openai client: the mid model drafts token trees for the target
+    (greedy text == plain), `tree: false` drafts chains; usage.speculation and /metrics count the trees."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, url = serve_app
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model=MODEL, prompt="class Stack:\n    def __init__(self):\n        self.items = []\n    def push",
+              max_tokens=16, temperature=0)
+
+    def run(spec: dict) -> tuple[str, dict]:
+        out = client.completions.create(**kw, extra_body={"ignore_eos": True, "speculation": spec})
+        return out.choices[0].text, out.model_dump()["usage"]["speculation"]["target"]
+
+    plain, _ = run({"method": "none"})
+    tree_text, tree = run({"method": "draft", "num_speculative_tokens": 3, "tree": {"width": 2, "depth": 3}})
+    chain_text, chain = run({"method": "draft", "num_speculative_tokens": 3, "tree": False})
+    assert tree_text == chain_text == plain
+    assert tree["tree_drafts"] == tree["num_drafts"] > 0 and tree["pairs"]["mid->target"]["tree_nodes"] > 0
+    assert tree["tree_nodes"] > tree["num_drafts"] and tree["accepted_tokens"] > 0
+    assert "tree_drafts" not in chain and chain["num_drafts"] > 0
+    with pytest.raises(openai.BadRequestError, match="tree"):
+        client.completions.create(**kw, extra_body={"speculation": {"tree": {"width": 0}}})
+    deadline = time.time() + 30
+    while True:  # Ray exports the replica's metrics every few seconds
+        got = {s.labels.get("pair"): s.value for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+               for s in fam.samples if s.name.endswith("spec_decode_num_tree_drafts_total")}
+        if got.get("mid->target", 0) > 0 or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert got.get("mid->target", 0) >= tree["tree_drafts"]
+
+
 def test_handle_api_unary_and_streaming(serve_app):
     handle, _ = serve_app
     out = handle.generate.remote("def fibonacci(n):", max_tokens=12, temperature=0.0, ignore_eos=True).result()
