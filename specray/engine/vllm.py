@@ -422,6 +422,13 @@ class VLLMWorker(LiveRequests, PromptScoring):
         """Refused (see `score_tree`): the coordinator sends this level chains only."""
         raise self._chains_only()
 
+    def propose_tree(self, seq_ids: Sequence[str], depth: Sequence[int], sampling: Any, mode: Any = None,
+                     level: int = 0, sync: Any = None, width: int = 2, max_nodes: Any = None) -> Any:
+        """Refused (WorkerCaps.tree_propose is False): this backend drafts chains; the coordinator asks it for
+        chains only."""
+        raise NotImplementedError(f"{self.name}: the vllm backend drafts chains only (WorkerCaps.tree_propose is "
+                                  "False): vLLM's engine takes no per-token attention mask")
+
 
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:
     """End-of-sequence ids from generation_config.json and the tokenizer (as the hf backend reads them)."""

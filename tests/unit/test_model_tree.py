@@ -182,6 +182,17 @@ def test_sampled_model_trees_emit_the_targets_law(method, sp):
     assert_target_law(Batch(batch.results, batch.stats), lv[-1].worker, prompt, sp, n_tok)
 
 
+def test_penalized_model_trees_equal_plain():
+    """The drafter penalizes each node along its path (its q); the target's penalties along the accepted path:
+    greedy with penalties and seeded coupled sampling with penalties stay plain decoding's."""
+    for method, sp in [(VerifyMethod.GREEDY, SamplingParams(repetition_penalty=1.4, presence_penalty=0.5, seed=0)),
+                       (VerifyMethod.COUPLED, SamplingParams(0.8, frequency_penalty=0.6, seed=9))]:
+        plain = generate(levels(method=method)[1:], PROMPTS, max_tokens=16, sampling=sp, ignore_eos=True, plain=True)
+        batch = generate(levels(method=method), PROMPTS, max_tokens=16, sampling=sp, ignore_eos=True, plan=TREE)
+        assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results], method
+        assert batch.stats["target"].tree_drafts > 0
+
+
 def test_a_mixed_batch_under_rejection_keeps_greedy_rows_greedy():
     sps = [SamplingParams(0.0, seed=0) if b % 2 else SamplingParams(0.8, seed=b) for b in range(len(PROMPTS))]
     plain = generate(levels(method=VerifyMethod.REJECTION)[1:], PROMPTS, max_tokens=16, sampling=sps,
