@@ -331,3 +331,19 @@ def test_per_request_tree_override_in_the_scheduler():
     assert own.stats["target"].tree_drafts > 0 and wide.stats["target"].tree_drafts > 0
     assert any(t is not None and t.num_nodes == 5 and t.max_depth == 2 for t in spy.trees)  # the override's shape
     assert spy.chains > 0
+
+
+def test_the_request_tree_overrides_a_suffix_levels_width():
+    """A suffix level configured for chains drafts trees for a request asking for width 3 (its node budget stays
+    K), and the text is plain decoding's."""
+    from tests.unit.test_tree_round import suffix
+
+    plain = generate(levels()[1:], PROMPTS, max_tokens=12, ignore_eos=True, plain=True)
+    lv = [suffix(1), levels()[1]]
+    spy = Spy(lv[1].worker)
+    eng = CascadeEngine(lv)
+    seqs = [eng.new_sequence(p, SamplingParams(), 12) for p in PROMPTS]
+    while any(not s.finished for s in seqs):
+        eng.step(seqs, Plan((0, 1), (6,)), None, TreeShape(3, 9, 99))
+    assert [s.output for s in seqs] == [r.token_ids for r in plain.results]
+    assert spy.branched > 0 and all(t.num_nodes <= 6 for t in spy.trees if t is not None)
