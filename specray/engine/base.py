@@ -37,7 +37,8 @@ from specray.spec.sampling import (
     raw_logprobs,
     sample_tokens,
 )
-from specray.spec.tree import ROOT, DraftTree, draft_children, pad_trees, tree_penalized_logits, verify_tree
+from specray.spec.tree import ROOT, DraftTree, draft_children, pad_trees
+from specray.spec.tree_verify import tree_penalized_logits, verify_tree
 from specray.spec.verify import verify as verify_batch
 
 
@@ -587,7 +588,7 @@ class LogitsWorker(abc.ABC):
         return_probs: bool = False,
         confidence: bool = False,
     ) -> VerifyResult:
-        """`Worker.verify_tree`: `score_tree` -> `spec.tree.verify_tree` on the processed distributions (the rows'
+        """`Worker.verify_tree`: `score_tree` -> `tree_verify.verify_tree` on the processed distributions (the rows'
         penalties counted along each slot's path) -> `accept_paths`. The row then holds the accepted path and the
         final token, exactly as `verify` holds its emitted tokens; the noise is keyed by `level` as in `verify`,
         so a chain tree emits what `verify` would. `return_probs` / `confidence` as in `verify`: the

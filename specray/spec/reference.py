@@ -19,7 +19,8 @@ from specray.spec.sampling import (
     keyed_uniform,
     residual_stream,
 )
-from specray.spec.tree import DraftTree, TreeVerifyOutput
+from specray.spec.tree import DraftTree
+from specray.spec.tree_verify import TreeVerifyOutput
 from specray.spec.verify import RESIDUAL_EPS, VerifyOutput
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""Token trees (specray/spec/tree.py): layout and validation, chains verified exactly as `verify` does, batched ==
-per-row reference, greedy/coupled walks, and statistical exactness of deterministic and rejection trees."""
+"""Token trees (spec/tree.py, spec/tree_verify.py): layout and validation, chains verified exactly as `verify`
+does, batched == per-row reference, greedy/coupled walks, and statistical exactness
+of deterministic and rejection trees."""
 
 from __future__ import annotations
 
@@ -23,16 +24,8 @@ from specray.spec.sampling import (
     sample_tokens,
 )
 from specray.spec.suffix import SuffixConfig, SuffixDrafter
-from specray.spec.tree import (
-    DraftTree,
-    TreeBatch,
-    pad_trees,
-    sample_siblings,
-    tree_from_topk,
-    tree_penalized_logits,
-    verify_tree,
-    verify_tree_logits,
-)
+from specray.spec.tree import DraftTree, TreeBatch, pad_trees, sample_siblings, tree_from_topk
+from specray.spec.tree_verify import tree_penalized_logits, verify_tree, verify_tree_logits
 from specray.spec.verify import verify, verify_logits
 from specray.testing.goodness import chi2_crit, chi2_stat
 

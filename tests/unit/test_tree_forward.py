@@ -14,7 +14,8 @@ from specray.engine.protocol import SeqSync
 from specray.engine.vllm import VLLMWorker
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.sampling import SamplingBatch
-from specray.spec.tree import DraftTree, verify_tree_logits
+from specray.spec.tree import DraftTree
+from specray.spec.tree_verify import verify_tree_logits
 from specray.testing.fake import FakeWorker
 from specray.testing.sim import SimWorker
 from specray.testing.tiny import build_tiny_model, load_tiny
@@ -179,7 +180,7 @@ def test_accepted_path_compacts_to_a_chain(model):
 
 @pytest.mark.parametrize("method", [VerifyMethod.GREEDY, VerifyMethod.COUPLED])
 def test_tree_rounds_through_verify_tree_logits_equal_plain_decoding(model, method):
-    """score_tree -> `spec.tree.verify_tree_logits` -> accept_paths, round after round: the text equals plain
+    """score_tree -> `spec.tree_verify.verify_tree_logits` -> accept_paths, round after round: the text equals plain
     decoding's (greedy; coupled with a seed, whose output does not depend on the drafts). The trees hold plain
     decoding's next two tokens among decoys (at depth 1 or 2, or not at all), so paths of every length and
     every node are accepted and compacted."""
