@@ -394,6 +394,11 @@ class PolicyConfig(_Strict):
     decisive: float = Field(1.0, ge=0, description="Relative goodput gain above which falling back to plain "
                             "decoding happens at once (no patience): 1.0 = plain predicted 2x better.")
     explore_every: int = Field(50, ge=2, description="Rounds between probes of levels not in the current plan.")
+    explore_budget: float | None = Field(
+        0.05, gt=0, le=1, description="Largest share of the time exploration may cost: a probe waits until its "
+        "extra seconds over a round of the held plan (predicted, or as the latest probe measured, catch-up "
+        "included) are at most this share of the time since the latest probe and since the batch reached its "
+        "size (power-of-two bucket). null: every explore_every rounds.")
     rerank_every: int = Field(
         1, ge=1, description="Rank the candidate plans on at most one round in this many (at an unchanged batch "
         "size; a new batch size ranks at once); the others keep the held plan.")

@@ -120,6 +120,13 @@ ERRORS = MetricSpec("counter", "specray_request_errors",
 ROUND_LATENCY = MetricSpec("histogram", "specray_round_latency_seconds",
                            "Duration of one batched round (draft + verify), by plan.", ("model_name", "plan"),
                            ROUND_BUCKETS)
+PLANNER_ROUNDS = MetricSpec(
+    "counter", "specray_planner_rounds", "Rounds by the plans they ran, the batch's power-of-two bucket and why the "
+    "planner chose them (ranked, hold, warmup, explore, plain_probe, table; request: every sequence ran its own).",
+    ("model_name", "plan", "batch_bucket", "reason"))
+PLANNER_SECONDS = MetricSpec(
+    "counter", "specray_planner_round_seconds", "Wall seconds of those rounds (labels as specray_planner_rounds).",
+    ("model_name", "plan", "batch_bucket", "reason"))
 BATCH_SIZE = MetricSpec("gauge", "specray_batch_size", "Sequences in the last round (0 when idle).",
                         ("model_name",))
 PLAN_SEQUENCES = MetricSpec("gauge", "specray_plan_sequences", "Sequences that ran each plan in the last round.",
@@ -137,7 +144,7 @@ BREAK_EVEN = MetricSpec("gauge", "specray_break_even_batch",
 CATALOG: tuple[MetricSpec, ...] = (
     NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS, ACCEPTED_PER_POS, TREE_DRAFTS, TREE_NODES, RUNNING, WAITING,
     PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT, TPOT, E2E, REQUESTS, ERRORS, ROUND_LATENCY, BATCH_SIZE,
-    PLAN_SEQUENCES, REGIME, ROUTED, POOL_INFLIGHT, BREAK_EVEN,
+    PLAN_SEQUENCES, REGIME, ROUTED, POOL_INFLIGHT, BREAK_EVEN, PLANNER_ROUNDS, PLANNER_SECONDS,
 )
 #: the router's own metrics in pools mode (the pools record the requests they run: each is counted once)
 ROUTER_METRICS = frozenset({ROUTED.name, POOL_INFLIGHT.name, BREAK_EVEN.name})
@@ -286,8 +293,17 @@ class SpecMetrics:
             self._last_plans = set()
 
     def observe_round(
-        self, batch_size: int, plan_sizes: Mapping[str, int], seconds: float, regime: str | None = None
+        self, batch_size: int, plan_sizes: Mapping[str, int], seconds: float, regime: str | None = None,
+        reason: str | None = None,
     ) -> None:
+        """One round: its batch, sequences per plan, wall seconds, the planner's regime and why it chose the round's
+        plans (`reason`; None: no planner). The per-reason counters are what to read when tuning the planner: the
+        rounds and seconds spent on probes (`explore`, `plain_probe`) against the rest, per batch bucket."""
+        if reason is not None:
+            bucket = str(1 << max(0, int(batch_size) - 1).bit_length())
+            plans = " + ".join(sorted(plan_sizes))
+            self._inc(PLANNER_ROUNDS, 1, plans, bucket, reason)
+            self._inc(PLANNER_SECONDS, seconds, plans, bucket, reason)
         if regime is not None:
             for name in REGIMES:
                 self._set(REGIME, 1.0 if name == regime else 0.0, name)

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from specray.coordinator.cascade import CascadeEngine, Plan, Seq
 from specray.coordinator.stats import LevelStats, named_stats
@@ -30,6 +31,14 @@ from specray.spec.params import SamplingParams, TokenLogprob, TreeShape, VerifyM
 log = logging.getLogger(__name__)
 
 SPECULATION_CHOICES = ("auto", "none", "ngram", "draft", "cascade", "hybrid")
+
+
+@runtime_checkable
+class RoundTimed(Protocol):
+    """A planner that is told how long each round it chose plans for took (wall seconds, every group): the cost
+    of what no worker call's timing shows, such as a level catching up on rows it has not seen."""
+
+    def on_round(self, batch: int, seconds: float) -> None: ...
 
 
 class RequestError(ValueError):
@@ -244,6 +253,7 @@ class Scheduler:
                     await self._wake.wait()
                 continue
             groups = self._groups()
+            planned = any(live.plan is None for live in self._active)
             if self.pipeline and len(groups) == 1 and len(groups[0][3]) >= 2:
                 plan, method, tree, members = groups[0]
                 half = len(members) // 2
@@ -272,6 +282,8 @@ class Scheduler:
                 else:
                     for live, toks in zip(members, res):
                         self._deliver(live, toks)
+            if planned and isinstance(self.planner, RoundTimed):
+                self.planner.on_round(batch, dt)
             if self.on_round is not None:
                 sizes: dict[Plan, int] = {}
                 for plan, _m, _t, members in groups:
@@ -313,8 +325,10 @@ class Scheduler:
         if self.planner is None:
             return [[self.engine.default_plan, len(self._active)]]
         n = sum(1 for live in self._active if live.plan is None)
+        if n == 0:  # every sequence runs its own override: a planner round here would spend a probe on nothing
+            return []
         split = getattr(self.planner, "plan_groups", None)
-        if split is not None and n > 0:
+        if split is not None:
             return [[p, c] for p, c in split(n)]
         return [[self.planner(len(self._active)), len(self._active)]]
 

@@ -65,7 +65,7 @@ class Planner(Pricing):
     `patience` consecutive calls, so noise cannot make it flap (one call suffices to fall back to plain
     decoding when it is predicted better by more than `decisive`, relative: a 2x gap between two measured
     costs is not noise, and a losing plan can cost many times a round -- speculation scored on a vLLM target
-    at batch 16 costs ~8 plain rounds). Exploration: every `explore_every` calls,
+    at batch 16 costs ~8 plain rounds). Exploration: every `explore_every` calls (once it fits `explore_budget`),
     the (verifier, drafter) pair (or plain decoding) measured least recently, if not within the last
     `explore_every // 2` rounds, gets one round in the best plan containing it, so a switched-off level comes
     back once its acceptance recovers; plain decoding is also measured once at every new batch bucket (powers
@@ -101,6 +101,7 @@ class Planner(Pricing):
         decisive: float = 1.0,
         rerank_every: int = 1,
         rerank_budget: float | None = None,
+        explore_budget: float | None = None,
     ) -> None:
         if not levels:
             raise ValueError("a planner needs at least the target level")
@@ -135,10 +136,24 @@ class Planner(Pricing):
         #: waits until t / rerank_budget seconds have passed (None: rank by `rerank_every` alone). Short rounds
         #: (GPU steps) then rank every many rounds, long ones (CPU steps) every round or two.
         self.rerank_budget = rerank_budget
+        if explore_budget is not None and not 0 < explore_budget <= 1:
+            raise ValueError("explore_budget must be in (0, 1]")
+        #: the largest share of the wall time exploration may cost: a probe whose extra seconds over the held plan's
+        #: round (predicted, or as the latest probe measured, whichever is more) exceed this share of the time
+        #: since the later of the latest probe and the batch entering its bucket waits (None: `explore_every` alone)
+        self.explore_budget = explore_budget
+        self._explore_end = time.perf_counter()  # when the latest exploration round ended (or the planner started)
+        self._explore_cost = 0.0  # seconds the latest exploration round took beyond the held plan's predicted round
+        self._explore_pending: float | None = None  # held plan's predicted round time while a level's probe runs
+        self._bucket_since = self._explore_end  # when the batch entered its current bucket
         self._unranked = 0  # rounds since the last ranking that kept the held plan
         self._rank_cost = 0.0  # seconds the latest ranking took
         self._rank_end = 0.0  # perf_counter() when it ended
         self._probe_round = False
+        #: why the latest plan() answer was chosen (metrics): 'table' (an override there), 'warmup', 'hold'
+        #: (between rankings), 'ranked', 'plain_probe' (first plain round at a new batch bucket), 'explore'
+        self.last_reason = "warmup"
+        self.answers = 0  # plan() calls so far (a caller tells a round the planner chose for from one it did not)
         self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
         self.plain = Plan((self.top,), ())
         #: K of the target's own (native vLLM) speculation on plain rounds; 0: plain decoding is one token
@@ -273,6 +288,17 @@ class Planner(Pricing):
                     if tokens == 1:
                         self._measured["plain"] = self._clock
                         self._plain_at[_bucket(batch)] = self._clock
+
+    def on_round(self, batch: int, seconds: float) -> None:
+        """A round the planner chose a plan for took `seconds` (wall, every group): an exploration round's cost
+        beyond the held plan's predicted round is what the next probe is priced at (`explore_budget`), since
+        it includes what no step measurement sees -- a level catching up on the probed rows' whole text."""
+        with self._lock:
+            if self._explore_pending is None:
+                return
+            self._explore_cost = max(0.0, seconds - self._explore_pending)
+            self._explore_pending = None
+            self._explore_end = time.perf_counter()
 
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
         """Acceptance of the native target's own speculation on rows it decoded without a specray draft (one
@@ -485,6 +511,22 @@ class Planner(Pricing):
                     return p
         return None
 
+    def _affordable(self, probe: Plan, batch: int) -> bool:
+        """Whether a probe round of `probe` fits `explore_budget`: its extra seconds over a round of the held plan
+        -- a speculative probe runs as a group of its own on `probe_batch` rows beside the held plan's group;
+        plain decoding on the whole batch instead -- at most the budget's share of the time since the later of
+        the latest exploration and the batch entering its bucket. So exploration stays a small share of the
+        time overall and, since a probe on a few rows measures the same acceptance at any batch, a burst at a
+        new batch size (a load peak, a benchmark's short chunk) is not taxed by one."""
+        if self.explore_budget is None:
+            return True
+        if self._pairs(probe):
+            extra = max(self.round_time(probe, min(batch, self.probe_batch)), self._explore_cost)
+        else:
+            extra = max(0.0, self.round_time(probe, batch) - self.round_time(self._current, batch))
+        since = self._rank_end - max(self._explore_end, self._bucket_since)
+        return extra <= self.explore_budget * since
+
     def _hold(self, batch: int) -> bool:
         """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;
         otherwise until `rerank_every` rounds have passed and, with a `rerank_budget`, until the time since the
@@ -500,15 +542,16 @@ class Planner(Pricing):
         """The plan for the next round over `batch_size` sequences (table, warm-up, hysteresis, exploration)."""
         batch = max(1, int(batch_size))
         with self._lock:
+            self.answers += 1
             self._probe_round = False
             forced = self._override(batch)
             if forced is not None:
-                self._last = (batch, forced)
+                self._last, self.last_reason = (batch, forced), "table"
                 return forced
             self._calls += 1
             if self._hold(batch):
                 self._unranked += 1  # between rankings: the held plan, priced at the last ranking
-                self._last = (batch, self._current)
+                self._last, self.last_reason = (batch, self._current), "hold"
                 return self._current
             self._unranked = 0
             t0 = time.perf_counter()
@@ -521,24 +564,34 @@ class Planner(Pricing):
                 start = self.default_plan if self._goodput(self.default_plan, batch) >= self._goodput(
                     self.plain, batch) else best
                 self._current, self._streak = start, 0
-                self._last = (batch, start)
+                self._last, self.last_reason = (batch, start), "warmup"
                 return start
             bucket = _bucket(batch)
             self._bucket_run = self._bucket_run + 1 if bucket == self._last_bucket else 1
             self._last_bucket = bucket
+            if self._bucket_run == 1:
+                self._bucket_since = self._rank_end
             if (self.explore_every and self._bucket_run >= 2 and bucket not in self._plain_at
                     and bucket not in self._plain_probed and self._pairs(self._current)):
                 # second round at a new batch size while speculating (the first one carries the prefills of
                 # the requests that grew the batch): measure plain decoding here, once
                 self._plain_probed.add(bucket)
-                self._last = (batch, self._current)
+                self._last, self.last_reason = (batch, self._current), "plain_probe"
                 self._probe_round = True
                 return self.plain
             if self.explore_every and self._calls - self._explored_at >= self.explore_every:
-                self._explored_at = self._calls
                 probe = self._exploration(ranked, batch)
+                if probe is not None and not self._affordable(probe, batch):
+                    probe = None  # not yet: checked again next round
+                else:
+                    self._explored_at = self._calls
                 if probe is not None:
                     self._last = (batch, self._current)  # regime() reports the held plan, not the probe
+                    self.last_reason = "explore"
+                    if self._pairs(probe):  # a level's probe: what it costs beyond the held round is measured
+                        self._explore_pending = self.round_time(self._current, batch)
+                    else:
+                        self._explore_end = self._rank_end
                     self._probe_round = True
                     return probe
             if best != self._current:
@@ -556,7 +609,7 @@ class Planner(Pricing):
                     self._streak = 0
             else:
                 self._streak = 0
-            self._last = (batch, self._current)
+            self._last, self.last_reason = (batch, self._current), "ranked"
             return self._current
 
     __call__ = plan

@@ -87,6 +87,7 @@ class Coordinator:
         self.model_name = server.model_name
         self.metrics = SpecMetrics(model_name=self.model_name, sinks=[make() for make in metric_sinks])
         self.planner = None
+        self._answers_seen = 0  # planner.answers at the latest round (metrics: was the planner asked?)
         pol = self.config.policy
         if pol.adaptive and len(levels) > 1:
             from specray.policy.planner import Planner
@@ -94,7 +95,8 @@ class Coordinator:
             self.planner = Planner(levels, k_max=pol.k_max, table=pol.table, hysteresis=pol.hysteresis,
                                    patience=pol.patience, explore_every=pol.explore_every,
                                    decisive=pol.decisive, rerank_every=pol.rerank_every,
-                                   rerank_budget=pol.rerank_budget).attach(self.engine)
+                                   rerank_budget=pol.rerank_budget,
+                                   explore_budget=pol.explore_budget).attach(self.engine)
         self.scheduler = Scheduler(
             self.engine, self.tokenizer, max_batch_size=server.max_batch_size, planner=self.planner,
             pipeline=server.pipeline and not server.in_process,
@@ -130,8 +132,15 @@ class Coordinator:
     def _on_round(self, batch: int, plan_sizes: Mapping[Any, int], seconds: float) -> None:
         regime = self.planner.regime(batch) if self.planner is not None else None
         self.last_round = (time.monotonic(), batch, dict(plan_sizes))  # autoscaling: regime of the last round
+        reason = None
+        if self.planner is not None:  # the planner is asked only when some sequence takes its plan
+            answers = self.planner.answers
+            reason = self.planner.last_reason if answers != self._answers_seen else "request"
+            self._answers_seen = answers
         self.metrics.observe_round(batch, {self.engine.plan_name(p): n for p, n in plan_sizes.items()}, seconds,
-                                   regime=regime)
+                                   regime=regime, reason=reason)
+        log.debug("round: batch %d, %s, %.3f s, planner: %s", batch,
+                  {self.engine.plan_name(p): n for p, n in plan_sizes.items()}, seconds, reason)
 
     # ----- core request path ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:

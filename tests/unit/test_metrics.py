@@ -117,6 +117,23 @@ def test_gauges_follow_the_queue_the_rounds_and_go_idle():
     assert s[key("vllm:num_requests_running")] == 0
 
 
+def test_planner_rounds_and_seconds_by_plan_bucket_and_reason():
+    """`specray_planner_rounds_total` / `specray_planner_round_seconds_total`: what a user tuning the planner reads --
+    how many rounds and seconds went to probes against held plans, per batch bucket (powers of two)."""
+    m = SpecMetrics(model_name="x")
+    m.observe_round(8, {"target": 8}, 0.3, regime="none", reason="ranked")
+    m.observe_round(7, {"target": 7}, 0.2, regime="none", reason="hold")
+    m.observe_round(8, {"ngram:4>target": 2, "target": 6}, 1.5, regime="none", reason="explore")
+    m.observe_round(3, {"target": 3}, 0.1)  # no planner: no reason, not counted
+    s = samples(m)
+    assert s[key("specray_planner_rounds_total", plan="target", batch_bucket="8", reason="ranked")] == 1
+    assert s[key("specray_planner_round_seconds_total", plan="target", batch_bucket="8", reason="hold")] == 0.2
+    probe = dict(plan="ngram:4>target + target", batch_bucket="8", reason="explore")
+    assert s[key("specray_planner_rounds_total", **probe)] == 1
+    assert s[key("specray_planner_round_seconds_total", **probe)] == 1.5
+    assert m.value("specray_planner_rounds_total") == 3
+
+
 def test_router_metrics():
     m = SpecMetrics(model_name="x")
     m.observe_routed("target")

@@ -686,3 +686,87 @@ def test_tree_rounds_through_the_engine_feed_both_estimates():
     assert p.tree_acceptance[(1, 0, 3)].weight > 0 and p.acceptance[(1, 0)].weight > 0
     assert 1 <= p.tree_nodes[(1, 0, 3)] <= 6
     assert p._measured[(1, 0, 3)] == p._measured[(1, 0)]  # one round measures both
+
+
+class _Clock:
+    """A settable perf_counter for the planner's time budgets."""
+
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+def _serve(p: Planner, sim: Sim, batch: int, rounds: int, catch_up: float) -> tuple[float, float]:
+    """`rounds` served rounds at `batch` on the simulated clock, the way the scheduler runs them: the groups of
+    `plan_groups` one after the other, a group of a plan with the model drafter (level 0) that the held plan does
+    not use paying `catch_up` seconds first (the drafter reads the probed rows' whole text: an untimed
+    prefill no step measurement shows), then `on_round` with the round's wall time. Returns (seconds of
+    all rounds, seconds of the rounds that probed a level)."""
+    total = probing = 0.0
+    for _ in range(rounds):
+        groups = p.plan_groups(batch)
+        held = p.current
+        dt = 0.0
+        for plan, n in groups:
+            if 0 in plan.levels and 0 not in held.levels:
+                dt += catch_up
+            dt += sim.round(plan, n)[1]
+        _Clock.now += dt
+        p.on_round(batch, dt)
+        total += dt
+        if any(plan != held and len(plan.levels) > 1 for plan, _ in groups):
+            probing += dt
+    return total, probing
+
+
+def test_exploration_cost_stays_within_its_budget_where_speculation_loses(monkeypatch):
+    """At batch 8 where the drafter loses (plain held), probing it costs a round of its own plus the drafter's
+    catch-up on the probed rows (3 s here against 0.1 s plain rounds). Every `explore_every` rounds that is
+    ~60% of the time on top of serving; with `explore_budget=0.05` the probes' extra time stays within ~5% of
+    the time served, and the probes still happen (a switched-off level can come back)."""
+    import specray.policy.planner as planner_mod
+
+    monkeypatch.setattr(planner_mod, "time", _Clock)
+    truth = {1: lambda b, q: 0.1 * q, 0: lambda b, q: 0.01 * b}  # verification pays per token: drafts lose at b=8
+    shares = {}
+    for budget in (None, 0.05):
+        _Clock.now = 0.0
+        p = Planner(two_levels(), k_choices=[4], explore_every=10, warmup=0, explore_budget=budget)
+        sim = Sim(p, truth, {(1, 0): 0.3})
+        _serve(p, sim, 8, 30, catch_up=3.0)  # learns that plain wins here
+        assert p.current == p.plain
+        total, probing = _serve(p, sim, 8, 600, catch_up=3.0)
+        plain_time = 600 * p.round_time(p.plain, 8)
+        shares[budget] = (total - plain_time) / plain_time, probing
+    assert shares[None][0] > 0.3  # unbounded: the probes cost a third of the serving time or more
+    assert shares[0.05][0] < 0.08 and shares[0.05][1] > 0  # bounded, and still probing
+
+
+def test_a_short_burst_at_a_new_batch_size_is_not_taxed_by_a_probe(monkeypatch):
+    """A probe on a few rows measures the same acceptance at any batch, so one taken in the first seconds at a
+    new batch size (a load peak; a benchmark's short chunk) buys nothing that waiting would not: the budget's
+    time counts from the batch entering its bucket. The same planner without a budget probes there."""
+    import specray.policy.planner as planner_mod
+
+    monkeypatch.setattr(planner_mod, "time", _Clock)
+    truth = {1: lambda b, q: 0.1 * q, 0: lambda b, q: 0.01 * b}
+    probes = {}
+    for budget in (None, 0.05):
+        _Clock.now = 0.0
+        p = Planner(two_levels(), k_choices=[4], explore_every=10, warmup=0, explore_budget=budget)
+        sim = Sim(p, truth, {(1, 0): 0.3})
+        _serve(p, sim, 8, 200, catch_up=3.0)  # long at batch 8: plain held, probes spent
+        _serve(p, sim, 1, 5, catch_up=3.0)  # the batch drains
+        _, probing = _serve(p, sim, 8, 30, catch_up=3.0)  # a 3-second burst back at batch 8
+        probes[budget] = probing
+    assert probes[None] > 0
+    assert probes[0.05] == 0
+
+
+def test_explore_budget_is_checked():
+    with pytest.raises(ValueError, match="explore_budget"):
+        Planner(two_levels(), explore_budget=0.0)
+    with pytest.raises(ValueError, match="explore_budget"):
+        Planner(two_levels(), explore_budget=1.5)

@@ -226,6 +226,48 @@ def test_a_planner_split_runs_a_probe_group_beside_the_held_plan_and_stays_exact
     assert lv[1].worker.stats().live_sequences == 0
 
 
+def test_the_planner_is_told_each_round_it_planned_and_not_asked_for_overridden_ones():
+    """A planner with `on_round` hears the wall time of every round it chose plans for (what an exploration
+    probe really cost, catch-up included), and a round whose sequences all run their request's own plan does not
+    ask it at all (a probe there would be spent on nobody)."""
+    from specray.coordinator.cascade import Plan
+    from specray.coordinator.scheduler import RoundTimed
+
+    engine = CascadeEngine(levels())
+
+    class Timed:
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+            self.rounds: list[tuple[int, float]] = []
+
+        def __call__(self, batch: int) -> Plan:
+            self.asked.append(batch)
+            return Plan((2,), ())
+
+        def on_round(self, batch: int, seconds: float) -> None:
+            self.rounds.append((batch, seconds))
+
+    planner = Timed()
+    assert isinstance(planner, RoundTimed)
+    rounds: list[tuple[int, float]] = []
+    sched = Scheduler(engine, max_batch_size=8, planner=planner, on_round=lambda b, sizes, dt: rounds.append((b, dt)))
+
+    async def run(spec):
+        out = await collect(sched, Request([1, 2, 3], SamplingParams(), 6, speculation=spec))
+        return out
+
+    async def main():
+        await run(Speculation("none"))
+        overridden = len(rounds)
+        await run(None)
+        await sched.close()
+        return overridden
+
+    overridden = asyncio.run(main())
+    assert overridden >= 1 and planner.asked == [1] * (len(rounds) - overridden)
+    assert planner.rounds == rounds[overridden:] and all(dt > 0 for _, dt in planner.rounds)
+
+
 def test_stop_token_ids_end_the_text_before_the_stop_token(tiny):
     """vLLM's `stop_token_ids`: the completion ends at the first such token, which counts as generated but whose
     text is not part of the output; EOS still stops unless `ignore_eos`; speculation changes nothing."""
