@@ -394,6 +394,9 @@ class PolicyConfig(_Strict):
     decisive: float = Field(1.0, ge=0, description="Relative goodput gain above which falling back to plain "
                             "decoding happens at once (no patience): 1.0 = plain predicted 2x better.")
     explore_every: int = Field(50, ge=2, description="Rounds between probes of levels not in the current plan.")
+    margin: float = Field(
+        0.1, ge=0, description="Relative goodput gain over plain decoding a speculative plan must be predicted to "
+        "have to be chosen: its extra round cost is certain, its gain an estimate from earlier rows (0.1: 10%).")
     explore_budget: float | None = Field(
         0.05, gt=0, le=1, description="Largest share of the time exploration may cost: a probe waits until its "
         "extra seconds over a round of the held plan (predicted, or as the latest probe measured, catch-up "

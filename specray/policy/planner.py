@@ -102,6 +102,7 @@ class Planner(Pricing):
         rerank_every: int = 1,
         rerank_budget: float | None = None,
         explore_budget: float | None = None,
+        margin: float = 0.0,
     ) -> None:
         if not levels:
             raise ValueError("a planner needs at least the target level")
@@ -138,14 +139,20 @@ class Planner(Pricing):
         self.rerank_budget = rerank_budget
         if explore_budget is not None and not 0 < explore_budget <= 1:
             raise ValueError("explore_budget must be in (0, 1]")
-        #: the largest share of the wall time exploration may cost: a probe whose extra seconds over the held plan's
-        #: round (predicted, or as the latest probe measured, whichever is more) exceed this share of the time
-        #: since the later of the latest probe and the batch entering its bucket waits (None: `explore_every` alone)
+        #: the largest share of the serving time exploration may cost: a probe whose extra seconds over the held
+        #: plan's round (predicted, or as the latest probe measured, whichever is more) exceed this share of the
+        #: seconds served at the batch's bucket since the latest probe waits (None: `explore_every` alone). Needs
+        #: `on_round` (the scheduler calls it).
         self.explore_budget = explore_budget
-        self._explore_end = time.perf_counter()  # when the latest exploration round ended (or the planner started)
+        if margin < 0:
+            raise ValueError("margin must be >= 0")
+        #: a speculative plan must be predicted to beat plain decoding by this much (relative) to be chosen: its
+        #: extra round cost is certain, its gain rests on acceptance measured on earlier rows and rounds, and near
+        #: break-even (a filling batch) the gain is smaller than that estimate's error
+        self.margin = float(margin)
+        self._served: dict[int, float] = {}  # batch bucket -> seconds of rounds there since the latest exploration
         self._explore_cost = 0.0  # seconds the latest exploration round took beyond the held plan's predicted round
         self._explore_pending: float | None = None  # held plan's predicted round time while a level's probe runs
-        self._bucket_since = self._explore_end  # when the batch entered its current bucket
         self._unranked = 0  # rounds since the last ranking that kept the held plan
         self._rank_cost = 0.0  # seconds the latest ranking took
         self._rank_end = 0.0  # perf_counter() when it ended
@@ -295,10 +302,12 @@ class Planner(Pricing):
         it includes what no step measurement sees -- a level catching up on the probed rows' whole text."""
         with self._lock:
             if self._explore_pending is None:
+                bucket = _bucket(batch)
+                self._served[bucket] = self._served.get(bucket, 0.0) + seconds
                 return
             self._explore_cost = max(0.0, seconds - self._explore_pending)
             self._explore_pending = None
-            self._explore_end = time.perf_counter()
+            self._served.clear()
 
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
         """Acceptance of the native target's own speculation on rows it decoded without a specray draft (one
@@ -511,21 +520,25 @@ class Planner(Pricing):
                     return p
         return None
 
+    def _score(self, plan: Plan, batch: int) -> float:
+        """Goodput as the choice weighs it: a speculative plan's discounted by `margin`."""
+        gp = self._goodput(plan, batch)
+        return gp / (1.0 + self.margin) if self.margin and self._pairs(plan) else gp
+
     def _affordable(self, probe: Plan, batch: int) -> bool:
         """Whether a probe round of `probe` fits `explore_budget`: its extra seconds over a round of the held plan
         -- a speculative probe runs as a group of its own on `probe_batch` rows beside the held plan's group;
-        plain decoding on the whole batch instead -- at most the budget's share of the time since the later of
-        the latest exploration and the batch entering its bucket. So exploration stays a small share of the
-        time overall and, since a probe on a few rows measures the same acceptance at any batch, a burst at a
-        new batch size (a load peak, a benchmark's short chunk) is not taxed by one."""
+        plain decoding on the whole batch instead -- at most the budget's share of the seconds served at this
+        batch bucket since the latest exploration. So exploration stays a small share of the time at every load
+        and, since a probe on a few rows measures the same acceptance at any batch, a burst at a batch size
+        rarely served (a load peak, a benchmark's short wave) is not taxed by one."""
         if self.explore_budget is None:
             return True
         if self._pairs(probe):
             extra = max(self.round_time(probe, min(batch, self.probe_batch)), self._explore_cost)
         else:
             extra = max(0.0, self.round_time(probe, batch) - self.round_time(self._current, batch))
-        since = self._rank_end - max(self._explore_end, self._bucket_since)
-        return extra <= self.explore_budget * since
+        return extra <= self.explore_budget * self._served.get(_bucket(batch), 0.0)
 
     def _hold(self, batch: int) -> bool:
         """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;
@@ -559,9 +572,14 @@ class Planner(Pricing):
             self._rank_end = time.perf_counter()
             self._rank_cost = self._rank_end - t0
             best, best_gp = ranked[0]
+            if self.margin and self._pairs(best):
+                plain_gp = self._score(self.plain, batch)
+                best_gp = self._score(best, batch)
+                if plain_gp >= best_gp:
+                    best, best_gp = self.plain, plain_gp
             if self._clock < self.warmup:
                 # nothing measured yet: run the configured plan unless even the priors say it loses
-                start = self.default_plan if self._goodput(self.default_plan, batch) >= self._goodput(
+                start = self.default_plan if self._score(self.default_plan, batch) >= self._score(
                     self.plain, batch) else best
                 self._current, self._streak = start, 0
                 self._last, self.last_reason = (batch, start), "warmup"
@@ -569,8 +587,6 @@ class Planner(Pricing):
             bucket = _bucket(batch)
             self._bucket_run = self._bucket_run + 1 if bucket == self._last_bucket else 1
             self._last_bucket = bucket
-            if self._bucket_run == 1:
-                self._bucket_since = self._rank_end
             if (self.explore_every and self._bucket_run >= 2 and bucket not in self._plain_at
                     and bucket not in self._plain_probed and self._pairs(self._current)):
                 # second round at a new batch size while speculating (the first one carries the prefills of
@@ -591,11 +607,11 @@ class Planner(Pricing):
                     if self._pairs(probe):  # a level's probe: what it costs beyond the held round is measured
                         self._explore_pending = self.round_time(self._current, batch)
                     else:
-                        self._explore_end = self._rank_end
+                        self._served.clear()
                     self._probe_round = True
                     return probe
             if best != self._current:
-                cur_gp = self._goodput(self._current, batch)
+                cur_gp = self._score(self._current, batch)
                 if best_gp > cur_gp * (1.0 + self.hysteresis):
                     self._streak += 1
                     # plain decoding predicted to beat the held plan by more than `decisive` (2x by default) is
