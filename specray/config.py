@@ -400,8 +400,8 @@ class PolicyConfig(_Strict):
     explore_budget: float | None = Field(
         0.05, gt=0, le=1, description="Largest share of the time exploration may cost: a probe waits until its "
         "extra seconds over a round of the held plan (predicted, or as the latest probe measured, catch-up "
-        "included) are at most this share of the time since the latest probe and since the batch reached its "
-        "size (power-of-two bucket). null: every explore_every rounds.")
+        "included) are at most this share of the seconds served at the batch's size (power-of-two bucket) since "
+        "the latest probe. null: every explore_every rounds.")
     rerank_every: int = Field(
         1, ge=1, description="Rank the candidate plans on at most one round in this many (at an unchanged batch "
         "size; a new batch size ranks at once); the others keep the held plan.")

@@ -132,15 +132,14 @@ class Coordinator:
     def _on_round(self, batch: int, plan_sizes: Mapping[Any, int], seconds: float) -> None:
         regime = self.planner.regime(batch) if self.planner is not None else None
         self.last_round = (time.monotonic(), batch, dict(plan_sizes))  # autoscaling: regime of the last round
+        names = {self.engine.plan_name(p): n for p, n in plan_sizes.items()}
         reason = None
         if self.planner is not None:  # the planner is asked only when some sequence takes its plan
             answers = self.planner.answers
             reason = self.planner.last_reason if answers != self._answers_seen else "request"
             self._answers_seen = answers
-        self.metrics.observe_round(batch, {self.engine.plan_name(p): n for p, n in plan_sizes.items()}, seconds,
-                                   regime=regime, reason=reason)
-        log.debug("round: batch %d, %s, %.3f s, planner: %s", batch,
-                  {self.engine.plan_name(p): n for p, n in plan_sizes.items()}, seconds, reason)
+        self.metrics.observe_round(batch, names, seconds, regime=regime, reason=reason)
+        log.debug("round: batch %d, %s, %.3f s, planner: %s", batch, names, seconds, reason)
 
     # ----- core request path ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
