@@ -116,6 +116,34 @@ def test_metrics_counters_equal_sum_of_usage(server, client):
     assert after - before == total
 
 
+def test_planner_rounds_by_reason_on_metrics(server, client):
+    """`specray_planner_rounds_total` / `_round_seconds_total`: rounds of a request that fixed its own speculation are
+    counted as `reason="request"` (the planner was not asked), the planner's own rounds under its reason."""
+    def rounds() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+            for smp in fam.samples:
+                if smp.name in ("specray_planner_rounds_total", "specray_planner_round_seconds_total"):
+                    k = f"{smp.name}:{smp.labels['reason']}"
+                    out[k] = out.get(k, 0.0) + smp.value
+        return out
+
+    before = rounds()
+    client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True, "speculation": {"method": "none"}})
+    mid = rounds()
+    client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = rounds()
+    grew = lambda a, b, key: b.get(key, 0.0) - a.get(key, 0.0)
+    assert grew(before, mid, "specray_planner_rounds_total:request") >= 1
+    assert grew(before, mid, "specray_planner_round_seconds_total:request") > 0
+    assert {k for k in mid if grew(before, mid, k)} <= {"specray_planner_rounds_total:request",
+                                                          "specray_planner_round_seconds_total:request"}
+    planned = {k.split(":")[1] for k in after if grew(mid, after, k) and k.startswith("specray_planner_rounds")}
+    assert planned and planned <= {"ranked", "hold", "warmup", "explore", "plain_probe"}
+
+
 def _counter(text: str, name: str, level: str) -> float:
     """The samples of vLLM's `vllm:<name>` for `level`, summed over its drafter -> verifier pairs."""
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
