@@ -584,9 +584,15 @@ class Planner(Pricing):
                 self._current, self._streak = start, 0
                 self._last, self.last_reason = (batch, start), "warmup"
                 return start
-            bucket = _bucket(batch)
+            bucket, grew = _bucket(batch), 0 < self._last_bucket < _bucket(batch)
             self._bucket_run = self._bucket_run + 1 if bucket == self._last_bucket else 1
             self._last_bucket = bucket
+            if grew and best == self.plain != self._current and bucket in self._plain_at:
+                # the batch grew into a larger bucket where plain decoding is measured and predicted to win: patience
+                # guards against noise at one batch size, but the held plan was chosen for a smaller one, and holding
+                # it here for `patience` rounds is what makes a drafter catch up on the rows that grew the batch (a
+                # whole prefill of each, which no step measurement prices) for rounds that lose anyway
+                self._current, self._streak = best, 0
             if (self.explore_every and self._bucket_run >= 2 and bucket not in self._plain_at
                     and bucket not in self._plain_probed and self._pairs(self._current)):
                 # second round at a new batch size while speculating (the first one carries the prefills of

@@ -801,3 +801,21 @@ def test_a_margin_keeps_plain_decoding_where_speculation_is_predicted_to_win_by_
     assert [p.plan(4) for _ in range(3)][-1] == p.default_plan
     with pytest.raises(ValueError, match="margin"):
         Planner(two_levels(), margin=-0.1)
+
+
+def test_growing_into_a_bucket_where_plain_is_measured_to_win_drops_the_held_plan_at_once():
+    """The batch grows from 1 to 4 (a wave of requests joins) while a speculative plan chosen at batch 1 is held.
+    Plain decoding is measured at batch 4 and predicted ~1.4x better there (not `decisive`): the planner takes
+    it on the first round at 4 instead of holding the drafter's plan for `patience` rounds -- rounds that would make
+    the drafter catch up on every new row's prompt only to lose. Shrinking back keeps the usual patience."""
+    p = Planner(two_levels(), k_choices=[4], explore_every=0, patience=3, warmup=0, hysteresis=0.05)
+    for _ in range(20):
+        for b, plain_s, spec_s in ((1, 0.1, 0.12), (4, 0.12, 0.5)):
+            p.on_call(1, "verify", b, 1, plain_s)
+            p.on_call(0, "propose", b, 4, 0.004)
+            p.on_call(1, "verify", b, 5, spec_s)
+            p.on_verify(1, 0, [4] * b, [2] * b)
+    assert [p.plan(1) for _ in range(3)][-1] == p.default_plan
+    assert 1.1 < p.goodput(p.plain, 4) / p.goodput(p.default_plan, 4) < 2
+    assert p.plan(4) == p.plain
+    assert [p.plan(1) for _ in range(3)] == [p.plain, p.plain, p.default_plan]  # back at 1: patience as before
