@@ -140,9 +140,9 @@ class Planner(Pricing):
         if explore_budget is not None and not 0 < explore_budget <= 1:
             raise ValueError("explore_budget must be in (0, 1]")
         #: the largest share of the serving time exploration may cost: a probe whose extra seconds over the held
-        #: plan's round (predicted, or as the latest probe measured, whichever is more) exceed this share of the
-        #: seconds served at the batch's bucket since the latest probe waits (None: `explore_every` alone). Needs
-        #: `on_round` (the scheduler calls it).
+        #: plan's round (predicted, or as the latest probe of its levels measured, whichever is more) exceed this
+        #: share of the seconds served at the batch's bucket since the latest probe waits (None: `explore_every`
+        #: alone). Needs `on_round` (the scheduler calls it).
         self.explore_budget = explore_budget
         if margin < 0:
             raise ValueError("margin must be >= 0")
@@ -151,8 +151,10 @@ class Planner(Pricing):
         #: break-even (a filling batch) the gain is smaller than that estimate's error
         self.margin = float(margin)
         self._served: dict[int, float] = {}  # batch bucket -> seconds of rounds there since the latest exploration
-        self._explore_cost = 0.0  # seconds the latest exploration round took beyond the held plan's predicted round
-        self._explore_pending: float | None = None  # held plan's predicted round time while a level's probe runs
+        #: (verifier, drafter) pair -> seconds its latest probe round took beyond the held plan's predicted round
+        self._explore_cost: dict[tuple[int, int], float] = {}
+        #: while a level's probe round runs: the held plan's predicted round time and the pairs probed
+        self._explore_pending: tuple[float, list[tuple[int, int]]] | None = None
         self._unranked = 0  # rounds since the last ranking that kept the held plan
         self._rank_cost = 0.0  # seconds the latest ranking took
         self._rank_end = 0.0  # perf_counter() when it ended
@@ -305,7 +307,9 @@ class Planner(Pricing):
                 bucket = _bucket(batch)
                 self._served[bucket] = self._served.get(bucket, 0.0) + seconds
                 return
-            self._explore_cost = max(0.0, seconds - self._explore_pending)
+            held, pairs = self._explore_pending
+            for pair in pairs:
+                self._explore_cost[pair] = max(0.0, seconds - held)
             self._explore_pending = None
             self._served.clear()
 
@@ -535,7 +539,8 @@ class Planner(Pricing):
         if self.explore_budget is None:
             return True
         if self._pairs(probe):
-            extra = max(self.round_time(probe, min(batch, self.probe_batch)), self._explore_cost)
+            extra = max(self.round_time(probe, min(batch, self.probe_batch)),
+                        *(self._explore_cost.get(pair, 0.0) for pair in self._pairs(probe)))
         else:
             extra = max(0.0, self.round_time(probe, batch) - self.round_time(self._current, batch))
         return extra <= self.explore_budget * self._served.get(_bucket(batch), 0.0)
@@ -611,7 +616,7 @@ class Planner(Pricing):
                     self._last = (batch, self._current)  # regime() reports the held plan, not the probe
                     self.last_reason = "explore"
                     if self._pairs(probe):  # a level's probe: what it costs beyond the held round is measured
-                        self._explore_pending = self.round_time(self._current, batch)
+                        self._explore_pending = (self.round_time(self._current, batch), self._pairs(probe))
                     else:
                         self._served.clear()
                     self._probe_round = True

@@ -698,9 +698,9 @@ class _Clock:
         return cls.now
 
 
-def _serve(p: Planner, sim: Sim, batch: int, rounds: int, catch_up: float) -> tuple[float, float]:
+def _serve(p: Planner, sim: Sim, batch: int, rounds: int, catch_up: float, drafter: int = 0) -> tuple[float, float]:
     """`rounds` served rounds at `batch` on the simulated clock, the way the scheduler runs them: the groups of
-    `plan_groups` one after the other, a group of a plan with the model drafter (level 0) that the held plan does
+    `plan_groups` one after the other, a group of a plan with the model drafter (`drafter`) that the held plan does
     not use paying `catch_up` seconds first (the drafter reads the probed rows' whole text: an untimed
     prefill no step measurement shows), then `on_round` with the round's wall time. Returns (seconds of
     all rounds, seconds of the rounds that probed a level)."""
@@ -710,7 +710,7 @@ def _serve(p: Planner, sim: Sim, batch: int, rounds: int, catch_up: float) -> tu
         held = p.current
         dt = 0.0
         for plan, n in groups:
-            if 0 in plan.levels and 0 not in held.levels:
+            if drafter in plan.levels and drafter not in held.levels:
                 dt += catch_up
             dt += sim.round(plan, n)[1]
         _Clock.now += dt
@@ -819,3 +819,20 @@ def test_growing_into_a_bucket_where_plain_is_measured_to_win_drops_the_held_pla
     assert 1.1 < p.goodput(p.plain, 4) / p.goodput(p.default_plan, 4) < 2
     assert p.plan(4) == p.plain
     assert [p.plan(1) for _ in range(3)] == [p.plain, p.plain, p.default_plan]  # back at 1: patience as before
+
+
+def test_a_cheap_probe_does_not_erase_what_a_drafter_probe_costs():
+    """Each level's probe is priced at what its own latest probe round took beyond the held plan: a cheap n-gram
+    probe (1.9 s extra) after a mid-model probe that had to catch up (60 s extra, on the planner's prior step costs)
+    leaves the next mid probe priced at 60 s -- it waits for 1200 s served at the bucket with a 5% budget -- while the
+    n-gram's may run after 50 s."""
+    p = Planner(three_levels(), k_choices=[4], explore_every=10, warmup=0, explore_budget=0.05)
+    mid, ngram = Plan((1, 2), (4,)), Plan((0, 2), (4,))
+    for probe, seconds in ((mid, 60.1), (ngram, 2.0)):  # two probe rounds at batch 8, held round predicted 0.1 s
+        p._explore_pending = (0.1, p._pairs(probe))
+        p.on_round(8, seconds)
+    p.on_round(8, 50.0)  # then 50 s of rounds at batch 8
+    assert p.round_time(ngram, 2) < 2.5 and p.round_time(mid, 2) < 2.5  # what the step fits alone predict
+    assert p._affordable(ngram, 8) and not p._affordable(mid, 8)
+    p.on_round(8, 1150.0)
+    assert p._affordable(mid, 8)
