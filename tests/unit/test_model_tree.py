@@ -412,3 +412,18 @@ def test_model_tree_rounds_feed_the_planners_tree_estimates_and_the_drafters_cur
     assert p._measured[(1, 0, 2)] == p._measured[(1, 0)]  # one round measures both
     assert any(q > 1 for _b, q in p.costs[0]._table)  # tree forwards, priced at what they fed
     assert any(c[:2] == (0, "propose") and c[3] == 4 for c in rec.calls)
+
+
+def test_the_planner_drives_model_tree_rounds_and_the_text_is_plain_decodings():
+    """The planner choosing per round between the level's chains and trees (its configured plan drafts trees):
+    greedy output is plain decoding's, whatever it picks."""
+    from specray.policy.planner import Planner
+
+    plain = generate(levels()[1:], PROMPTS, max_tokens=16, ignore_eos=True, plain=True)
+    lv = levels()
+    eng = CascadeEngine(lv)
+    p = Planner(lv, k_choices=(2, 4), warmup=1, patience=1, explore_every=4).attach(eng)
+    assert p.default_plan == Plan((0, 1), (4,), tree=2)
+    batch = generate(eng, PROMPTS, max_tokens=16, ignore_eos=True, plan=p)
+    assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
+    assert batch.stats["target"].tree_drafts > 0 and p.tree_acceptance[(1, 0, 2)].weight > 0
