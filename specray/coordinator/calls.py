@@ -87,7 +87,8 @@ class LevelCalls:
                          [s.sampling for s in rows], mode=mode, level=i, sync=syncs, width=width,
                          max_nodes=list(max_nodes))
         if _catch_up(syncs, [()] * len(rows)) <= UNTIMED_CATCH_UP:
-            self.feed.proposed(i, len(rows), max(depth, default=0), time.perf_counter() - t0)
+            self.feed.proposed_tree(i, len(rows), max(depth, default=0), width, max(max_nodes, default=0),
+                                    time.perf_counter() - t0)
         return prop
 
     def verify(

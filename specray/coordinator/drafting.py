@@ -21,8 +21,9 @@ Token trees: a suffix level with `Level.tree_width` > 1 (or the plan's `Plan.tre
 level verifies in one forward (`LevelCalls.verify_tree`): the target, or a middle model in each inner round,
 whose emitted tokens (the accepted path plus one token) extend its chain draft for the level above. A model level
 with `Level.tree` (and `WorkerCaps.tree_propose`) drafts trees as the first level of the plan directly below a
-target with `tree_verify`. The request's `RoundState.tree` overrides the shape of the level drafting for the
-target. Elsewhere chains, logged once per pair; a hybrid plan drafts chains.
+target with `tree_verify`, unless the plan says chains (`Plan.tree` = 1: the planner prices both and picks). The
+request's `RoundState.tree` overrides the shape of the level drafting for the target. Elsewhere chains, logged once
+per pair; a hybrid plan drafts chains.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -195,11 +196,12 @@ class Drafter:
         """The token tree level r.chain[ci] drafts this round, or None for chains.
 
         Its shape: the request's (`RoundState.tree`) for the level drafting for the target, else a suffix level's
-        plan width (`Plan.tree`) or `Level.tree_width`, a model level's `Level.tree`. Trees need width > 1, no
-        hybrid plan, a verifier that scores trees (`WorkerCaps.tree_verify`), and a suffix level (below the target
-        or a middle model verifying them in its inner rounds), or a model level that is the plan's first level
-        directly below the target whose worker drafts trees (`WorkerCaps.tree_propose`); otherwise chains,
-        logged once per pair (a vLLM verifier, a middle model, an n-gram level)."""
+        plan width (`Plan.tree`) or `Level.tree_width`, a model level's `Level.tree` at the plan's width (`Plan.tree`:
+        0 keeps the level's shape, 1 drafts chains, another width keeps its depth, at most width x depth nodes).
+        Trees need width > 1, no hybrid plan, a verifier that scores trees (`WorkerCaps.tree_verify`), and a suffix
+        level (below the target or a middle model verifying them in its inner rounds), or a model level that is the
+        plan's first level directly below the target whose worker drafts trees (`WorkerCaps.tree_propose`);
+        otherwise chains, logged once per pair (a vLLM verifier, a middle model, an n-gram level)."""
         i = r.chain[ci]
         lvl = self.levels[i]
         upper = r.chain[ci + 1]
@@ -207,6 +209,10 @@ class Drafter:
             shape: TreeShape | None = r.tree
         elif lvl.suffix is not None:
             shape = TreeShape(r.plan.tree or lvl.tree_width)
+        elif r.plan.tree == 1:  # the plan (the planner's choice) drafts chains with this level
+            shape = None
+        elif r.plan.tree > 1 and (lvl.tree is None or lvl.tree.width != r.plan.tree):
+            shape = replace(lvl.tree or TreeShape(), width=r.plan.tree, max_nodes=None)
         else:
             shape = lvl.tree
         if shape is None or not shape.branches:

@@ -11,7 +11,9 @@ draft from `lower` (a hybrid round: once per drafter, `PlannerFeed._hybrid`); an
 Token trees: an observer with `on_tree(level, lower, width, walks)` (`TreeObserver`, the planner) gets a tree
 verification as one `TreeWalk` per row instead of `on_verify` (the tree's own acceptance per depth, and the
 counterfactual of the chain along its first children); any other observer sees each tree as a chain as deep as
-the tree (its longest path) through `on_verify`.
+the tree (its longest path) through `on_verify`. A model level's timed tree proposal reaches an observer with
+`on_propose_tree(level, batch, depth, width, nodes, seconds)` (`TreeProposeObserver`, the planner: each depth feeds
+the frontier's paths, `specray.spec.params.tree_feeds`), any other as a propose of `depth` steps.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
     from specray.spec.tree import DraftTree
 
-__all__ = ["NativeObserver", "Observer", "PlannerFeed", "TreeObserver", "TreeWalk", "Verified", "fed_lengths",
-           "tree_walk"]
+__all__ = ["NativeObserver", "Observer", "PlannerFeed", "TreeObserver", "TreeProposeObserver", "TreeWalk", "Verified",
+           "fed_lengths", "tree_walk"]
 
 
 class Observer(Protocol):
@@ -39,6 +41,11 @@ class Observer(Protocol):
 @runtime_checkable
 class NativeObserver(Protocol):
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class TreeProposeObserver(Protocol):
+    def on_propose_tree(self, level: int, batch: int, depth: int, width: int, nodes: int, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,8 @@ class TreeWalk:
     accepted: int
     spine: int
     spine_accepted: int
+    #: the tree's depth (its longest path): a model drafter's trees are as deep as asked, whatever their nodes
+    depth: int = 0
 
 
 def tree_walk(tree: DraftTree | None, emitted: Sequence[int], accepted: int) -> TreeWalk:
@@ -77,7 +86,7 @@ def tree_walk(tree: DraftTree | None, emitted: Sequence[int], accepted: int) -> 
     same = 0
     while same < min(len(path), len(spine)) and path[same] == spine[same]:
         same += 1
-    return TreeWalk(tree.num_nodes, reach, len(path), len(spine), same)
+    return TreeWalk(tree.num_nodes, reach, len(path), len(spine), same, tree.max_depth)
 
 
 @runtime_checkable
@@ -128,6 +137,15 @@ class PlannerFeed:
     def proposed(self, level: int, batch: int, steps: int, seconds: float) -> None:
         for ob in self.observers:
             ob.on_call(level, "propose", batch, steps, seconds)
+
+    def proposed_tree(self, level: int, batch: int, depth: int, width: int, nodes: int, seconds: float) -> None:
+        """A timed tree proposal of a model level: `depth` forwards (the deepest row's), `width` children per node,
+        at most `nodes` nodes per row."""
+        for ob in self.observers:
+            if isinstance(ob, TreeProposeObserver):
+                ob.on_propose_tree(level, batch, depth, width, nodes, seconds)
+            else:
+                ob.on_call(level, "propose", batch, depth, seconds)
 
     def verified(self, ev: Verified) -> None:
         if not self.observers:

@@ -94,9 +94,10 @@ class Plan:
     does not verify the lookup's drafts (no inner rounds). That the first level is a lookup level and the second
     a model is checked against the levels where the plan meets them (`check_plan`).
 
-    tree: children per node of the token trees a suffix first level drafts (`Level.tree_width`) where the level
-    above it verifies trees: 0 takes the level's own `tree_width`, 1 drafts chains, w > 1 trees of width w (the
-    planner prices both and picks). K of that level is then the tree's node budget.
+    tree: children per node of the token trees the first level drafts where the level above it verifies trees: a
+    suffix level (`Level.tree_width`; K of that level is then the tree's node budget) or a model level
+    (`Level.tree`, directly below the target; K is then the tree's depth unless its shape sets one). 0 takes the
+    level's own width, 1 drafts chains, w > 1 trees of width w (the planner prices both and picks).
     """
 
     levels: tuple[int, ...]
@@ -110,7 +111,7 @@ class Plan:
         if any(x < 0 for x in self.k) or list(self.levels) != sorted(set(self.levels)):
             raise ValueError(f"invalid plan {self}")
         if self.tree < 0:
-            raise ValueError(f"a plan's tree width must be >= 0 (0: the suffix level's own tree_width): {self}")
+            raise ValueError(f"a plan's tree width must be >= 0 (0: the first level's own width): {self}")
         if self.hybrid and (len(self.levels) != 3 or min(self.k) < 1):
             raise ValueError(f"a hybrid plan is (lookup, model, target) with K >= 1 for both drafters: {self}")
 
@@ -135,8 +136,8 @@ def check_plan(plan: Plan, levels: Sequence[Level]) -> None:
     (n-gram or suffix) and its second a model."""
     if plan.levels[-1] != len(levels) - 1 or max(plan.levels) >= len(levels):
         raise ValueError("a plan must end with the target level")
-    if plan.tree > 1 and (len(plan.levels) < 2 or levels[plan.levels[0]].suffix is None):
-        raise ValueError(f"plan tree={plan.tree}: only a suffix first level drafts token trees")
+    if plan.tree > 1 and (len(plan.levels) < 2 or levels[plan.levels[0]].ngram is not None):
+        raise ValueError(f"plan tree={plan.tree}: only a suffix or model first level drafts token trees")
     if plan.hybrid:
         first, second = (levels[i] for i in plan.levels[:2])
         if not first.is_ngram:

@@ -8,7 +8,7 @@ verification time per K, and E[L] per (verifier, drafter) pair and K. `ChainTabl
 levels and evaluates each group's recursion (`Pricing._produce`) on arrays of K, with the same operations in the
 same order as the scalar path, so every goodput is bit-for-bit the one `Pricing.goodput` gives (the planner's unit
 tests and `tests/unit/test_ranking_table.py` hold it to that). Plans it does not cover (plain decoding, hybrid,
-overlapped, a K of 0, a pair priced for token trees) are left to the scalar path.
+overlapped, a K of 0, a plan priced from token-tree measurements) are left to the scalar path.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class ChainTable:
         else:
             verify = np.array([0.0] + [pricing._verify_time(batch, k) for k in range(1, kmax + 1)])
         for levels, first, idx, kk in self.groups:
-            if pricing._overlapped(first) or (levels[0] == 0 and pricing.tree_acceptance):
-                continue  # overlapped; or a suffix level 0 that also drafts trees (priced at the tokens fed)
+            if pricing._overlapped(first) or pricing._tree_priced(first):
+                continue  # overlapped; or priced from token-tree measurements (the tokens fed, a tree's acceptance)
             # Pricing._produce, level by level: the first drafter's K_0 steps (an n-gram: its flat cost), then each
             # middle level's ceil(K_i / E_i) inner rounds of (its drafter's tokens + its own check)
             low = levels[0]

@@ -11,6 +11,11 @@ decoding is always a candidate, so speculation is only chosen where it is predic
 Hybrid plans (`Plan.hybrid`: per row the lookup level's match, else a model drafter's draft; candidates when
 level 0 is a lookup level under a model drafter) are priced with the match rate learned from every round in
 which the lookup drafted (`on_verify`); their regime is 'cascade' (two drafters).
+
+Token trees: a first level that drafts trees (a suffix level with `tree_width`, a model level with `Level.tree`)
+for a level that verifies them makes each of its plans a candidate twice, as chains (`Plan.tree` = 1) and as trees
+of its configured width, priced from the trees' own acceptance and size (`on_tree`) and, for a model level, the
+timed tree proposals (`on_propose_tree`).
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from specray.coordinator.state import Plan, plan_name
 from specray.policy.chains import ChainTable
 from specray.policy.cost import Acceptance, StepCost
 from specray.policy.pricing import Pricing, _effective
-from specray.spec.params import VerifyMethod
+from specray.spec.params import VerifyMethod, tree_feeds
 
 if TYPE_CHECKING:
     from specray.coordinator.cascade import CascadeEngine
     from specray.coordinator.feed import TreeWalk
     from specray.coordinator.state import Level
+    from specray.spec.params import TreeShape
 
 __all__ = ["Planner", "regime_of"]
 
@@ -197,16 +203,32 @@ class Planner(Pricing):
         #: some child of the walk's node win) and the decayed mean of the nodes a call fed (`on_tree`), and every
         #: plan of that pair is a candidate twice, as chains (`Plan.tree` = 1) and as trees (`Plan.tree` = w); the
         #: chains' tokens fed are measured the same way (key width 1), so both are priced at what they feed
+        #: a model level with a tree shape (`Level.tree`, its worker with `tree_propose`) drafts trees as a plan's first
+        #: level directly below a target that verifies them: (target, level, w) gets the same two measurements, its
+        #: plans the same two candidates, and its proposal is priced per depth (pricing.py, "Token trees")
         first = levels[0]
         self.tree_width = first.tree_width if first.suffix is not None else 1
+        k_acc = max(32, max(self.k_choices) + 1)
         self.tree_acceptance: dict[tuple[int, int, int], Acceptance] = {
-            (up, 0, self.tree_width): Acceptance(prior_alpha_ngram, decay=decay, k_max=max(32, max(self.k_choices) + 1))
+            (up, 0, self.tree_width): Acceptance(prior_alpha_ngram, decay=decay, k_max=k_acc)
             for up in range(1, self.top + 1)
             if self.tree_width > 1 and levels[up].caps is not None and levels[up].caps.tree_verify}
+        self._suffix_trees = bool(self.tree_acceptance)
+        top_caps = levels[-1].caps
+        self.tree_shapes: dict[int, TreeShape] = {
+            i: lvl.tree for i, lvl in enumerate(levels[:-1])
+            if lvl.tree is not None and lvl.tree.branches and lvl.caps is not None and lvl.caps.tree_propose
+            and top_caps is not None and top_caps.tree_verify}
+        for i, shape in self.tree_shapes.items():
+            self.tree_acceptance[(self.top, i, shape.width)] = Acceptance(prior_alpha_model, decay=decay, k_max=k_acc)
+        #: the configured tree width of each level that drafts trees
+        self.tree_widths: dict[int, int] = {**({0: self.tree_width} if self._suffix_trees else {}),
+                                            **{i: shape.width for i, shape in self.tree_shapes.items()}}
         self.tree_nodes: dict[tuple[int, int, int], float] = {}
         self.decay_nodes = decay
         if self._width(self.default_plan, 0) > 1:  # the configured plan drafts trees: name its width
-            self.default_plan = Plan(self.default_plan.levels, self.default_plan.k, tree=self.tree_width)
+            self.default_plan = Plan(self.default_plan.levels, self.default_plan.k,
+                                     tree=self.tree_widths[self.default_plan.levels[0]])
         self.native_cost: StepCost | None = None
         if self.native_k:
             self.acceptance[(self.top, self.top)] = Acceptance(prior_alpha_ngram, decay=decay,
@@ -259,12 +281,12 @@ class Planner(Pricing):
         lower = list(range(self.top))
         for r in range(1, len(lower) + 1):
             for subset in itertools.combinations(lower, r):
-                trees = subset[0] == 0 and (subset[1] if r > 1 else self.top, 0, self.tree_width) in \
-                    self.tree_acceptance
+                width = self.tree_widths.get(subset[0], 1)
+                trees = width > 1 and (subset[1] if r > 1 else self.top, subset[0], width) in self.tree_acceptance
                 for ks in itertools.product(self.k_choices, repeat=r):
-                    if trees:  # the suffix level's chains and its trees: widths {1, configured}
+                    if trees:  # the first level's chains and its trees: widths {1, configured}
                         plans += [Plan((*subset, self.top), ks, tree=1),
-                                  Plan((*subset, self.top), ks, tree=self.tree_width)]
+                                  Plan((*subset, self.top), ks, tree=width)]
                     else:
                         plans.append(Plan((*subset, self.top), ks))
         if self.is_ngram[0]:  # hybrid: the lookup's match per row, else a model drafter's draft
@@ -347,7 +369,7 @@ class Planner(Pricing):
             # include them (else it is overrated at batch 1 against plain decoding and hybrid plans)
             proposed = (asked or max(max(draft_lens, default=0), 1)) if self.is_ngram[lower] else None
             acc.observe(draft_lens, accepted, gap=gap, proposed=proposed)
-            if asked is None and (level, lower, self.tree_width) in self.tree_acceptance and draft_lens:
+            if asked is None and self._chain_fed(level, lower) and draft_lens:
                 # a chain round of a pair that also drafts trees: its tokens fed, priced like a tree's nodes
                 self._fed_nodes((level, lower, 1), max(max(draft_lens), 1))
             if self.is_ngram[lower] and draft_lens:
@@ -367,12 +389,27 @@ class Planner(Pricing):
         f = self.decay_nodes
         self.tree_nodes[key] = float(nodes) if old is None else f * old + (1.0 - f) * nodes
 
+    def on_propose_tree(self, level: int, batch: int, depth: int, width: int, nodes: int, seconds: float) -> None:
+        """A model level's timed tree proposal (`depth` forwards, `width` children per node, at most `nodes` nodes
+        per row): its forwards, each feeding the paths to the nodes it expands (`tree_feeds`), are measurements of
+        the level's step cost at those sizes -- as `depth` forwards of their mean size, exact for the linear cost
+        model -- so a tree's proposal is priced from what tree proposals took, and its chain steps (one token each)
+        are not priced at a tree's cost."""
+        with self._lock:
+            cost = self.costs.get(level)
+            feeds = tree_feeds(depth, width, nodes)
+            if cost is None or not feeds or batch <= 0:
+                return
+            self._memo.clear()
+            cost.observe(batch, max(1, round(sum(feeds) / len(feeds))), seconds / len(feeds), weight=float(len(feeds)))
+
     def on_tree(self, level: int, lower: int, width: int, walks: Sequence[TreeWalk]) -> None:
         """A tree verification of `lower`'s trees (drafted `width` children per node) by `level`, one walk per
         row: the tree's acceptance per depth (a depth is a trial where the walk's node has children, a success
-        where one of them is accepted; a walk that ends at a leaf before the node budget counts a failure after
-        it, since the round ends there too) and the nodes fed; the chain along the first children feeds the
-        pair's chain acceptance (`on_verify`), so running trees keeps the chain's price measured."""
+        where one of them is accepted; a walk that ends at a leaf before the node budget -- a model level's tree:
+        before the tree's depth -- counts a failure after it, since the round ends there too) and the nodes fed;
+        the chain along the first children feeds the pair's chain acceptance (`on_verify`), so running trees keeps
+        the chain's price measured."""
         with self._lock:
             key = (level, lower, width)
             acc = self.tree_acceptance.get(key)
@@ -380,7 +417,8 @@ class Planner(Pricing):
                 last = self._measured.get(key)
                 gap = 1.0 if last is None else float(self._clock - last)
                 budget = max(max(w.nodes for w in walks), 1)
-                acc.observe([w.reach for w in walks], [w.accepted for w in walks], gap=gap, proposed=budget)
+                bound = budget if self.is_ngram[lower] else max(max(w.depth for w in walks), 1)
+                acc.observe([w.reach for w in walks], [w.accepted for w in walks], gap=gap, proposed=bound)
                 self._fed_nodes(key, budget)
                 self._measured[key] = self._clock
             # a spine ends where the tree's node budget went to siblings, not where a chain would end: a spine
@@ -469,7 +507,7 @@ class Planner(Pricing):
         tree = 0
         for j, part in enumerate(parts):
             name, _, k = part.partition(":")
-            if j == 0 and "/w" in k:  # 'suffix:8/w3>target': the suffix level's tree width (`Plan.tree`)
+            if j == 0 and "/w" in k:  # 'suffix:8/w3>target': the first level's tree width (`Plan.tree`)
                 k, _, w = k.partition("/w")
                 tree = int(w)
             if name not in self.names:
@@ -497,7 +535,7 @@ class Planner(Pricing):
         items: list[tuple[int, ...]] = list(self._pairs(plan))
         width = self._width(plan, 0)
         if width > 1:
-            items.append((plan.levels[1], 0, width))
+            items.append((plan.levels[1], plan.levels[0], width))
         return items
 
     def _exploration(self, ranked: list[tuple[Plan, float]], batch: int) -> Plan | None:

@@ -31,14 +31,21 @@ P_lookup + (1 - m^B) * K_d * T_d(ceil((1 - m) B), 1) + T_t(B, K + 1), K = K_l wh
 m^B), else max(K_l, K_d). Never overlapped (the engine runs hybrid plans immediate).
 
 Token trees (`Plan.tree`): a suffix level 0 drafting trees of width w (at most w children per node, K nodes) for a
-level v that verifies them (the target, or a middle model in its inner rounds) is priced like its chain with two
-measurements of its own per (v, suffix, w): E[L] = 1 + sum_{i<=K} prod_{j<=i} beta_j, beta_j the decayed chance
-that at depth j some child of the walk's node is accepted (given depths 1..j-1 were; a walk that ends at a leaf
-counts a failure after it), and v's forward costs T_v(B, n + 1), n the decayed mean of the largest tree a call
-fed (K until measured) instead of K + 1; the chain of such a pair is priced at the decayed mean of its longest
-draft per call the same way (a suffix level often drafts fewer than K). A tree round also measures the chain
-along the first children (what a chain verification accepts of it), so the chain of the same level stays priced
-while trees run; the planner ranks both (widths {1, configured}) and picks by goodput.
+level v that verifies them (the target, or a middle model in its inner rounds), or a model level with a tree shape
+(`Level.tree`: width w, depth D = the shape's or K, at most N nodes) drafting first, directly for a target that
+verifies trees, is priced like its chain with two measurements of its own per (v, drafter, w): E[L] = 1 +
+sum_{i<=D} prod_{j<=i} beta_j (D = K for a suffix tree), beta_j the decayed chance that at depth j some child of the
+walk's node is accepted (given depths 1..j-1 were; a walk that ends at a leaf before the node budget, or for a model
+tree before its depth, counts a failure after it), and v's forward costs T_v(B, n + 1), n the decayed mean of the
+largest tree a call fed (the node budget until measured) instead of K + 1. A suffix level's chain of such a pair is
+priced at the decayed mean of its longest draft per call the same way (a suffix level often drafts fewer than K); a
+model level fills its K. A model tree's proposal is D forwards of the drafter, depth d feeding the nodes on the
+paths to the frontier it expands (`specray.spec.params.tree_feeds`: 1 at the root, then min(w d, N) per row):
+P_d(tree) = sum_d T_d(B, q_d), on the drafter's curve, which timed tree proposals feed at those sizes
+(`Planner.on_propose_tree`). A tree round also measures the chain along the first children (what a chain
+verification accepts of it), so the chain of the same level stays priced while trees run; the planner ranks both
+(widths {1, configured}) and picks by goodput. Tree rounds draft before the verification (never overlapped), and
+their plans are priced on the scalar path (`_tree_priced`), not by `specray.policy.chains`.
 
 Overlap (an engine drafting the next round while the target verifies, `specray.coordinator.lookahead`): a
 bounded look-ahead is priced as a hit/miss renewal chain (`Pricing._bounded`): a miss drafts one drafter step
@@ -57,9 +64,11 @@ import math
 from typing import TYPE_CHECKING
 
 from specray.coordinator.state import Plan
+from specray.spec.params import tree_feeds
 
 if TYPE_CHECKING:
     from specray.policy.cost import Acceptance, StepCost
+    from specray.spec.params import TreeShape
 
 __all__ = ["Pricing"]
 
@@ -94,6 +103,9 @@ class Pricing:
     ahead_chunk: int
     _rejection_top: bool
     tree_width: int
+    tree_widths: dict[int, int]
+    tree_shapes: dict[int, TreeShape]
+    _suffix_trees: bool
     tree_acceptance: dict[tuple[int, int, int], Acceptance]
     tree_nodes: dict[tuple[int, int, int], float]
     _memo: dict[tuple, float]
@@ -112,31 +124,75 @@ class Pricing:
         return t
 
     def _elen(self, level: int, lower: int, k: int, width: int = 1) -> float:
-        """E[L] of `level` verifying k drafted tokens from `lower` (width > 1: a tree of k nodes at most)."""
+        """E[L] of `level` verifying k drafted tokens from `lower` (width > 1: a tree of k nodes at most from a suffix
+        level, of `_tree_depth` levels from a model level)."""
         key = ("e", level, lower, k, width)
         e = self._memo.get(key)
         if e is None:
-            acc = self.tree_acceptance[(level, lower, width)] if width > 1 else self.acceptance[(level, lower)]
-            e = self._memo[key] = acc.expected_length(k)
+            if width > 1:
+                e = self.tree_acceptance[(level, lower, width)].expected_length(self._tree_depth(lower, k))
+            else:
+                e = self.acceptance[(level, lower)].expected_length(k)
+            self._memo[key] = e
         return e
 
     def _width(self, plan: Plan, i: int) -> int:
-        """Children per node of what plan.levels[i] drafts: > 1 only for a suffix level 0 drafting token trees for
-        a level that verifies them (`Plan.tree`, 0: the level's configured width)."""
-        if i != 0 or plan.hybrid or self.tree_width <= 1 or plan.levels[0] != 0 or len(plan.levels) < 2:
+        """Children per node of what plan.levels[i] drafts: > 1 only for a first level that drafts token trees (a
+        suffix level 0, or a model level with a tree shape) for the level above it, which verifies them
+        (`Plan.tree`, 0: the level's configured width)."""
+        if i != 0 or plan.hybrid or len(plan.levels) < 2:
             return 1
-        width = plan.tree or self.tree_width
-        return width if width > 1 and (plan.levels[1], 0, width) in self.tree_acceptance else 1
+        first = plan.levels[0]
+        configured = self.tree_widths.get(first, 1)
+        if configured <= 1:
+            return 1
+        width = plan.tree or configured
+        return width if width > 1 and (plan.levels[1], first, width) in self.tree_acceptance else 1
+
+    def _tree_depth(self, lower: int, k: int) -> int:
+        """Levels of a tree `lower` drafts in a plan giving it K = k: its shape's depth (else k) for a model level;
+        a suffix level's trees are bounded by their k nodes only."""
+        shape = self.tree_shapes.get(lower)
+        return k if shape is None else shape.depth_for(k)
+
+    def _tree_budget(self, lower: int, k: int, width: int) -> int:
+        """Node budget of a tree of width `width` that `lower` drafts with K = k (`Drafter.tree_shape`)."""
+        shape = self.tree_shapes.get(lower)
+        if shape is None:
+            return k
+        depth = shape.depth_for(k)
+        return shape.nodes_for(depth) if width == shape.width else width * depth
+
+    def _chain_fed(self, level: int, lower: int) -> bool:
+        """Whether `lower`'s chains for `level` are priced at the tokens they fed: a suffix level that also drafts
+        trees for it (its chains are often shorter than K)."""
+        return self.is_ngram[lower] and (level, lower, self.tree_width) in self.tree_acceptance
+
+    def _tree_priced(self, plan: Plan) -> bool:
+        """Whether a plan's price reads token-tree measurements (a suffix level 0 that drafts trees, anywhere in the
+        plan; a model level's trees): priced on the scalar path, not by `specray.policy.chains`."""
+        return (self._suffix_trees and plan.levels[0] == 0) or self._width(plan, 0) > 1
 
     def _fed(self, level: int, lower: int, k: int, width: int) -> int:
         """Tokens per row of `level`'s forward verifying a k-token draft of `lower`: k + 1 for a chain; for a tree
-        its nodes + 1, the nodes being the decayed mean of the largest tree per call (k until measured). A chain
-        of a pair that also drafts trees is priced the same way (what its chain rounds fed), so that the two
-        compare at what each feeds."""
-        if width <= 1 and (level, lower, self.tree_width) not in self.tree_acceptance:
+        its nodes + 1, the nodes being the decayed mean of the largest tree per call (the node budget until
+        measured). A suffix level's chain of a pair that also drafts trees is priced the same way (what its chain
+        rounds fed), so that the two compare at what each feeds."""
+        if width <= 1 and not self._chain_fed(level, lower):
             return k + 1
+        cap = self._tree_budget(lower, k, width) if width > 1 else k
         nodes = self.tree_nodes.get((level, lower, max(width, 1)))
-        return (k if nodes is None else max(1, min(k, round(nodes)))) + 1
+        return (cap if nodes is None else max(1, min(cap, round(nodes)))) + 1
+
+    def _propose_tree(self, level: int, batch: int, k: int, width: int) -> float:
+        """Seconds for model level `level` to draft a tree of width `width` with K = k: a forward per depth, each
+        feeding the paths to the nodes it expands (`tree_feeds`)."""
+        key = ("pt", level, batch, k, width)
+        t = self._memo.get(key)
+        if t is None:
+            feeds = tree_feeds(self._tree_depth(level, k), width, self._tree_budget(level, k, width))
+            t = self._memo[key] = sum(self.step_time(level, batch, q) for q in feeds)
+        return t
 
     def alphas(self, level: int, lower: int, k: int) -> list[float]:
         """Current per-position acceptance estimates of `lower`'s drafts by `level` (memoised like the rest: many
@@ -153,7 +209,10 @@ class Pricing:
             return 0.0
         lvl = plan.levels[i]
         if i == 0:
-            return self.ngram_cost if self.is_ngram[lvl] else want * self.step_time(lvl, batch, 1)
+            if self.is_ngram[lvl]:
+                return self.ngram_cost
+            width = self._width(plan, 0)
+            return self._propose_tree(lvl, batch, want, width) if width > 1 else want * self.step_time(lvl, batch, 1)
         k_low, low, width = plan.k[i - 1], plan.levels[i - 1], self._width(plan, i - 1)
         e = self._elen(lvl, low, k_low, width)
         inner = math.ceil(want / e - 1e-9)
@@ -212,7 +271,7 @@ class Pricing:
             hit = math.prod(self.alphas(self.top, plan.levels[-2], k + 1))
             return (1.0 - hit) * produce + max(verify, ahead) + self.overhead
         width, lower = self._width(plan, len(plan.levels) - 2), plan.levels[-2]
-        if width > 1 or (self.top, lower, self.tree_width) in self.tree_acceptance:  # priced at what it feeds
+        if width > 1 or self._chain_fed(self.top, lower):  # priced at what it feeds
             verify = self.step_time(self.top, batch, self._fed(self.top, lower, k, width))
         else:
             verify = self._verify_time(batch, k)
@@ -222,7 +281,8 @@ class Pricing:
         """Whether the engine drafts this plan's next round while the target verifies (lookahead.py)."""
         eff = _effective(plan)
         return (self.overlap and not self._rejection_top and len(eff) > 1 and not plan.hybrid
-                and any(not self.is_ngram[plan.levels[j]] for j in eff[:-1]))
+                and any(not self.is_ngram[plan.levels[j]] for j in eff[:-1])
+                and self._width(plan, len(plan.levels) - 2) <= 1)  # a target's tree round drafts first
 
     def _bounded(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(E[L], T) per round of an overlapped plan whose look-ahead stops once the target has verified.

@@ -152,3 +152,11 @@ class TreeShape:
     def nodes_for(self, depth: int) -> int:
         """Node budget of a tree of `depth` levels."""
         return self.max_nodes if self.max_nodes is not None else self.width * depth
+
+
+def tree_feeds(depth: int, width: int, nodes: int) -> list[int]:
+    """Tokens per row a model drafter feeds at each of a tree's `depth` levels (`Worker.propose_tree`): the
+    pending tokens at the root (about 1), then at depth d the nodes on the paths to the (at most `width`) parents
+    being expanded: up to width x d of them, never more than the tree's `nodes`. What the planner prices a tree's
+    proposal at, and how a timed proposal is read back."""
+    return [1] + [max(1, min(width * d, nodes)) for d in range(1, depth)] if depth > 0 else []

@@ -347,3 +347,83 @@ def test_the_request_tree_overrides_a_suffix_levels_width():
         eng.step(seqs, Plan((0, 1), (6,)), None, TreeShape(3, 9, 99))
     assert [s.output for s in seqs] == [r.token_ids for r in plain.results]
     assert spy.branched > 0 and all(t.num_nodes <= 6 for t in spy.trees if t is not None)
+
+
+# ------------------------------------------------------------------------------------- the planner's choice
+
+
+def test_the_plans_tree_width_decides_what_a_model_level_drafts():
+    """`Plan.tree` for a model level: 1 drafts chains (what the planner chose runs), 0 the level's own shape, a
+    wider width trees of that width at the shape's depth; the request's tree still overrides a chain plan. The text
+    is plain decoding's throughout; a tree width for an n-gram first level is refused."""
+    plain = generate(levels()[1:], PROMPTS, max_tokens=16, ignore_eos=True, plain=True)
+    for tree, branched in ((1, False), (0, True), (3, True)):
+        lv = levels()
+        spy = Spy(lv[1].worker)
+        batch = generate(lv, PROMPTS, max_tokens=16, ignore_eos=True, plan=Plan((0, 1), (4,), tree=tree))
+        assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
+        assert (spy.branched > 0) is branched and (spy.chains > 0) is not branched
+        assert (batch.stats["target"].tree_drafts > 0) is branched
+        if tree == 3:
+            assert all(t is None or t.num_nodes <= 12 and t.max_depth <= 4 for t in spy.trees)
+            assert max(len(t.children(n)) for t in spy.trees if t is not None for n in [ROOT, *range(t.num_nodes)]) == 3
+        else:
+            assert all(t is None or t.num_nodes <= 8 and t.max_depth <= 4 for t in spy.trees)
+    lv = levels()
+    spy = Spy(lv[1].worker)
+    eng = CascadeEngine(lv)
+    seqs = [eng.new_sequence(p, SamplingParams(), 12) for p in PROMPTS]
+    while any(not s.finished for s in seqs):
+        eng.step(seqs, Plan((0, 1), (4,), tree=1), None, TreeShape(3, 2, 5))
+    assert [s.output for s in seqs] == [r.token_ids[:12] for r in plain.results]
+    assert spy.branched > 0 and all(t.num_nodes <= 5 and t.max_depth <= 2 for t in spy.trees if t is not None)
+    from specray.coordinator.state import check_plan
+    from specray.spec.ngram import NgramConfig
+
+    with pytest.raises(ValueError, match="only a suffix or model first level"):
+        check_plan(Plan((0, 1), (4,), tree=2), [Level("ngram", ngram=NgramConfig(3, 1, 3)), levels()[1]])
+
+
+def test_model_tree_rounds_feed_the_planners_tree_estimates_and_the_drafters_curve():
+    """Real model-tree rounds under a planner: the tree acceptance and node count of (target, draft, 2), the
+    chain's acceptance from the first children (the same rounds), and the tree proposals timed at the tokens they
+    fed (`on_propose_tree`: the drafter's cost curve gets forwards wider than one token); an observer without
+    `on_propose_tree` sees them as proposals of `depth` steps."""
+    from specray.policy.planner import Planner
+
+    class Calls:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def on_call(self, level, kind, batch, tokens, seconds) -> None:
+            self.calls.append((level, kind, batch, tokens))
+
+        def on_verify(self, level, lower, draft_lens, accepted) -> None:
+            pass
+
+    lv = levels()
+    eng = CascadeEngine(lv)
+    p = Planner(lv, k_choices=(4,)).attach(eng)
+    rec = Calls()
+    eng.observers.append(rec)
+    generate(eng, PROMPTS, max_tokens=16, ignore_eos=True, plan=TREE)
+    assert p.tree_acceptance[(1, 0, 2)].weight > 0 and p.acceptance[(1, 0)].weight > 0
+    assert 1 <= p.tree_nodes[(1, 0, 2)] <= 8
+    assert p._measured[(1, 0, 2)] == p._measured[(1, 0)]  # one round measures both
+    assert any(q > 1 for _b, q in p.costs[0]._table)  # tree forwards, priced at what they fed
+    assert any(c[:2] == (0, "propose") and c[3] == 4 for c in rec.calls)
+
+
+def test_the_planner_drives_model_tree_rounds_and_the_text_is_plain_decodings():
+    """The planner choosing per round between the level's chains and trees (its configured plan drafts trees):
+    greedy output is plain decoding's, whatever it picks."""
+    from specray.policy.planner import Planner
+
+    plain = generate(levels()[1:], PROMPTS, max_tokens=16, ignore_eos=True, plain=True)
+    lv = levels()
+    eng = CascadeEngine(lv)
+    p = Planner(lv, k_choices=(2, 4), warmup=1, patience=1, explore_every=4).attach(eng)
+    assert p.default_plan == Plan((0, 1), (4,), tree=2)
+    batch = generate(eng, PROMPTS, max_tokens=16, ignore_eos=True, plan=p)
+    assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
+    assert batch.stats["target"].tree_drafts > 0 and p.tree_acceptance[(1, 0, 2)].weight > 0

@@ -8,12 +8,13 @@ from collections.abc import Callable
 import pytest
 
 from specray.coordinator.cascade import CascadeEngine, Level, Plan
+from specray.coordinator.feed import TreeWalk
 from specray.coordinator.generate import generate
 from specray.policy.cost import Acceptance, StepCost, linear_cost
 from specray.policy.planner import Planner
 from specray.spec.bound import expected_accepted_length_iid
 from specray.spec.ngram import NgramConfig
-from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.params import SamplingParams, TreeShape, VerifyMethod
 from specray.testing.fake import FakeWorker
 
 CostFn = Callable[[int, int], float]
@@ -836,3 +837,116 @@ def test_a_cheap_probe_does_not_erase_what_a_drafter_probe_costs():
     assert p._affordable(ngram, 8) and not p._affordable(mid, 8)
     p.on_round(8, 1150.0)
     assert p._affordable(mid, 8)
+
+
+# ----- a model level's token trees (`Level.tree`): priced per depth, against the same level's chains -----
+
+
+def model_tree_levels(shape: TreeShape | None = None) -> list[Level]:
+    shape = shape or TreeShape(3, 4, 12)
+    return [Level("draft", worker=_dummy("draft"), k=4, tree=shape), Level("target", worker=_dummy("target"))]
+
+
+def model_tree_planner(draft_per_token: float = 0.0005, target_per_token: float = 0.001) -> Planner:
+    p = Planner(model_tree_levels(), k_choices=(4,), decay=0.95, patience=2)
+    p.costs[0] = StepCost(prior=(0.005, draft_per_token, 0.0))  # the drafter: a fixed cost and a cost per token fed
+    p.costs[1] = StepCost(prior=(0.05, target_per_token, 0.0))
+    return p
+
+
+def feed_model_trees(p: Planner, walks, rounds: int = 30) -> None:
+    """Model tree rounds (each row's `TreeWalk`; the chain along the first children feeds the chain's acceptance)."""
+    for _ in range(rounds):
+        p.on_call(1, "verify", len(walks), max(w.nodes for w in walks) + 1, 0.08)
+        p.on_tree(1, 0, 3, walks)
+
+
+def test_model_tree_candidates_names_and_cascades():
+    """A model level with a tree shape directly below a tree-verifying target: its plans are candidates as chains
+    and as trees of the configured width (no more), the configured plan drafts trees, and 'draft:4/w3>target'
+    round-trips. A model level with a tree in the middle of a cascade gets tree candidates only where it drafts
+    directly for the target."""
+    p = model_tree_planner()
+    chain, tree = Plan((0, 1), (4,), tree=1), Plan((0, 1), (4,), tree=3)
+    assert set(p.candidates) == {p.plain, chain, tree}
+    assert p.default_plan == tree and p._width(Plan((0, 1), (4,)), 0) == 3  # tree=0: the level's own width
+    assert p.plan_name(tree) == "draft:4/w3>target" and p._parse("draft:4/w3>target", 1) == tree
+    assert p._parse(p.plan_name(chain), 1) == chain
+    assert p.tree_acceptance.keys() == {(1, 0, 3)}
+    assert Planner(model_tree_levels(TreeShape(1, 4))).tree_acceptance == {}  # width 1: chains only
+    lv = [Level("ngram", ngram=NgramConfig(3, 1, 3)),
+          Level("mid", worker=_dummy("mid"), k=4, tree=TreeShape(2)), Level("target", worker=_dummy("target"))]
+    q = Planner(lv, k_choices=(2, 4))
+    assert {c for c in q.candidates if c.tree} == {Plan((1, 2), (k,), tree=t) for k in (2, 4) for t in (1, 2)}
+    assert len(q.candidates) == len(Planner(three_levels(), k_choices=(2, 4)).candidates) + 2
+
+
+def test_model_tree_proposal_is_priced_per_depth_and_verification_at_its_nodes():
+    """P(tree) = sum over depths of T_d(B, tokens fed there) (1, then min(w d, N)); the target's forward feeds the
+    tree's nodes + 1 (the node budget until measured, then the measured largest tree); the chain is K steps of one
+    token and a K + 1 verification. Both are priced on the scalar path, identically in the ranking."""
+    p = model_tree_planner()
+    chain, tree = Plan((0, 1), (4,), tree=1), Plan((0, 1), (4,), tree=3)
+    b = 4
+    propose = sum(p.step_time(0, b, q) for q in (1, 3, 6, 9))
+    assert p.round_time(tree, b) == pytest.approx(propose + p.step_time(1, b, 13))
+    assert p.round_time(chain, b) == pytest.approx(4 * p.step_time(0, b, 1) + p.step_time(1, b, 5))
+    feed_model_trees(p, [TreeWalk(nodes=7, reach=2, accepted=1, spine=4, spine_accepted=1, depth=4)] * b, rounds=60)
+    assert p.round_time(tree, b) == pytest.approx(propose + p.step_time(1, b, 8), rel=0.02)
+    ranked = dict(p.explain(b))
+    assert ranked[tree] == p.goodput(tree, b) and ranked[chain] == p.goodput(chain, b)
+    shallow = Planner(model_tree_levels(TreeShape(2, 2)), k_choices=(4,))  # the shape's own depth, not K
+    assert shallow._elen(1, 0, 4, 2) == shallow.tree_acceptance[(1, 0, 2)].expected_length(2)
+    assert shallow._propose_tree(0, 1, 4, 2) == pytest.approx(shallow.step_time(0, 1, 1) + shallow.step_time(0, 1, 2))
+
+
+def test_a_model_tree_whose_siblings_win_is_priced_above_its_chain_and_chosen():
+    """Trees whose walk goes the whole depth through siblings while the first children's chain stops after one
+    token: the tree's E[L] and goodput beat the chain's (a cheap drafter, a flat target), and the planner runs it."""
+    p = model_tree_planner()
+    feed_model_trees(p, [TreeWalk(nodes=12, reach=4, accepted=4, spine=4, spine_accepted=1, depth=4)] * 4)
+    chain, tree = Plan((0, 1), (4,), tree=1), Plan((0, 1), (4,), tree=3)
+    assert p.expected_length(tree, 4) > p.expected_length(chain, 4) + 2.0
+    assert p.goodput(tree, 4) > p.goodput(chain, 4) > 0
+    p._current = chain
+    for _ in range(6):
+        p.plan(4)
+    assert p.current == tree
+
+
+def test_a_model_tree_whose_siblings_never_win_is_not_chosen():
+    """Trees whose accepted path is always the first children's (siblings never win): the same E[L] as the chain,
+    for more tokens fed at each depth and in the verification: the chain wins and runs."""
+    p = model_tree_planner(target_per_token=0.005)
+    feed_model_trees(p, [TreeWalk(nodes=12, reach=3, accepted=2, spine=4, spine_accepted=2, depth=4),
+                         TreeWalk(nodes=12, reach=4, accepted=4, spine=4, spine_accepted=4, depth=4)])
+    chain, tree = Plan((0, 1), (4,), tree=1), Plan((0, 1), (4,), tree=3)
+    assert p.expected_length(tree, 2) == pytest.approx(p.expected_length(chain, 2), rel=0.05)
+    assert p.round_time(tree, 2) > p.round_time(chain, 2)
+    assert p.goodput(tree, 2) < p.goodput(chain, 2)
+    p._current = tree
+    for _ in range(6):
+        p.plan(2)
+    assert p.current == chain
+
+
+def test_an_expensive_model_tree_proposal_is_measured_and_not_chosen():
+    """Siblings win, but the drafter's tree proposals are measured slow (wide forwards on a steep drafter): the
+    timed proposals feed the drafter's curve at the sizes they fed, the tree's price rises past its gain, and the
+    planner leaves trees for chains; the drafter's one-token steps stay priced as measured."""
+    p = model_tree_planner()
+    feed_model_trees(p, [TreeWalk(nodes=12, reach=4, accepted=4, spine=4, spine_accepted=1, depth=4)] * 4)
+    chain, tree = Plan((0, 1), (4,), tree=1), Plan((0, 1), (4,), tree=3)
+    assert p.goodput(tree, 4) > p.goodput(chain, 4)
+    p._current = tree
+    for _ in range(40):
+        p.on_call(0, "propose", 4, 4, 4 * 0.006)  # chain steps: 6 ms each
+        p.on_propose_tree(0, 4, 4, 3, 12, 0.006 + 3 * 0.2)  # a tree call: 4 forwards, the wide ones 200 ms
+        p.on_call(1, "verify", 4, 13, 0.08)
+        p.on_call(1, "verify", 4, 5, 0.07)
+    assert p.round_time(tree, 4) > p.round_time(chain, 4) + 0.3
+    assert p.step_time(0, 4, 1) < 0.05  # chain steps are not priced at a tree's forwards
+    assert p.goodput(tree, 4) < p.goodput(chain, 4)
+    for _ in range(6):
+        p.plan(4)
+    assert p.current == chain

@@ -255,3 +255,30 @@ def test_ranking_with_token_tree_candidates_matches_one_by_one():
         assert fast(batch) == ref(batch)
     _, covered = fast._chains.goodputs(fast, 2)
     assert not covered.any()  # every speculative candidate here is a suffix pair that drafts trees
+
+
+def test_ranking_with_model_tree_candidates_matches_one_by_one():
+    """A model level drafting token trees: its tree plans go to the scalar path, its chain plans stay in the table
+    (a model fills its K), and the ranking equals the one-by-one one through tree rounds, timed tree proposals and
+    chain rounds."""
+    from specray.coordinator.feed import TreeWalk
+    from tests.unit.test_planner import model_tree_levels
+
+    fast, ref = Planner(model_tree_levels(), k_max=6), OneByOne(model_tree_levels(), k_max=6)
+    rng = random.Random(5)
+    for _ in range(40):
+        batch = rng.choice([1, 2, 4])
+        walks = [TreeWalk(nodes=rng.randint(4, 12), reach=rng.randint(1, 4), accepted=rng.randint(0, 3), spine=4,
+                          spine_accepted=rng.randint(0, 3), depth=4) for _ in range(batch)]
+        accepted = [rng.randint(0, 4) for _ in range(batch)]
+        seconds = 0.01 * rng.uniform(0.9, 1.1)
+        for p in (fast, ref):
+            p.on_propose_tree(0, batch, 4, 3, 12, seconds)
+            p.on_call(0, "propose", batch, 4, 0.008)
+            p.on_call(1, "verify", batch, 13, 0.05)
+            p.on_tree(1, 0, 3, walks)
+            p.on_verify(1, 0, [4] * batch, accepted)
+        assert fast.explain(batch) == ref.explain(batch)
+        assert fast(batch) == ref(batch)
+    _, covered = fast._chains.goodputs(fast, 2)
+    assert covered.any() and all(covered[i] == (p.tree == 1) for i, p in enumerate(fast.candidates) if p.k)

@@ -184,13 +184,13 @@ def test_a_failed_middle_level_leaves_the_plans_tree_width_to_the_suffix_level()
 
 def test_tree_walk_reads_reach_and_the_first_childrens_chain():
     """`tree_walk`: the depths at which the accepted path's node had children (trials), and how much of the chain
-    along the first children a chain verification would have accepted."""
+    along the first children a chain verification would have accepted, and the tree's depth."""
     from specray.coordinator.feed import TreeWalk, tree_walk
     from specray.spec.tree import DraftTree
 
     t = DraftTree((7, 9, 8, 10, 11), (-1, -1, 0, 1, 2))  # spine 7 -> 8 -> 11; a sibling branch 9 -> 10
-    assert tree_walk(t, [9, 10, 3], 2) == TreeWalk(5, 2, 2, 3, 0)  # ended at a leaf: no trial after it
-    assert tree_walk(t, [7, 8, 3], 2) == TreeWalk(5, 3, 2, 3, 2)  # rejected below node 8: a third trial
-    assert tree_walk(t, [7, 8, 11, 3], 3) == TreeWalk(5, 3, 3, 3, 3)
-    assert tree_walk(t, [5], 0) == TreeWalk(5, 1, 0, 3, 0)
+    assert tree_walk(t, [9, 10, 3], 2) == TreeWalk(5, 2, 2, 3, 0, 3)  # ended at a leaf: no trial after it
+    assert tree_walk(t, [7, 8, 3], 2) == TreeWalk(5, 3, 2, 3, 2, 3)  # rejected below node 8: a third trial
+    assert tree_walk(t, [7, 8, 11, 3], 3) == TreeWalk(5, 3, 3, 3, 3, 3)
+    assert tree_walk(t, [5], 0) == TreeWalk(5, 1, 0, 3, 0, 3)
     assert tree_walk(None, [5], 0) == tree_walk(DraftTree((), ()), [5], 0) == TreeWalk(0, 0, 0, 0, 0)
