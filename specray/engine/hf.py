@@ -8,11 +8,14 @@ next to the logits (see `LogitsWorker`), so only token ids (and q when the draft
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specray.engine.base import LogitsWorker, SeqState, tree_window
 from specray.engine.kv_cache import SlotKVCache
@@ -31,6 +34,14 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return _DTYPES[dtype.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+_CUDA_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def attention_kernels(backends: Sequence[SDPBackend] | None) -> contextlib.AbstractContextManager:
+    """Restrict scaled-dot-product attention to `backends` for the forward (None: PyTorch's own choice)."""
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends))
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
@@ -84,6 +95,8 @@ class HFWorker(LogitsWorker):
 
     num_threads sets torch's intra-op threads for this process (process-wide: in-process levels share
     it; Ray actors each have their own). prefill_chunk bounds the tokens of one prompt forward.
+    `model` may also be a causal LM already built (random weights of a real shape, for step-time benchmarks on a
+    machine that cannot download any); `tokenizer` is then optional (token-id prompts only without one).
     """
 
     tree_verify = True
@@ -91,9 +104,10 @@ class HFWorker(LogitsWorker):
 
     def __init__(
         self,
-        model: str,
+        model: str | torch.nn.Module,
         *,
         name: str | None = None,
+        tokenizer: Any = None,
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         num_threads: int | None = None,
@@ -110,15 +124,20 @@ class HFWorker(LogitsWorker):
         super().__init__()
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.name = name or model
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         t0 = time.perf_counter()
-        path = resolve_model(model)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=self.dtype, attn_implementation=attn_implementation
-        ).to(self.device).eval()
-        self.tokenizer = load_tokenizer(path)
+        if isinstance(model, torch.nn.Module):
+            self.name = name or type(model).__name__
+            self.model = model.to(self.device, self.dtype).eval()
+            self.tokenizer = tokenizer
+        else:
+            self.name = name or model
+            path = resolve_model(model)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation=attn_implementation
+            ).to(self.device).eval()
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         cfg = self.model.config.get_text_config()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -137,6 +156,10 @@ class HFWorker(LogitsWorker):
             initial_slots=initial_slots, initial_capacity=256, max_capacity=self.max_context,
         )
         self.prefill_chunk = prefill_chunk
+        # On CUDA, PyTorch may pick cuDNN's attention for our masked forwards, which sets up a plan on the host
+        # for every new (batch, query, KV length) shape, i.e. on every decoding step; the flash and memory-efficient
+        # kernels need no such setup, so they are the ones allowed there.
+        self.sdpa_backends = _CUDA_SDPA if self.device.type == "cuda" else None
         self.forward_calls = 0
         self.forward_seconds = 0.0
         self.load_seconds = time.perf_counter() - t0
@@ -185,10 +208,11 @@ class HFWorker(LogitsWorker):
             pos, mask = self.cache.begin(slots, starts, q, eager=self.eager, positions=positions, window=window)
         t0 = time.perf_counter()
         try:
-            out = self.model(
-                input_ids=ids.to(self.device), position_ids=pos, attention_mask=mask,
-                past_key_values=self.cache, use_cache=True, logits_to_keep=want.to(self.device),
-            )
+            with attention_kernels(self.sdpa_backends):
+                out = self.model(
+                    input_ids=ids.to(self.device), position_ids=pos, attention_mask=mask,
+                    past_key_values=self.cache, use_cache=True, logits_to_keep=want.to(self.device),
+                )
         finally:
             self.cache.end()
         self.forward_calls += 1

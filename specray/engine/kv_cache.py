@@ -121,7 +121,8 @@ class SlotKVCache:
         idx = starts_t[:, None] + torch.arange(q)[None, :]  # [B, q]
         kv_len = int(idx.max()) + 1
         self.ensure_capacity(kv_len)
-        self._rows, self._idx, self._kv_len = rows_t, idx, kv_len
+        # on the device once per forward: a host-to-device copy waits for the device, and `update` runs per layer
+        self._rows, self._idx, self._kv_len = rows_t.to(self.device), idx.to(self.device), kv_len
         r0 = rows[0]
         self._contiguous = (r0, r0 + len(rows)) if rows == list(range(r0, r0 + len(rows))) else None
         keys = torch.arange(kv_len)
@@ -137,8 +138,8 @@ class SlotKVCache:
         if eager:
             fmask = torch.zeros(mask.shape, dtype=self.dtype)
             mask = fmask.masked_fill(~mask, torch.finfo(self.dtype).min)
-        pos = idx if positions is None else positions.to(torch.long)
-        return pos.to(self.device), mask.to(self.device)
+        pos = self._idx if positions is None else positions.to(self.device, torch.long)
+        return pos, mask.to(self.device)
 
     def end(self) -> None:
         self._rows = self._idx = None
@@ -163,15 +164,14 @@ class SlotKVCache:
         """key/value [B, H_kv, q, D] -> the rows' K and V [B, H_kv, kv_len, D] including the new tokens."""
         assert self._rows is not None and self._idx is not None, "begin() must precede the forward"
         kp, vp = self.k[layer_idx], self.v[layer_idx]
-        rows, pos = self._rows[:, None].to(self.device), self._idx.to(self.device)  # [B,1], [B,q]
+        rows, pos = self._rows[:, None], self._idx  # [B,1], [B,q], on the device
         kp[rows, :, pos] = key.transpose(1, 2).to(self.dtype)  # indexed view is [B, q, H, D]
         vp[rows, :, pos] = value.transpose(1, 2).to(self.dtype)
         if self._contiguous is not None:
             a, b = self._contiguous
             return kp[a:b, :, : self._kv_len], vp[a:b, :, : self._kv_len]
-        idx = self._rows.to(self.device)
         n = self._kv_len
-        return kp[:, :, :n].index_select(0, idx), vp[:, :, :n].index_select(0, idx)
+        return kp[:, :, :n].index_select(0, self._rows), vp[:, :, :n].index_select(0, self._rows)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len if self._rows is not None else 0

@@ -1,0 +1,301 @@
+"""The round on a real GPU: the hf backend's step times and the in-process cascade's overhead per round.
+
+    python benchmarks/bench_gpu.py --out benchmarks/results/gpu-calibration.json          # on a CUDA machine
+    python benchmarks/bench_gpu.py --sizes tiny --device cpu --out /tmp/gpu-smoke.json    # the same code, anywhere
+
+Nothing can be downloaded on the GPU machines these benchmarks run on, so the models are random-weight Llama
+models of the real shapes (Llama 3.2 1B and Llama 3.1 8B: layers, widths, heads, vocabulary) built in place in
+bf16. Their outputs are meaningless; their step times are not, and step times are what this measures:
+
+1. calibration: every forward of every run below is timed with the device synchronised on both sides, then
+   `seconds = base + per_token * tokens fed` is fitted per model over the decode and verification calls (prefill
+   excluded): the form of `specray.testing.sim.StepCostModel`, so the fit can stand beside the published-number
+   presets that `bench_overhead.py` simulates.
+2. the round: plain 8B, 1B -> 8B and n-gram -> 1B -> 8B (K 4 per level) at batch 1, 16 and 64, in-process (the
+   same `CascadeEngine` the served coordinator drives). Per run: overhead per round = (wall - time inside the
+   timed forwards) / rounds, the fraction of ideal (forward time / wall) and calls per round per level.
+
+Random weights give near-flat logits, so the draft's acceptance is close to nothing and the n-gram level matches
+only where greedy decoding loops; the overhead per round does not depend on acceptance, only on the calls a
+round makes. One JSON file; results and the command in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from specray.coordinator.cascade import CascadeEngine, Level
+from specray.coordinator.generate import generate
+from specray.coordinator.state import Plan
+from specray.engine.hf import HFWorker
+from specray.spec.ngram import NgramConfig
+
+#: Llama shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B); "tiny-*" keep the code path testable on a CPU
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    "tiny-small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
+    "tiny-big": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=False),
+}
+SIZES = {"gpu": ("llama-1b", "llama-8b"), "tiny": ("tiny-small", "tiny-big")}
+PROMPT_LEN = 128
+MAX_PREFILL_FED = 32  # calls feeding more tokens than this per row are prefill, left out of the fit
+
+
+def build(shape: str, device: str, seed: int) -> torch.nn.Module:
+    """A random-weight Llama of `shape`, built directly on `device` in bf16 (no CPU copy of an 8B model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, rope_theta=500000.0)
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TimedWorker(HFWorker):
+    """HFWorker whose every forward is timed with the device synchronised before and after (CUDA launches are
+    asynchronous: without it the time lands wherever the next host read of a tensor happens to wait)."""
+
+    calls: list[tuple[int, int, int, float]]  # (rows, query length, tokens fed, seconds)
+    fit_calls: list[tuple[int, int, int, float]]
+    spans: list[tuple[float, float]]  # (start, end) of each call
+
+    def _forward(self, seqs, inputs, keep, parents=None):  # type: ignore[override]
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = super()._forward(seqs, inputs, keep, parents)
+        sync(self.device)
+        t1 = time.perf_counter()
+        self.calls.append((len(seqs), max(len(x) for x in inputs), sum(len(x) for x in inputs), t1 - t0))
+        self.spans.append((t0, t1))
+        return out
+
+
+def worker(shape: str, device: str, seed: int) -> TimedWorker:
+    w = TimedWorker(build(shape, device, seed), name=shape, dtype="bfloat16", device=device, max_context=4096)
+    w.calls, w.fit_calls, w.spans = [], [], []  # every forward; those of timed runs (no warm-up) for the fit
+    return w
+
+
+def prompts(batch: int, vocab: int, length: int = PROMPT_LEN) -> list[list[int]]:
+    """Random token ids, a different stream per row."""
+    out = []
+    for b in range(batch):
+        g = torch.Generator().manual_seed(1000 + b)
+        out.append(torch.randint(0, vocab, (length,), generator=g).tolist())
+    return out
+
+
+def union(spans: Sequence[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def raw_step(model: torch.nn.Module, device: torch.device, vocab: int, batch: int, q: int, reps: int = 20) -> float:
+    """Median seconds of one bare transformers forward (q new tokens per row over a 128-token cache), without
+    specray's worker around it: how much of the worker's step is the model call itself."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, vocab, (batch, PROMPT_LEN), device=device)
+    new = torch.randint(0, vocab, (batch, q), device=device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps + 3):
+            cache = DynamicCache()
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=new, past_key_values=cache, use_cache=True, logits_to_keep=q)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    return sorted(times[3:])[reps // 2]
+
+
+def fit(calls: Sequence[tuple[int, int, int, float]]) -> dict[str, Any]:
+    """Least squares `seconds = base + per_token * tokens fed` over decode/verify calls."""
+    pts = [(fed, s) for rows, q, fed, s in calls if q <= MAX_PREFILL_FED]
+    if len(pts) < 2:
+        return {"calls": len(pts)}
+    x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+    y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+    a = torch.stack([torch.ones_like(x), x], dim=1)
+    sol = torch.linalg.lstsq(a, y[:, None]).solution[:, 0]
+    resid = (a @ sol - y).abs() / y
+    by_shape: dict[str, list[float]] = {}
+    for rows, q, _fed, s in calls:
+        if q <= MAX_PREFILL_FED:
+            by_shape.setdefault(f"b{rows}q{q}", []).append(s)
+    return {"calls": len(pts), "base_s": float(sol[0]), "per_token_s": float(sol[1]),
+            "median_rel_error": float(resid.median()),
+            "median_s_by_shape": {k: sorted(v)[len(v) // 2] for k, v in sorted(by_shape.items())}}
+
+
+def run(levels: Sequence[Level], workers: Sequence[TimedWorker], plan: Plan, batch: int, max_tokens: int,
+        vocab: int, device: torch.device, overlap: bool = False) -> dict[str, Any]:
+    engine = CascadeEngine(list(levels), overlap=overlap)
+    ps = prompts(batch, vocab)
+    generate(engine, ps, max_tokens=4, ignore_eos=True, plan=plan)  # warm-up: allocator, kernels, cache slots
+    marks = [len(w.calls) for w in workers]
+    sync(device)
+    t0 = time.perf_counter()
+    out = generate(engine, ps, max_tokens=max_tokens, ignore_eos=True, plan=plan)
+    sync(device)
+    wall = time.perf_counter() - t0
+    pool = getattr(engine, "_ahead_pool", None)
+    if pool is not None:
+        pool.shutdown(wait=True)
+    rounds = max(r.rounds for r in out.results)
+    per_level, spans = {}, []
+    for w, m in zip(workers, marks):
+        new = w.calls[m:]
+        w.fit_calls += new
+        spans += w.spans[m:]
+        s = sum(c[3] for c in new)
+        per_level[w.name] = {"calls": len(new), "calls_per_round": len(new) / rounds, "forward_s": s,
+                             "decode_calls": sum(c[1] <= MAX_PREFILL_FED for c in new)}
+    model_s = union(spans)  # with overlap, forwards of two levels may run at once
+    tokens = sum(len(r.token_ids) for r in out.results)
+    stats = {n: st.as_dict() for n, st in out.stats.items()}
+    return {"batch": batch, "max_tokens": max_tokens, "overlap": overlap, "rounds": rounds, "tokens": tokens,
+            "wall_s": wall, "model_s": model_s, "overhead_ms_per_round": 1000 * (wall - model_s) / rounds,
+            "fraction_of_ideal": model_s / wall, "tokens_per_s": tokens / wall, "levels": per_level,
+            "acceptance": {n: {"rate": st.get("acceptance_rate"), "mean_len": st.get("mean_acceptance_length")}
+                           for n, st in stats.items()},
+            "outputs": [r.token_ids for r in out.results]}
+
+
+def profile(small: TimedWorker, big: TimedWorker, k: int, vocab: int, device: torch.device, path: str) -> None:
+    """The ops behind the worker's steps (host time first: syncs and per-shape setup show there)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    big_lv, small_lv = Level(big.name, worker=big), Level(small.name, worker=small, k=k)
+    with open(path, "w") as f:
+        for name, levels, plan in (("plain b1", [big_lv], Plan((0,), ())),
+                                   ("draft b1", [small_lv, big_lv], Plan((0, 1), (k,)))):
+            engine = CascadeEngine(levels)
+            ps = prompts(1, vocab)
+            generate(engine, ps, max_tokens=4, ignore_eos=True, plan=plan)
+            with torch_profile(activities=acts) as prof:
+                generate(engine, ps, max_tokens=6, ignore_eos=True, plan=plan)
+                sync(device)
+            for key in ("self_cpu_time_total", "cpu_time_total"):
+                f.write(f"==== {name}: 6 tokens after a 128-token prompt, by {key}\n")
+                f.write(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", choices=tuple(SIZES), default="gpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 32, 32],
+                    help="tokens per row at each batch size (the last repeats)")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--overlap", action="store_true", help="also run the cascade with overlap at batch 1")
+    ap.add_argument("--profile", help="also write torch.profiler tables of the worker's decode and verify steps here")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    small, big = SIZES[args.sizes]
+    report: dict[str, Any] = {
+        "schema": "specray.bench_gpu/1", "argv": sys.argv[1:], "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "models": {s: SHAPES[s] for s in (small, big)}, "runs": [], "errors": []}
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    t0 = time.perf_counter()
+    w_small, w_big = worker(small, args.device, 1), worker(big, args.device, 2)
+    vocab = SHAPES[big]["vocab_size"]
+    log(f"built {small} and {big} on {report['device']} in {time.perf_counter() - t0:.1f}s")
+    report["raw_step_s"] = {}
+    for w in (w_small, w_big):
+        report["raw_step_s"][w.name] = {f"b{b}q{q}": raw_step(w.model, dev, vocab, b, q)
+                                        for b in (1, 64) for q in (1, args.k + 1)}
+        log(f"bare forward {w.name}: " + ", ".join(f"{key} {1000 * v:.2f} ms"
+                                                   for key, v in report["raw_step_s"][w.name].items()))
+    save()
+    if args.profile:
+        profile(w_small, w_big, args.k, vocab, dev, args.profile)
+        log(f"profile tables in {args.profile}")
+    ng = Level("ngram", ngram=NgramConfig(args.k, 1, 3), k=args.k)
+    l_small, l_big = Level(small, worker=w_small, k=args.k), Level(big, worker=w_big)
+    k = args.k
+    plans: list[tuple[str, list[Level], list[TimedWorker], Plan]] = [
+        ("plain", [l_big], [w_big], Plan((0,), ())),
+        ("draft", [l_small, l_big], [w_small, w_big], Plan((0, 1), (k,))),
+        ("cascade", [ng, l_small, l_big], [w_small, w_big], Plan((0, 1, 2), (k, k))),
+    ]
+    jobs: list[tuple[str, int, int, bool]] = []
+    for i, b in enumerate(args.batches):
+        n = args.tokens[min(i, len(args.tokens) - 1)]
+        jobs += [(name, b, n, False) for name, *_ in plans]
+        if args.overlap and b == 1:
+            jobs.append(("cascade", b, n, True))
+    for name, b, n, ov in jobs:
+        _, levels, workers, plan = next(p for p in plans if p[0] == name)
+        try:
+            r = run(levels, workers, plan, b, n, vocab, dev, overlap=ov)
+        except Exception as e:  # keep what the other runs measured
+            report["errors"].append({"plan": name, "batch": b, "error": repr(e), "trace": traceback.format_exc()})
+            log(f"{name} b{b}: FAILED {e!r}")
+            save()
+            continue
+        r["plan"] = name
+        report["runs"].append(r)
+        log(f"{name:8s} b{b:<3d} overlap={ov!s:5s} {r['tokens_per_s']:8.1f} tok/s  rounds {r['rounds']:4d}  "
+            f"overhead {r['overhead_ms_per_round']:6.2f} ms/round  ideal {r['fraction_of_ideal']:.3f}")
+        save()
+    plain = {r["batch"]: r["outputs"] for r in report["runs"] if r["plan"] == "plain"}
+    for r in report["runs"]:
+        r["greedy_equal_plain"] = r["outputs"] == plain.get(r["batch"])
+        del r["outputs"]
+    report["fit"] = {w.name: fit(w.fit_calls) for w in (w_small, w_big)}
+    for name, f in report["fit"].items():
+        if "base_s" in f:
+            log(f"fit {name}: base {1000 * f['base_s']:.2f} ms + {1000 * f['per_token_s']:.4f} ms/token "
+                f"(median error {100 * f['median_rel_error']:.0f}%)")
+    save()
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
