@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu.py --out benchmarks/results/gpu-calibration.json          # on a CUDA machine
     python benchmarks/bench_gpu.py --sizes tiny --device cpu --out /tmp/gpu-smoke.json    # the same code, anywhere
+    python benchmarks/bench_gpu.py --count-ops --sizes tiny-vocab --device cpu --out /tmp/ops.json  # host ops, no GPU
 
 Nothing can be downloaded on the GPU machines these benchmarks run on, so the models are random-weight Llama
 models of the real shapes (Llama 3.2 1B and Llama 3.1 8B: layers, widths, heads, vocabulary) built in place in
@@ -15,6 +16,12 @@ bf16. Their outputs are meaningless; their step times are not, and step times ar
    same `CascadeEngine` the served coordinator drives). Per run: overhead per round = (wall - time inside the
    timed forwards) / rounds, the fraction of ideal (forward time / wall) and calls per round per level.
 
+3. with `--count-ops` (instead of 1 and 2): the top-level aten ops per round issued outside the models' forwards
+   (the worker's and the coordinator's host work: on a GPU each costs a dispatch and often a launch, some a
+   synchronisation) and inside them, for plain / draft / cascade at batch 1 and 16 (greedy), counted with
+   torch.profiler. A count, not a time, so a CPU measures it: `--sizes tiny-vocab` are 1-2 layer models with
+   the real vocabulary 128256.
+
 Random weights give near-flat logits, so the draft's acceptance is close to nothing and the n-gram level matches
 only where greedy decoding loops; the overhead per round does not depend on acceptance, only on the calls a
 round makes. One JSON file; results and the command in benchmarks/README.md.
@@ -23,6 +30,7 @@ round makes. One JSON file; results and the command in benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
 import sys
@@ -49,8 +57,17 @@ SHAPES: dict[str, dict[str, Any]] = {
                        num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
     "tiny-big": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=False),
+    # the real vocabulary on tiny bodies: the host's work per call (sampling, verification) sees real row widths
+    "tiny-vocab-small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, vocab_size=128256, tie_word_embeddings=True),
+    "tiny-vocab-big": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=128256, tie_word_embeddings=False),
 }
-SIZES = {"gpu": ("llama-1b", "llama-8b"), "tiny": ("tiny-small", "tiny-big")}
+SIZES = {"gpu": ("llama-1b", "llama-8b"), "tiny": ("tiny-small", "tiny-big"),
+         "tiny-vocab": ("tiny-vocab-small", "tiny-vocab-big")}
+#: batch sizes and tokens per row of `--count-ops`
+COUNT_BATCHES = (1, 16)
+COUNT_TOKENS = 16
 PROMPT_LEN = 128
 MAX_PREFILL_FED = 32  # calls feeding more tokens than this per row are prefill, left out of the fit
 
@@ -213,6 +230,64 @@ def profile(small: TimedWorker, big: TimedWorker, k: int, vocab: int, device: to
                 f.write(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
 
 
+def _mark_forwards(model: torch.nn.Module) -> None:
+    """Run every forward of `model` inside a profiler scope named MODEL (what `count_ops` keeps apart)."""
+    from torch.autograd.profiler import record_function
+
+    open_scopes: list[record_function] = []
+
+    def enter(_mod: torch.nn.Module, _args: Any) -> None:
+        scope = record_function("MODEL")
+        scope.__enter__()
+        open_scopes.append(scope)
+
+    def leave(_mod: torch.nn.Module, _args: Any, _out: Any) -> None:
+        open_scopes.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave)
+
+
+def _inside_model(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == "MODEL":
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def count_ops(plans: Sequence[tuple[str, list[Level], Plan]], batches: Sequence[int], tokens: int, vocab: int,
+              device: torch.device, log: Any = print) -> list[dict[str, Any]]:
+    """Top-level aten ops per round (ops called by no other aten op) of greedy generation, split into those issued
+    inside the models' forwards (scoped by `_mark_forwards`) and outside them: the host's own work per round."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out = []
+    for b in batches:
+        ps = prompts(b, vocab)
+        for name, levels, plan in plans:
+            engine = CascadeEngine(list(levels))
+            generate(engine, ps, max_tokens=4, ignore_eos=True, plan=plan)  # warm-up: slots, cache capacity
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                res = generate(engine, ps, max_tokens=tokens, ignore_eos=True, plan=plan)
+                sync(device)
+            rounds = max(r.rounds for r in res.results)
+            top = [e for e in prof.events() if e.name.startswith("aten::")
+                   and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+            inside = [e for e in top if _inside_model(e)]
+            outside = collections.Counter(e.name for e in top if not _inside_model(e))
+            row = {"plan": name, "batch": b, "tokens": tokens, "rounds": rounds,
+                   "outside_per_round": sum(outside.values()) / rounds, "inside_per_round": len(inside) / rounds,
+                   "outside_by_op_per_round": {k: v / rounds for k, v in outside.most_common()}}
+            out.append(row)
+            log(f"ops {name:8s} b{b:<3d} rounds {rounds:3d}  outside the models {row['outside_per_round']:7.1f}/round"
+                f"  inside {row['inside_per_round']:7.1f}/round  most: "
+                + ", ".join(f"{k[6:]} {v / rounds:.1f}" for k, v in outside.most_common(6)))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", choices=tuple(SIZES), default="gpu")
@@ -223,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--overlap", action="store_true", help="also run the cascade with overlap at batch 1")
     ap.add_argument("--profile", help="also write torch.profiler tables of the worker's decode and verify steps here")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="instead of timing: count the aten ops per round issued outside (and inside) the models' "
+                         f"forwards, greedy, batch {' and '.join(map(str, COUNT_BATCHES))} (a CPU can do it)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -246,6 +324,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     w_small, w_big = worker(small, args.device, 1), worker(big, args.device, 2)
     vocab = SHAPES[big]["vocab_size"]
     log(f"built {small} and {big} on {report['device']} in {time.perf_counter() - t0:.1f}s")
+    ng = Level("ngram", ngram=NgramConfig(args.k, 1, 3), k=args.k)
+    l_small, l_big = Level(small, worker=w_small, k=args.k), Level(big, worker=w_big)
+    k = args.k
+    plans: list[tuple[str, list[Level], list[TimedWorker], Plan]] = [
+        ("plain", [l_big], [w_big], Plan((0,), ())),
+        ("draft", [l_small, l_big], [w_small, w_big], Plan((0, 1), (k,))),
+        ("cascade", [ng, l_small, l_big], [w_small, w_big], Plan((0, 1, 2), (k, k))),
+    ]
+    if args.count_ops:
+        for w in (w_small, w_big):
+            _mark_forwards(w.model)
+        report["schema"] = "specray.bench_gpu.ops/1"
+        report["op_counts"] = count_ops([(n, lv, p) for n, lv, _, p in plans], COUNT_BATCHES, COUNT_TOKENS, vocab,
+                                        dev, log)
+        save()
+        return 0
     report["raw_step_s"] = {}
     for w in (w_small, w_big):
         report["raw_step_s"][w.name] = {f"b{b}q{q}": raw_step(w.model, dev, vocab, b, q)
@@ -256,14 +350,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.profile:
         profile(w_small, w_big, args.k, vocab, dev, args.profile)
         log(f"profile tables in {args.profile}")
-    ng = Level("ngram", ngram=NgramConfig(args.k, 1, 3), k=args.k)
-    l_small, l_big = Level(small, worker=w_small, k=args.k), Level(big, worker=w_big)
-    k = args.k
-    plans: list[tuple[str, list[Level], list[TimedWorker], Plan]] = [
-        ("plain", [l_big], [w_big], Plan((0,), ())),
-        ("draft", [l_small, l_big], [w_small, w_big], Plan((0, 1), (k,))),
-        ("cascade", [ng, l_small, l_big], [w_small, w_big], Plan((0, 1, 2), (k, k))),
-    ]
     jobs: list[tuple[str, int, int, bool]] = []
     for i, b in enumerate(args.batches):
         n = args.tokens[min(i, len(args.tokens) - 1)]
