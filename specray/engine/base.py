@@ -33,6 +33,7 @@ from specray.spec.sampling import (
     SamplingBatch,
     TokenHistory,
     apply_penalties,
+    on_device,
     processed_probs,
     raw_logprobs,
     sample_tokens,
@@ -117,7 +118,28 @@ def token_confidence(
     idx = tokens.view(-1, 1)
     raw = torch.exp(logits.float().gather(1, idx)[:, 0] - torch.logsumexp(logits.float(), dim=-1))
     drawn = p.gather(1, idx)[:, 0]
-    return torch.where(sb.temperature.to(raw.device) == 0, raw, drawn)
+    return torch.where(on_device(sb.temperature, raw.device) == 0, raw, drawn)
+
+
+def plain_greedy(sampling: Sequence[SamplingParams]) -> bool:
+    """Whether every row is greedy without penalties or logprobs: its token is then the argmax of the raw logits
+    (first index on ties, as `processed_probs` makes it), which the workers' fast paths compute alone."""
+    return all(sp.greedy and not sp.penalized and sp.logprobs is None for sp in sampling)
+
+
+def pad_rows(
+    flat: torch.Tensor,  # [sum(keep), V] rows of each batch row, concatenated
+    keep: Sequence[int],
+) -> torch.Tensor:  # [B, max(keep), V], zeros past a row's own keep[b]
+    """The rows of a ragged forward's logits padded to one slot count: a reshape when every row has the same
+    count, else one scatter (not a copy per row)."""
+    n = max(keep, default=0)
+    if all(k == n for k in keep):
+        return flat.reshape(len(keep), n, flat.shape[-1])
+    out = flat.new_zeros(len(keep), n, flat.shape[-1])
+    dest = [b * n + j for b, k in enumerate(keep) for j in range(k)]
+    out.view(-1, flat.shape[-1])[torch.tensor(dest, dtype=torch.long, device=flat.device)] = flat
+    return out
 
 
 class LogitsWorker(abc.ABC):
@@ -264,35 +286,50 @@ class LogitsWorker(abc.ABC):
         """Draft k[b] tokens per sequence, one batched forward per step; keep them as tentative tokens (a row
         stops early after a token it gave less than `stop_below`)."""
         seqs = self._prepare(seq_ids, sync)
-        sb_all = SamplingBatch.from_params(sampling)
         kmax = max(k, default=0)
         out: list[list[int]] = [[] for _ in seqs]
+        if mode != DraftMode.RANDOM and stop_below <= 0 and plain_greedy(sampling):
+            # every row's token is the argmax of its logits (what every mode draws from a one-hot): one op and one
+            # read per step
+            for t in range(kmax):
+                rows = [b for b in range(len(seqs)) if k[b] > t]
+                batch = [seqs[b] for b in rows]
+                logits = self._forward(batch, [s.tokens[s.kv_len :] for s in batch], [1] * len(batch))  # [B_t, V]
+                for b, s, tok in zip(rows, batch, logits.argmax(dim=-1).tolist()):
+                    s.kv_len = len(s.tokens)
+                    s.tokens.append(tok)
+                    out[b].append(tok)
+            return DraftProposal(out, None)
         stopped = [False] * len(seqs)
         probs = None
         if mode == DraftMode.RANDOM and kmax > 0:
             probs = torch.zeros(len(seqs), kmax, self.vocab_size, dtype=torch.float32)
-        history = self._history(seqs, sampling, sb_all) if kmax > 0 else None
+        sb_all: SamplingBatch | None = None  # on the logits' device, once the first step shows which
+        history = self._history(seqs, sampling) if kmax > 0 else None
         for t in range(kmax):
             rows = [b for b in range(len(seqs)) if k[b] > t and not stopped[b]]
             if not rows:
                 break
             batch = [seqs[b] for b in rows]
             logits = self._forward(batch, [s.tokens[s.kv_len :] for s in batch], [1] * len(batch))  # [B_t, V]
-            sb = sb_all.select(rows)
+            dev = logits.device
+            if sb_all is None:
+                sb_all = SamplingBatch.from_params(sampling, device=dev)
+            sb = sb_all if len(rows) == len(seqs) else sb_all.select(rows)
             hist = history.select(rows) if history is not None else None
             p = processed_probs(apply_penalties(logits[:, None, :], sb, hist), sb)[:, 0]  # [B_t, V]
-            positions = torch.tensor([len(s.tokens) for s in batch], dtype=torch.long)
+            positions = torch.tensor([len(s.tokens) for s in batch], dtype=torch.long, device=dev)
             sampled = sample_tokens(p, sb, positions, mode, level)  # [B_t]
             if history is not None:
                 history.add(rows, sampled)
             conf = token_confidence(logits, p, sampled, sb).tolist() if stop_below > 0 else None
             toks = sampled.tolist()
+            if probs is not None:
+                probs[rows, t] = on_device(p, probs.device)
             for i, (b, s) in enumerate(zip(rows, batch)):
                 s.kv_len = len(s.tokens)
                 s.tokens.append(int(toks[i]))
                 out[b].append(int(toks[i]))
-                if probs is not None:
-                    probs[b, t] = p[i]
                 if conf is not None and conf[i] < stop_below:
                     stopped[b] = True
         return DraftProposal(out, probs)
@@ -328,7 +365,7 @@ class LogitsWorker(abc.ABC):
         seqs = self._prepare(seq_ids, sync)
         bsz = len(seqs)
         sb_all = SamplingBatch.from_params(sampling)
-        history = self._history(seqs, sampling, sb_all)
+        history = self._history(seqs, sampling)
         toks: list[list[int]] = [[] for _ in seqs]
         pars: list[list[int]] = [[] for _ in seqs]
         score: list[list[float]] = [[] for _ in seqs]
@@ -425,25 +462,24 @@ class LogitsWorker(abc.ABC):
         method = VerifyMethod(method)
         seqs = self._prepare(seq_ids, sync)
         kmax = max((len(d) for d in draft_ids), default=0)
-        inputs = [s.tokens[s.kv_len :] + list(d) for s, d in zip(seqs, draft_ids)]
-        keep = [len(d) + 1 for d in draft_ids]
+        if method == VerifyMethod.REJECTION and draft_probs is None and kmax > 0:
+            raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
+        drafts = [[int(t) for t in d] for d in draft_ids]
+        inputs = [s.tokens[s.kv_len :] + d for s, d in zip(seqs, drafts)]
+        keep = [len(d) + 1 for d in drafts]
         flat = self._forward(seqs, inputs, keep)  # [sum(keep), V]
-        logits = flat.new_zeros(len(seqs), kmax + 1, flat.shape[-1])  # [B, K+1, V]
-        draft = torch.full((len(seqs), kmax), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, K]
-        o = 0
-        for b, (d, n) in enumerate(zip(draft_ids, keep)):
-            logits[b, :n] = flat[o : o + n]
-            o += n
-            if d:
-                draft[b, : len(d)] = torch.tensor(list(d), dtype=torch.long)
-        sb = SamplingBatch.from_params(sampling)
-        p = processed_probs(apply_penalties(logits, sb, self._history(seqs, sampling, sb), draft), sb)  # [B, K+1, V]
-        positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
+        if not return_probs and not confidence and plain_greedy(sampling):
+            return self._verify_greedy(seqs, drafts, flat)
+        dev = flat.device
+        logits = pad_rows(flat, keep)  # [B, K+1, V]
+        draft = torch.tensor([d + [PLACEHOLDER_TOKEN_ID] * (kmax - len(d)) for d in drafts], dtype=torch.long,
+                             device=dev).view(len(seqs), kmax)  # [B, K]
+        sb = SamplingBatch.from_params(sampling, device=dev)
+        p = processed_probs(apply_penalties(logits, sb, self._history(seqs, sampling), draft), sb)  # [B, K+1, V]
+        positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long, device=dev)
         q = None
         if method == VerifyMethod.REJECTION:
-            if draft_probs is None and kmax > 0:
-                raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
-            q = p.new_zeros(len(seqs), 0, p.shape[-1]) if kmax == 0 else draft_probs[:, :kmax].to(torch.float32)
+            q = p.new_zeros(len(seqs), 0, p.shape[-1]) if kmax == 0 else draft_probs[:, :kmax].to(dev, torch.float32)
         res = verify_batch(method, p, draft, q, sb, positions, level)
         out_ids, n_acc = res.output_ids.tolist(), [int(n) for n in res.num_accepted.tolist()]
         emitted: list[list[int]] = []
@@ -456,13 +492,35 @@ class LogitsWorker(abc.ABC):
         conf = None
         if confidence:
             n = max(len(e) for e in emitted)
-            ids = torch.tensor([e + [e[-1]] * (n - len(e)) for e in emitted], dtype=torch.long)  # [B, n]
+            ids = torch.tensor([e + [e[-1]] * (n - len(e)) for e in emitted], dtype=torch.long, device=dev)  # [B, n]
             c = token_confidence(logits[:, :n].reshape(-1, logits.shape[-1]), p[:, :n].reshape(-1, p.shape[-1]),
                                  ids.reshape(-1), sb.select([b for b in range(len(seqs)) for _ in range(n)]))
             c = c.view(len(seqs), n).tolist()
             conf = [row[: len(e)] for row, e in zip(c, emitted)]
         return VerifyResult(emitted, n_acc, out_probs, confidence=conf,
                             logprobs=_logprobs(logits, emitted, sampling))
+
+    def _verify_greedy(self, seqs: Sequence[SeqState], drafts: Sequence[Sequence[int]],
+                       flat: torch.Tensor,  # [sum(len(d) + 1), V] raw logits, rows concatenated
+                       ) -> VerifyResult:
+        """`verify` of rows that are all greedy without penalties, logprobs, confidence or returned distributions:
+        every method then accepts while the draft equals the argmax of the raw logits (first index on ties, as
+        `processed_probs` makes the one-hot) and emits the argmax at the stop. One argmax and one read."""
+        y = flat.argmax(dim=-1).tolist()
+        emitted: list[list[int]] = []
+        n_acc: list[int] = []
+        o = 0
+        for s, d in zip(seqs, drafts):
+            n = 0
+            while n < len(d) and d[n] == y[o + n]:
+                n += 1
+            toks = y[o : o + n + 1]
+            o += len(d) + 1
+            s.kv_len = len(s.tokens) + n  # prefix and accepted drafts have valid KV
+            s.tokens.extend(toks)
+            emitted.append(toks)
+            n_acc.append(n)
+        return VerifyResult(emitted, n_acc, None)
 
     # ----- token trees --------------------------------------------------------------------------
     def score_tree(
@@ -491,11 +549,7 @@ class LogitsWorker(abc.ABC):
             keep.append(len(ids) + 1)
             parents.append(list(range(-1, p - 1)) + [p - 1 if a < 0 else p + a for a in par])
         flat = self._forward(seqs, inputs, keep, parents=parents)  # [sum(keep), V]
-        out = flat.new_zeros(len(seqs), max(keep), flat.shape[-1])  # [B, N_max + 1, V]
-        o = 0
-        for b, n in enumerate(keep):
-            out[b, :n] = flat[o : o + n]
-            o += n
+        out = pad_rows(flat, keep)  # [B, N_max + 1, V]
         for s, tree in zip(seqs, checked):
             s.kv_len = len(s.tokens)
             s.tree = tree
@@ -600,33 +654,33 @@ class LogitsWorker(abc.ABC):
         dtrees = [DraftTree(*_check_tree(self.name, b, t)) for b, t in enumerate(trees)]
         logits = self.score_tree(seq_ids, dtrees, sync)  # [B, N_max + 1, V]
         seqs = [self._get(s) for s in seq_ids]
-        sb = SamplingBatch.from_params(sampling)
-        positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)  # the root's children
+        dev = logits.device
+        sb = SamplingBatch.from_params(sampling, device=dev)
+        positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long, device=dev)  # the root's children
         q = None
         if method == VerifyMethod.REJECTION and logits.shape[1] > 1:
             if draft_probs is None:
                 raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
-            q = draft_probs.to(torch.float32)
+            q = on_device(draft_probs, dev, torch.float32)
         batch = pad_trees(dtrees, max_nodes=logits.shape[1] - 1, device=logits.device)
-        p = processed_probs(tree_penalized_logits(logits, sb, self._history(seqs, sampling, sb), batch), sb)
+        p = processed_probs(tree_penalized_logits(logits, sb, self._history(seqs, sampling), batch), sb)
         out = verify_tree(method, p, batch, q, sb, positions, level)  # as `verify_tree_logits`, keeping p [B, N+1, V]
         paths = out.path_lists()
         emitted = self.accept_paths(seq_ids, paths, [int(t) for t in out.final_token.tolist()])
         n = max((len(e) for e in emitted), default=0)
         # slot j of a row's emitted tokens: after the root (j = 0), else after the path's (j - 1)-th node
-        slots = torch.zeros(len(seqs), n, dtype=torch.long)  # [B, n]
-        for b, path in enumerate(paths):
-            slots[b, 1 : len(path) + 1] = torch.tensor(path, dtype=torch.long) + 1
+        slots = torch.tensor([[0] + [i + 1 for i in path] + [0] * (n - 1 - len(path)) for path in paths],
+                             dtype=torch.long, device=dev).view(len(seqs), n)  # [B, n]
 
         def along(x: torch.Tensor) -> torch.Tensor:  # [B, N + 1, V] -> [B, n, V]
-            return x.gather(1, slots.to(x.device).unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+            return x.gather(1, slots.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
         logprobs = _logprobs(along(logits), emitted, sampling) if any(
             sp.logprobs is not None for sp in sampling) else None
         out_probs = along(p).float() if return_probs else None
         conf = None
         if confidence and n:
-            ids = torch.tensor([e + [e[-1]] * (n - len(e)) for e in emitted], dtype=torch.long)  # [B, n]
+            ids = torch.tensor([e + [e[-1]] * (n - len(e)) for e in emitted], dtype=torch.long, device=dev)  # [B, n]
             c = token_confidence(along(logits).reshape(-1, logits.shape[-1]), along(p).reshape(-1, p.shape[-1]),
                                  ids.reshape(-1), sb.select([b for b in range(len(seqs)) for _ in range(n)]))
             conf = [row[: len(e)] for row, e in zip(c.view(len(seqs), n).tolist(), emitted)]
@@ -637,11 +691,10 @@ class LogitsWorker(abc.ABC):
         """`accept_paths` for one row."""
         return self.accept_paths([seq_id], [path], [bonus])[0]
 
-    def _history(self, seqs: Sequence[SeqState], sampling: Sequence[SamplingParams],
-                 sb: SamplingBatch) -> TokenHistory | None:
+    def _history(self, seqs: Sequence[SeqState], sampling: Sequence[SamplingParams]) -> TokenHistory | None:
         """The tokens each row's penalties count (None when no row is penalized): a sequence's tokens past its
         prompt are output, whether committed or drafted by this level in this call."""
-        if not sb.penalized:
+        if not any(sp.penalized for sp in sampling):
             return None
         masks = []
         for s, sp in zip(seqs, sampling):

@@ -190,31 +190,40 @@ class HFWorker(LogitsWorker):
         keep: Sequence[int],
         parents: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
-        q = max(len(x) for x in inputs)
-        ids = torch.zeros(len(seqs), q, dtype=torch.long)  # [B, q], right-padded with token 0
-        want = torch.zeros(len(seqs), q, dtype=torch.bool)  # [B, q] positions whose logits we need
-        for b, (x, n) in enumerate(zip(inputs, keep)):
-            ids[b, : len(x)] = torch.tensor(list(x), dtype=torch.long)
-            want[b, len(x) - n : len(x)] = True
+        bsz, q = len(seqs), max(len(x) for x in inputs)
         slots, starts = [s.slot for s in seqs], [s.kv_len for s in seqs]
+        # Every per-token input in one host tensor and one copy to the device (each copy waits for the device):
+        # per row the ids (right-padded with token 0), the storage indices, the slot, then which logits to keep:
+        # the positions of the last keep[b] inputs when every row keeps as many (the logits then come out
+        # [B, keep, V], rows in order, and nothing waits for the device), else a [B, q] 0/1 mask.
+        same = keep[0] if all(n == keep[0] for n in keep) else 0
+        rows = []
+        for x, n, st, sl in zip(inputs, keep, starts, slots):
+            m = len(x)
+            want = list(range(m - same, m)) if same else [0] * (m - n) + [1] * n + [0] * (q - m)
+            rows.append([*x, *[0] * (q - m), *range(st, st + q), sl, *want])
+        packed = torch.tensor(rows, dtype=torch.long, device=self.device).view(bsz, -1)  # [B, 2q + 1 + keep or q]
+        ids, idx, row, want = packed.split([q, q, 1, same or q], dim=1)
+        keep_logits = want if same else want.bool()
+        index = (row.squeeze(1), idx)
         if parents is None:
-            pos, mask = self.cache.begin(slots, starts, q, eager=self.eager)
+            pos, mask = self.cache.begin(slots, starts, q, eager=self.eager, index=index)
         else:
-            par = torch.full((len(seqs), q), -1, dtype=torch.long)  # [B, q]; padding: roots of their own
-            for b, pr in enumerate(parents):
-                par[b, : len(pr)] = torch.tensor(list(pr), dtype=torch.long)
-            depth, window = tree_window(par)  # [B, q], [B, q, q]
+            par = torch.tensor([[*pr, *[-1] * (q - len(pr))] for pr in parents], dtype=torch.long).view(bsz, q)
+            depth, window = tree_window(par)  # [B, q], [B, q, q]; padding: roots of their own
             positions = torch.tensor(starts, dtype=torch.long)[:, None] + depth
-            pos, mask = self.cache.begin(slots, starts, q, eager=self.eager, positions=positions, window=window)
+            pos, mask = self.cache.begin(slots, starts, q, eager=self.eager, positions=positions, window=window,
+                                         index=index)
         t0 = time.perf_counter()
         try:
             with attention_kernels(self.sdpa_backends):
                 out = self.model(
-                    input_ids=ids.to(self.device), position_ids=pos, attention_mask=mask,
-                    past_key_values=self.cache, use_cache=True, logits_to_keep=want.to(self.device),
+                    input_ids=ids, position_ids=pos, attention_mask=mask,
+                    past_key_values=self.cache, use_cache=True, logits_to_keep=keep_logits,
                 )
         finally:
             self.cache.end()
         self.forward_calls += 1
         self.forward_seconds += time.perf_counter() - t0
-        return out.logits.reshape(-1, out.logits.shape[-1]).float()
+        logits = out.logits.reshape(-1, out.logits.shape[-1])  # [sum(keep), V]
+        return logits if logits.dtype == torch.float32 else logits.float()

@@ -107,6 +107,7 @@ class SlotKVCache:
         eager: bool = False,
         positions: torch.Tensor | None = None,  # [B, q] long
         window: torch.Tensor | None = None,  # [B, q, q] bool
+        index: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B] long, [B, q] long, on the device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepare a forward of q new tokens for each row (slot); returns (position_ids [B,q], mask).
 
@@ -115,31 +116,34 @@ class SlotKVCache:
         0..j, a causal chain). Its position id is `positions[b, j]` (default: its storage index); a token tree
         passes positions by depth and its ancestor-or-self matrix as the window. The mask is bool
         [B,1,q,kv_len] for sdpa, or additive float for eager attention (a bool mask is silently wrong with eager).
+        `index`: the rows and storage indices (`rows`, starts[b] + j) already on the device (a caller that moves
+        them with its other inputs in one copy); the mask is then built there, from them.
         """
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        starts_t = torch.tensor(starts, dtype=torch.long)
-        idx = starts_t[:, None] + torch.arange(q)[None, :]  # [B, q]
-        kv_len = int(idx.max()) + 1
+        b = len(rows)
+        kv_len = max(starts) + q
         self.ensure_capacity(kv_len)
-        # on the device once per forward: a host-to-device copy waits for the device, and `update` runs per layer
-        self._rows, self._idx, self._kv_len = rows_t.to(self.device), idx.to(self.device), kv_len
+        if index is None:  # on the device once per forward: a host-to-device copy waits for the device
+            index = (torch.tensor(rows, dtype=torch.long, device=self.device),
+                     torch.tensor([[s + j for j in range(q)] for s in starts], dtype=torch.long,
+                                  device=self.device).view(b, q))
+        self._rows, self._idx = index
+        self._kv_len = kv_len
         r0 = rows[0]
-        self._contiguous = (r0, r0 + len(rows)) if rows == list(range(r0, r0 + len(rows))) else None
-        keys = torch.arange(kv_len)
+        self._contiguous = (r0, r0 + b) if rows == list(range(r0, r0 + b)) else None
+        keys = torch.arange(kv_len, device=self.device)
         if window is None:
-            mask = keys[None, None, None, :] <= idx[:, None, :, None]  # [B,1,q,kv_len]
+            mask = (keys <= self._idx.unsqueeze(-1)).unsqueeze(1)  # [B,1,q,kv_len]
         else:
-            if window.shape != (len(rows), q, q):
-                raise ValueError(f"window must be [B, q, q] = {(len(rows), q, q)}, got {tuple(window.shape)}")
-            b = len(rows)
-            mask = (keys[None, :] < starts_t[:, None])[:, None, :].expand(b, q, kv_len).clone()  # the prefix
-            mask.scatter_(2, idx[:, None, :].expand(b, q, q), window.to(torch.bool))  # the window's columns
-            mask = mask[:, None]  # [B,1,q,kv_len]
+            if window.shape != (b, q, q):
+                raise ValueError(f"window must be [B, q, q] = {(b, q, q)}, got {tuple(window.shape)}")
+            mask = (keys < self._idx[:, :1]).unsqueeze(1).expand(b, q, kv_len).clone()  # the prefix
+            mask.scatter_(2, self._idx.unsqueeze(1).expand(b, q, q), window.to(self.device, torch.bool))  # the window
+            mask = mask.unsqueeze(1)  # [B,1,q,kv_len]
         if eager:
-            fmask = torch.zeros(mask.shape, dtype=self.dtype)
+            fmask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
             mask = fmask.masked_fill(~mask, torch.finfo(self.dtype).min)
         pos = self._idx if positions is None else positions.to(self.device, torch.long)
-        return pos, mask.to(self.device)
+        return pos, mask
 
     def end(self) -> None:
         self._rows = self._idx = None

@@ -39,6 +39,7 @@ __all__ = [
     "inverse_cdf_sample",
     "keyed_uniform",
     "keyed_uniform_at",
+    "on_device",
     "philox4x32",
     "processed_probs",
     "raw_logprobs",
@@ -66,6 +67,14 @@ _CPU_CHUNK = 1 << 14
 _TOP_P_CANDIDATES = 1024
 
 
+def on_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` on `device` (and `dtype`), without dispatching a no-op `.to` when it is already there (each dispatched op
+    costs the host time on a GPU, and the rounds make many)."""
+    if t.device == device and (dtype is None or t.dtype == dtype):
+        return t
+    return t.to(device, dtype)
+
+
 def accept_stream(salt: int) -> int:
     """Stream of the accept/reject uniforms of level `salt` (odd, never the coupled stream)."""
     return 2 * salt + 1
@@ -86,7 +95,9 @@ class SamplingBatch:
     """Sampling parameters of a batch of rows, as tensors so that all rows are processed at once.
 
     top_k 0 disables top-k; top_p 1 disables nucleus filtering; min_p 0 disables min_p; temperature 0 means
-    greedy; penalties at 0 (presence, frequency) and 1 (repetition) are off.
+    greedy; penalties at 0 (presence, frequency) and 1 (repetition) are off. `host`: the rows' parameters on the host
+    (from `from_params`, kept by `select` with a list), so that branching on them reads no tensor (on a GPU a read
+    waits for the device); None: branches read the tensors.
     """
 
     temperature: torch.Tensor  # [B] float32
@@ -97,6 +108,7 @@ class SamplingBatch:
     presence: torch.Tensor | None = None  # [B] float32; None: no row is penalized (all three None)
     frequency: torch.Tensor | None = None  # [B] float32
     repetition: torch.Tensor | None = None  # [B] float32
+    host: tuple[SamplingParams, ...] | None = None
 
     @classmethod
     def from_params(
@@ -107,35 +119,45 @@ class SamplingBatch:
             if p.seed is None:
                 raise ValueError(f"params[{i}].seed is None: call SamplingParams.with_seed() on admission")
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
         penalized = any(p.penalized for p in params)
-        return cls(
-            temperature=f32([p.temperature for p in params]),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=f32([p.top_p for p in params]),
-            seed=torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
-            min_p=f32([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
-            presence=f32([p.presence_penalty for p in params]) if penalized else None,
-            frequency=f32([p.frequency_penalty for p in params]) if penalized else None,
-            repetition=f32([p.repetition_penalty for p in params]) if penalized else None,
-        )
+        with_min_p = any(p.min_p > 0 for p in params)
+        # one float and one integer tensor, each built (and moved to the device) once; the fields are their rows
+        floats = [[float(p.temperature) for p in params], [float(p.top_p) for p in params]]
+        if with_min_p:
+            floats.append([float(p.min_p) for p in params])
+        if penalized:
+            floats += [[float(p.presence_penalty) for p in params], [float(p.frequency_penalty) for p in params],
+                       [float(p.repetition_penalty) for p in params]]
+        f = torch.tensor(floats, dtype=torch.float32, device=device).unbind(0)
+        top_k, seed = torch.tensor([[p.top_k for p in params], [p.seed for p in params]], dtype=torch.int64,
+                                   device=device).view(2, len(params)).unbind(0)
+        rest = list(f[2:])
+        min_p = rest.pop(0) if with_min_p else None
+        presence, frequency, repetition = rest if penalized else (None, None, None)
+        return cls(f[0], top_k, f[1], seed, min_p, presence, frequency, repetition, host=tuple(params))
 
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingBatch:
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor],
+             host: tuple[SamplingParams, ...] | None) -> SamplingBatch:
         def opt(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else fn(t)
 
         return SamplingBatch(fn(self.temperature), fn(self.top_k), fn(self.top_p), fn(self.seed), opt(self.min_p),
-                             opt(self.presence), opt(self.frequency), opt(self.repetition))
+                             opt(self.presence), opt(self.frequency), opt(self.repetition), host=host)
 
     def select(self, rows: torch.Tensor | list[int]) -> SamplingBatch:
         """The sub-batch made of `rows` (indices), in that order."""
         idx = torch.as_tensor(rows, dtype=torch.int64, device=self.temperature.device)
-        return self._map(lambda t: t[idx])
+        host = None
+        if self.host is not None and not isinstance(rows, torch.Tensor):
+            host = tuple(self.host[int(r)] for r in rows)
+        return self._map(lambda t: t[idx], host)
 
     def to(self, device: torch.device | str) -> SamplingBatch:
-        return self._map(lambda t: t.to(device))
+        """This batch on `device` (itself when it is already there)."""
+        device = torch.device(device)
+        if self.temperature.device == device:
+            return self
+        return self._map(lambda t: t.to(device), self.host)
 
     def __len__(self) -> int:
         return int(self.temperature.shape[0])
@@ -146,7 +168,15 @@ class SamplingBatch:
 
     @property
     def all_greedy(self) -> bool:
+        if self.host is not None:
+            return all(p.greedy for p in self.host)
         return bool(self.greedy.all())
+
+    @property
+    def any_greedy(self) -> bool:
+        if self.host is not None:
+            return any(p.greedy for p in self.host)
+        return bool(self.greedy.any())
 
     @property
     def penalized(self) -> bool:
@@ -211,7 +241,7 @@ class TokenHistory:
     def add(self, rows: torch.Tensor | list[int], tokens: torch.Tensor) -> None:
         """Row rows[i] emitted tokens[i] (an output token): count it, in place."""
         idx = torch.as_tensor(rows, dtype=torch.int64, device=self.seen.device)
-        tok = tokens.to(self.seen.device, torch.int64)
+        tok = on_device(tokens, self.seen.device, torch.int64)
         self.output_counts.index_put_((idx, tok), torch.ones_like(tok, dtype=torch.float32), accumulate=True)
         self.seen[idx, tok] = True
 
@@ -237,21 +267,21 @@ def apply_penalties(
         raise ValueError("penalized rows need their TokenHistory")
     bsz, steps, vocab = x.shape
     dev = x.device
-    counts = history.output_counts.to(dev).unsqueeze(1).expand(bsz, steps, vocab)  # [B, T, V]
+    counts = on_device(history.output_counts, dev).unsqueeze(1).expand(bsz, steps, vocab)  # [B, T, V]
     if steps > 1:
         if draft_ids is None or draft_ids.shape != (bsz, steps - 1):
             raise ValueError(f"draft_ids must be [B, T-1] = {(bsz, steps - 1)} for {steps} slots")
-        d = draft_ids.to(dev, torch.int64)
+        d = on_device(draft_ids, dev, torch.int64)
         one_hot = torch.zeros(bsz, steps, vocab, dtype=torch.float32, device=dev)
         one_hot[:, 1:].scatter_(-1, d.clamp(min=0).unsqueeze(-1), (d >= 0).float().unsqueeze(-1))
         counts = counts + one_hot.cumsum(dim=1)  # slot j: the history and drafts 0..j-1
     in_output = counts > 0
-    seen = history.seen.to(dev).unsqueeze(1) | in_output
-    rep = sb.repetition.to(dev).view(bsz, 1, 1)
+    seen = on_device(history.seen, dev).unsqueeze(1) | in_output
+    rep = on_device(sb.repetition, dev).view(bsz, 1, 1)
     penalty = torch.where(seen, rep, torch.ones_like(rep))
     x = torch.where(x > 0, x / penalty, x * penalty)
-    x = x - sb.frequency.to(dev).view(bsz, 1, 1) * counts
-    return x - sb.presence.to(dev).view(bsz, 1, 1) * in_output.float()
+    x = x - on_device(sb.frequency, dev).view(bsz, 1, 1) * counts
+    return x - on_device(sb.presence, dev).view(bsz, 1, 1) * in_output.float()
 
 
 def raw_logprobs(
@@ -263,7 +293,7 @@ def raw_logprobs(
     `logprobs_mode`, "raw_logprobs"): each token's log-probability and the `top` most likely tokens with theirs
     (descending)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(-1, tokens.view(-1, 1).to(lp.device)).squeeze(-1)
+    chosen = lp.gather(-1, on_device(tokens, lp.device).view(-1, 1)).squeeze(-1)
     if top <= 0:
         return chosen, torch.zeros(lp.shape[0], 0, dtype=torch.int64), lp.new_zeros(lp.shape[0], 0)
     vals, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
@@ -350,25 +380,34 @@ def processed_probs(
     if logits.numel() == 0:
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     dev = logits.device
-    temp = sb.temperature.to(dev, torch.float32)
+    host = sb.host
+    if host is not None and all(p.greedy for p in host):  # one-hots only: no scaling, filters or softmax
+        return torch.zeros(logits.shape, dtype=torch.float32, device=dev).scatter_(
+            -1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    temp = on_device(sb.temperature, dev, torch.float32)
     greedy = temp == 0
     x = logits.float() / torch.where(greedy, torch.ones_like(temp), temp).view(bsz, 1, 1)
-    top_k = sb.top_k.to(dev)
-    top_p = sb.top_p.to(dev, torch.float32)
+    top_k = on_device(sb.top_k, dev)
+    top_p = on_device(sb.top_p, dev, torch.float32)
     needs_filter = ~greedy & ((top_k > 0) & (top_k < vocab) | (top_p < 1))
+    if host is not None:
+        filtered = [not p.greedy and (0 < p.top_k < vocab or p.top_p < 1) for p in host]
+        any_filter, all_filter, any_greedy = any(filtered), all(filtered), any(p.greedy for p in host)
+    else:
+        any_filter, all_filter, any_greedy = bool(needs_filter.any()), bool(needs_filter.all()), bool(greedy.any())
     if sb.min_p is not None:
-        min_p = sb.min_p.to(dev, torch.float32)
+        min_p = on_device(sb.min_p, dev, torch.float32)
         use_min_p = ~greedy & (min_p > 0)
-        if bool(use_min_p.any()):
+        if (any(not p.greedy and p.min_p > 0 for p in host) if host is not None else bool(use_min_p.any())):
             # vLLM's min_p: drop p(v) < min_p * max p, i.e. x_v - max x < log(min_p) (in float64)
             log_min = torch.where(use_min_p, min_p.double().log(), float("-inf")).view(bsz, 1, 1)
             drop = (x.double() - x.amax(dim=-1, keepdim=True).double()) < log_min
             x = x.masked_fill_(drop, float("-inf"))
-    if bool(needs_filter.all()):  # no gather/scatter copies of the (large) logits
+    if all_filter:  # no gather/scatter copies of the (large) logits
         flat = x.view(-1, vocab)
         thr = _filter_thresholds(flat, top_k.repeat_interleave(steps), top_p.repeat_interleave(steps))
         x = flat.masked_fill_(flat < thr, float("-inf")).view(bsz, steps, vocab)
-    elif bool(needs_filter.any()):
+    elif any_filter:
         rows = needs_filter.nonzero().squeeze(-1)
         sub = x.index_select(0, rows).view(-1, vocab)  # [R*T, V]
         thr = _filter_thresholds(
@@ -377,7 +416,7 @@ def processed_probs(
         sub = sub.masked_fill_(sub < thr, float("-inf")).view(-1, steps, vocab)
         x = x.index_copy_(0, rows, sub)
     probs = torch.softmax(x, dim=-1)
-    if bool(greedy.any()):
+    if any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy.view(bsz, 1, 1), one_hot, probs)
     return probs
@@ -434,8 +473,8 @@ def _keyed_words(
     if not 0 <= stream < 2**32:
         raise ValueError(f"stream must be in [0, 2**32), got {stream}")
     dev = seed.device
-    seed = seed.to(torch.int64)
-    position = position.to(device=dev, dtype=torch.int64)
+    seed = on_device(seed, dev, torch.int64)
+    position = on_device(position, dev, torch.int64)
     seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
     pos_lo, pos_hi = position & _MASK32, (position >> 32) & _MASK32
     c1 = torch.tensor(stream, dtype=torch.int64, device=dev)
@@ -575,8 +614,8 @@ def sample_tokens(
         raise ValueError(f"probs must be [B, V], got shape {tuple(probs.shape)}")
     if mode == "greedy":
         return probs.argmax(dim=-1)
-    seed = sb.seed.to(probs.device)
-    positions = positions.to(probs.device, torch.int64)
+    seed = on_device(sb.seed, probs.device)
+    positions = on_device(positions, probs.device, torch.int64)
     if mode == "random":
         u = keyed_uniform(seed, positions, residual_stream(salt), 1)[:, 0]
         return inverse_cdf_sample(probs.double(), u)

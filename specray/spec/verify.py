@@ -37,6 +37,7 @@ from specray.spec.sampling import (
     coupled_argmax,
     inverse_cdf_sample,
     keyed_uniform,
+    on_device,
     processed_probs,
     residual_stream,
 )
@@ -230,8 +231,8 @@ def verify(
         )
     dev = target_probs.device
     sb = sb.to(dev)
-    draft_ids = draft_ids.to(dev, torch.int64)
-    positions = positions.to(dev, torch.int64)
+    draft_ids = on_device(draft_ids, dev, torch.int64)
+    positions = on_device(positions, dev, torch.int64)
     return fn(target_probs, draft_ids, draft_probs, sb, positions, salt, count_drafts(draft_ids))
 
 
