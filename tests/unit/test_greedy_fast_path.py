@@ -1,0 +1,322 @@
+"""The workers' greedy fast paths (`LogitsWorker.propose` / `verify` on rows that are all greedy without penalties,
+logprobs, confidence or returned distributions) against the general path, token for token, ties included; the
+batches that must keep the general path; the host-side branching of `SamplingBatch` / `processed_probs`."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import specray.engine.base as base
+from specray.engine.base import pad_rows
+from specray.engine.hf import HFWorker
+from specray.engine.protocol import DraftMode
+from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.reference import ref_penalized_logits_row
+from specray.spec.sampling import SamplingBatch, processed_probs
+from specray.testing.fake import FakeWorker
+
+VOCAB = 16
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def first_argmax(row: torch.Tensor) -> int:
+    """The lowest index of the largest value (the general path's tie rule), in plain Python."""
+    vals = row.tolist()
+    return max(range(len(vals)), key=lambda i: (vals[i], -i))
+
+
+def tied_worker(name: str) -> FakeWorker:
+    """A fake model whose logits take three values only: most rows have exact ties for the top."""
+    w = FakeWorker(name, vocab=VOCAB, order=2, table_seed=3)
+    w.table = torch.randint(0, 3, w.table.shape, generator=torch.Generator().manual_seed(7)).float()
+    return w
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the general path's `processed_probs` calls made by the workers."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return processed_probs(*args, **kwargs)
+
+    monkeypatch.setattr(base, "processed_probs", counted)
+    return calls
+
+
+def greedy_walk(w: FakeWorker, context: list[int], draft: list[int]) -> list[int]:
+    """Reference greedy verification of one row: accept while the draft is the first argmax, then emit it."""
+    out = []
+    for j in range(len(draft) + 1):
+        y = first_argmax(w.next_logits(context + draft[:j]))
+        out.append(y)
+        if j == len(draft) or draft[j] != y:
+            return out
+    raise AssertionError("unreachable")
+
+
+def drafts_for(w: FakeWorker, contexts: list[list[int]], lengths: list[int], gen: torch.Generator) -> list[list[int]]:
+    """Each row's greedy continuation, cut to its length and corrupted at a random slot half of the time."""
+    out = []
+    for ctx, n in zip(contexts, lengths):
+        d: list[int] = []
+        for _ in range(n):
+            d.append(first_argmax(w.next_logits(ctx + d)))
+        if d and torch.rand(1, generator=gen).item() < 0.5:
+            j = int(torch.randint(0, n, (1,), generator=gen))
+            d[j] = (d[j] + 1 + int(torch.randint(0, VOCAB - 1, (1,), generator=gen))) % VOCAB
+        out.append(d)
+    return out
+
+
+def test_tied_logits_are_tied():
+    w = tied_worker("t")
+    rows = w.table
+    top = rows.max(dim=-1, keepdim=True).values
+    assert ((rows == top).sum(-1) > 1).float().mean() > 0.5  # most rows: the top is shared
+
+
+@pytest.mark.parametrize("method", list(VerifyMethod))
+def test_verify_fast_path_equals_general_path(method, spy):
+    fast, general = tied_worker("fast"), tied_worker("general")
+    gen = torch.Generator().manual_seed(int(method == VerifyMethod.COUPLED) + 11)
+    ids = [f"r{b}" for b in range(5)]
+    sampling = [SamplingParams(seed=b) for b in range(5)]
+    for w in (fast, general):
+        for b, sid in enumerate(ids):
+            w.add(sid, [b % VOCAB, (3 * b + 1) % VOCAB, 5])
+    accepted = 0
+    for rnd in range(12):
+        lengths = [(rnd + b) % 5 for b in range(5)]  # ragged, a row with no draft in every round
+        drafts = drafts_for(fast, [fast.tokens(s) for s in ids], lengths, gen)
+        kmax = max(lengths)
+        q = torch.softmax(torch.randn(5, kmax, VOCAB, generator=gen), -1) if method == VerifyMethod.REJECTION else None
+        expected = [greedy_walk(fast, fast.tokens(s), d) for s, d in zip(ids, drafts)]
+        spy.clear()
+        got = fast.verify(ids, drafts, q, sampling, method)
+        assert not spy  # the fast path: no distributions built
+        ref = general.verify(ids, drafts, q, sampling, method, return_probs=True)
+        assert spy  # the general path
+        assert got.token_ids == ref.token_ids == expected
+        assert got.num_accepted == ref.num_accepted
+        assert got.probs is None and got.confidence is None and got.logprobs is None
+        for s in ids:
+            assert fast.tokens(s) == general.tokens(s)
+            assert fast._seqs[s].kv_len == general._seqs[s].kv_len
+        accepted += sum(got.num_accepted)
+    assert accepted > 5  # drafts were accepted, not only rejected
+
+
+@pytest.mark.parametrize("mode", [DraftMode.GREEDY, DraftMode.COUPLED])
+def test_propose_fast_path_equals_general_path(mode, spy):
+    fast, general = tied_worker("fast"), tied_worker("general")
+    ids = [f"r{b}" for b in range(4)]
+    sampling = [SamplingParams(seed=b) for b in range(4)]
+    for w in (fast, general):
+        for b, sid in enumerate(ids):
+            w.add(sid, [b, 2 * b + 1, 7])
+    for k in ([4, 0, 2, 3], [1, 1, 1, 1], [0, 0, 0, 0]):
+        contexts = [fast.tokens(s) for s in ids]
+        expected: list[list[int]] = [[] for _ in ids]
+        for b, (c, n) in enumerate(zip(contexts, k)):
+            for _ in range(n):
+                expected[b].append(first_argmax(fast.next_logits(c + expected[b])))
+        spy.clear()
+        got = fast.propose(ids, k, sampling, mode=mode)
+        assert not spy
+        # random mode keeps the general path (it returns q) and draws the argmax from a greedy row's one-hot
+        ref = general.propose(ids, k, sampling, mode=DraftMode.RANDOM)
+        assert spy or max(k) == 0
+        assert got.token_ids == ref.token_ids == expected
+        assert got.probs is None
+        for s in ids:
+            assert fast.tokens(s) == general.tokens(s)
+            assert fast._seqs[s].kv_len == general._seqs[s].kv_len
+        for s, n in zip(ids, k):  # the verifier takes the drafts back
+            for w in (fast, general):
+                w.rollback(s, len(w.tokens(s)) - n)
+
+
+def test_mixed_greedy_and_sampled_rows_take_the_general_path(spy):
+    batch, alone = tied_worker("batch"), tied_worker("alone")
+    ids = ["g0", "s1", "g2"]
+    sampling = [SamplingParams(seed=1), SamplingParams(temperature=0.9, top_k=5, seed=2), SamplingParams(seed=3)]
+    gen = torch.Generator().manual_seed(5)
+    for w in (batch, alone):
+        for b, sid in enumerate(ids):
+            w.add(sid, [b + 1, 4, 9])
+    for rnd in range(8):
+        lengths = [3, 2, 0] if rnd % 2 else [1, 4, 2]
+        drafts = drafts_for(batch, [batch.tokens(s) for s in ids], lengths, gen)
+        spy.clear()
+        got = batch.verify(ids, drafts, None, sampling, VerifyMethod.DETERMINISTIC)
+        assert spy  # a sampled row: the general path
+        for b, sid in enumerate(ids):  # each row alone (a greedy row alone takes the fast path): the same tokens
+            one = alone.verify([sid], [drafts[b]], None, [sampling[b]], VerifyMethod.DETERMINISTIC)
+            assert got.token_ids[b] == one.token_ids[0]
+        for b in (0, 2):
+            assert got.token_ids[b] == greedy_walk(batch, batch.tokens(ids[b])[: -len(got.token_ids[b])], drafts[b])
+
+
+def test_greedy_rows_with_a_repetition_penalty_take_the_general_path(spy):
+    w = tied_worker("pen")
+    prompts = [[1, 2, 3], [4, 4, 5]]
+    ids = ["a", "b"]
+    sampling = [SamplingParams(seed=0, repetition_penalty=1.5, prompt_len=3), SamplingParams(seed=1, prompt_len=3)]
+    gen = torch.Generator().manual_seed(9)
+    for sid, p in zip(ids, prompts):
+        w.add(sid, p)
+    differs = 0
+    for _ in range(10):
+        drafts = drafts_for(w, [w.tokens(s) for s in ids], [3, 2], gen)
+        ctx = [w.tokens(s) for s in ids]
+        spy.clear()
+        got = w.verify(ids, drafts, None, sampling, VerifyMethod.GREEDY)
+        assert spy  # a penalized row: the general path
+        # row a: accept while the draft is the first argmax of the penalized logits (the drafts count as output)
+        d, out = drafts[0], []
+        for j in range(len(d) + 1):
+            logits = w.next_logits(ctx[0] + d[:j])
+            pen = ref_penalized_logits_row(logits, ctx[0][:3], ctx[0][3:] + d[:j], 0.0, 0.0, 1.5)
+            y = first_argmax(pen)
+            out.append(y)
+            differs += y != first_argmax(logits)
+            if j == len(d) or d[j] != y:
+                break
+        assert got.token_ids[0] == out
+        assert got.token_ids[1] == greedy_walk(w, ctx[1], drafts[1])  # row b: plain greedy, in the same batch
+    assert differs  # the penalty changed tokens: the fast path would have been wrong
+
+
+def test_penalized_greedy_propose_takes_the_general_path(spy):
+    w = tied_worker("pen")
+    prompt = [1, 2, 3]
+    w.add("a", prompt)
+    sp = SamplingParams(seed=0, repetition_penalty=1.5, prompt_len=3)
+    got = w.propose(["a"], [6], [sp], mode=DraftMode.GREEDY).token_ids[0]
+    assert spy
+    out: list[int] = []
+    for _ in range(6):
+        logits = w.next_logits(prompt + out)
+        out.append(first_argmax(ref_penalized_logits_row(logits, prompt, out, 0.0, 0.0, 1.5)))
+    assert got == out
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tiny):
+    return HFWorker(str(tiny.target_dir), name="fast", dtype="float32"), HFWorker(str(tiny.target_dir), name="gen",
+                                                                                  dtype="float32")
+
+
+def test_hf_fast_path_equals_general_path(hf_pair, spy):
+    fast, general = hf_pair
+    ids = [f"h{b}" for b in range(3)]
+    sampling = [SamplingParams(seed=b) for b in range(3)]
+    prompts = [fast.tokenizer.encode(t) for t in ("def fibonacci(n):", "The river ran", "Weather report: cloudy")]
+    for w in (fast, general):
+        for sid, p in zip(ids, prompts):
+            w.add(sid, p)
+    accepted = 0
+    for rnd in range(4):
+        k = [4, 0, 2] if rnd % 2 else [3, 3, 3]  # ragged (a bool mask of logits) and uniform (their positions)
+        spy.clear()
+        prop = fast.propose(ids, k, sampling, mode=DraftMode.GREEDY)
+        assert not spy
+        ref_prop = general.propose(ids, k, sampling, mode=DraftMode.RANDOM)
+        assert prop.token_ids == ref_prop.token_ids
+        drafts = [list(d) for d in prop.token_ids]
+        if rnd == 2:
+            drafts[0][1] = (drafts[0][1] + 1) % fast.vocab_size  # a rejection
+        for w, d in ((fast, prop.token_ids), (general, ref_prop.token_ids)):
+            for sid, n in zip(ids, map(len, d)):
+                w.rollback(sid, len(w.tokens(sid)) - n)
+        spy.clear()
+        got = fast.verify(ids, drafts, None, sampling, VerifyMethod.GREEDY)
+        assert not spy
+        ref = general.verify(ids, drafts, None, sampling, VerifyMethod.GREEDY, confidence=True)
+        assert spy
+        assert got.token_ids == ref.token_ids and got.num_accepted == ref.num_accepted
+        accepted += sum(got.num_accepted)
+        for sid in ids:
+            assert fast.tokens(sid) == general.tokens(sid)
+    assert accepted > 0
+    for w in hf_pair:
+        for sid in ids:
+            w.free(sid)
+
+
+def test_pad_rows():
+    flat = torch.arange(12, dtype=torch.float32).view(6, 2)
+    out = pad_rows(flat, [3, 1, 2])
+    assert out.shape == (3, 3, 2)
+    torch.testing.assert_close(out[0], flat[:3])
+    torch.testing.assert_close(out[1], torch.stack([flat[3], torch.zeros(2), torch.zeros(2)]))
+    torch.testing.assert_close(out[2, :2], flat[4:])
+    assert (out[2, 2] == 0).all()
+    torch.testing.assert_close(pad_rows(flat, [2, 2, 2]), flat.view(3, 2, 2))
+
+
+def test_sampling_batch_fields_and_host_copy():
+    params = [SamplingParams(0.0, seed=1), SamplingParams(0.7, top_k=3, top_p=0.9, seed=2**62, min_p=0.1,
+                                                          repetition_penalty=1.2, frequency_penalty=0.5,
+                                                          presence_penalty=-0.25)]
+    sb = SamplingBatch.from_params(params)
+    assert sb.temperature.tolist() == [0.0, pytest.approx(0.7)] and sb.temperature.dtype == torch.float32
+    assert sb.top_k.tolist() == [0, 3] and sb.top_k.dtype == torch.int64
+    assert sb.seed.tolist() == [1, 2**62] and sb.seed.dtype == torch.int64
+    assert sb.top_p.tolist() == [1.0, pytest.approx(0.9)]
+    assert sb.min_p.tolist() == [0.0, pytest.approx(0.1)]
+    assert sb.repetition.tolist() == [1.0, pytest.approx(1.2)]
+    assert sb.frequency.tolist() == [0.0, 0.5] and sb.presence.tolist() == [0.0, -0.25]
+    assert sb.host == tuple(params) and sb.any_greedy and not sb.all_greedy
+    assert sb.select([1]).host == (params[1],) and not sb.select([1]).any_greedy
+    assert sb.select(torch.tensor([1])).host is None and not sb.select(torch.tensor([1])).any_greedy
+    assert sb.to("cpu") is sb
+    plain = SamplingBatch.from_params([SamplingParams(0.5, seed=3)])
+    assert plain.min_p is None and plain.repetition is None and not plain.penalized
+    empty = SamplingBatch.from_params([])
+    assert len(empty) == 0
+
+
+@pytest.mark.parametrize("rows", [
+    [SamplingParams(0.0, seed=0)] * 3,
+    [SamplingParams(0.0, seed=0), SamplingParams(0.8, top_k=4, seed=1), SamplingParams(1.2, top_p=0.7, seed=2)],
+    [SamplingParams(0.9, top_k=5, seed=0), SamplingParams(0.6, top_p=0.5, min_p=0.2, seed=1)],
+    [SamplingParams(0.0, seed=0), SamplingParams(1.0, seed=1), SamplingParams(0.5, min_p=0.3, seed=2)],
+])
+def test_processed_probs_host_branches_equal_tensor_branches(rows):
+    """Branching on the host copy of the parameters gives what branching on the tensors gives (ties included)."""
+    logits = torch.randint(0, 4, (len(rows), 3, 40), generator=torch.Generator().manual_seed(2)).float()
+    sb = SamplingBatch.from_params(rows)
+    bare = SamplingBatch(sb.temperature, sb.top_k, sb.top_p, sb.seed, sb.min_p)  # no host copy
+    assert bare.host is None
+    torch.testing.assert_close(processed_probs(logits, sb), processed_probs(logits, bare), rtol=0, atol=0)
+
+
+def test_bench_gpu_count_ops_smoke():
+    """`bench_gpu.py --count-ops`'s counter on tiny models: ops inside and outside the forwards, per plan."""
+    spec = importlib.util.spec_from_file_location("bench_gpu_ops", ROOT / "benchmarks" / "bench_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        small, big = mod.worker("tiny-small", "cpu", 1), mod.worker("tiny-big", "cpu", 2)
+        for w in (small, big):
+            mod._mark_forwards(w.model)
+        plans = [("plain", [mod.Level("b", worker=big)], mod.Plan((0,), ())),
+                 ("draft", [mod.Level("a", worker=small, k=2), mod.Level("b", worker=big)], mod.Plan((0, 1), (2,)))]
+        rows = mod.count_ops(plans, [1], 3, 512, torch.device("cpu"), log=lambda _msg: None)
+    finally:
+        sys.modules.pop(spec.name, None)
+    assert [(r["plan"], r["batch"]) for r in rows] == [("plain", 1), ("draft", 1)]
+    for r in rows:
+        assert r["rounds"] >= 1 and r["inside_per_round"] > 0 and r["outside_per_round"] > 0
+        assert sum(r["outside_by_op_per_round"].values()) == pytest.approx(r["outside_per_round"])
+    plain, draft = rows
+    assert draft["inside_per_round"] > plain["inside_per_round"]  # two models' forwards per round
