@@ -364,8 +364,11 @@ class LogitsWorker(abc.ABC):
         budget = [width * d for d in depth] if max_nodes is None else [int(n) for n in max_nodes]
         seqs = self._prepare(seq_ids, sync)
         bsz = len(seqs)
-        sb_all = SamplingBatch.from_params(sampling)
-        history = self._history(seqs, sampling)
+        # rows all greedy without penalties: a parent's children are its top `width` raw logits in every mode but
+        # random (which returns q), scored by their log-softmax (what `draft_children` gives such rows)
+        fast = mode != DraftMode.RANDOM and plain_greedy(sampling)
+        sb_all = None if fast else SamplingBatch.from_params(sampling)
+        history = None if fast else self._history(seqs, sampling)
         toks: list[list[int]] = [[] for _ in seqs]
         pars: list[list[int]] = [[] for _ in seqs]
         score: list[list[float]] = [[] for _ in seqs]
@@ -399,18 +402,25 @@ class LogitsWorker(abc.ABC):
                 logits = self._forward(batch, inputs, [len(o) for o in order], parents=parents)
             owner = [b for b, o in zip(rows, order) for _ in o]  # [M] row of each expanded parent
             nodes_m = [n for o in order for n in o]
-            sb = sb_all.select(owner)
-            hist = None
-            if history is not None:
-                hist = history.select(owner)
-                paths = [_path(pars[b], n) for b, n in zip(owner, nodes_m)]
-                for j in range(d):
-                    hist.add(list(range(len(owner))), torch.tensor([toks[b][p[j]] for b, p in zip(owner, paths)]))
-            pen = apply_penalties(logits[:, None, :], sb, hist)[:, 0]  # [M, V]
-            p = processed_probs(pen[:, None, :], sb)[:, 0]  # [M, V]
-            positions = torch.tensor([len(seqs[b].tokens) + d for b in owner], dtype=torch.long)
-            kids, kscore, usable = draft_children(pen, p, sb, positions, width, mode, level)
-            kids, kscore, usable = kids.tolist(), kscore.tolist(), usable.tolist()
+            if fast:
+                top = torch.topk(logits, min(width, logits.shape[-1]), dim=-1).indices  # [M, W]
+                kids = top.tolist()
+                kscore = torch.log_softmax(logits.double(), dim=-1).gather(1, top).tolist()
+                usable = [[j == 0 or sc > float("-inf") for j, sc in enumerate(row)] for row in kscore]
+            else:
+                sb = sb_all.select(owner)
+                hist = None
+                if history is not None:
+                    hist = history.select(owner)
+                    paths = [_path(pars[b], n) for b, n in zip(owner, nodes_m)]
+                    for j in range(d):
+                        hist.add(list(range(len(owner))),
+                                 torch.tensor([toks[b][p[j]] for b, p in zip(owner, paths)]))
+                pen = apply_penalties(logits[:, None, :], sb, hist)[:, 0]  # [M, V]
+                p = processed_probs(pen[:, None, :], sb)[:, 0]  # [M, V]
+                positions = torch.tensor([len(seqs[b].tokens) + d for b in owner], dtype=torch.long)
+                kids, kscore, usable = draft_children(pen, p, sb, positions, width, mode, level)
+                kids, kscore, usable = kids.tolist(), kscore.tolist(), usable.tolist()
             where = {(b, n): m for m, (b, n) in enumerate(zip(owner, nodes_m))}
             for b in rows:
                 new: list[int] = []
@@ -653,14 +663,16 @@ class LogitsWorker(abc.ABC):
             raise ValueError(f"{self.name}: trees and sampling must be aligned with seq_ids")
         dtrees = [DraftTree(*_check_tree(self.name, b, t)) for b, t in enumerate(trees)]
         logits = self.score_tree(seq_ids, dtrees, sync)  # [B, N_max + 1, V]
+        if method == VerifyMethod.REJECTION and logits.shape[1] > 1 and draft_probs is None:
+            raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
+        if not return_probs and not confidence and plain_greedy(sampling) and all(_plain_tree(t) for t in dtrees):
+            return self._verify_tree_greedy(seq_ids, dtrees, logits)
         seqs = [self._get(s) for s in seq_ids]
         dev = logits.device
         sb = SamplingBatch.from_params(sampling, device=dev)
         positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long, device=dev)  # the root's children
         q = None
         if method == VerifyMethod.REJECTION and logits.shape[1] > 1:
-            if draft_probs is None:
-                raise ValueError(f"{self.name}: rejection verification needs the drafter's probabilities")
             q = on_device(draft_probs, dev, torch.float32)
         batch = pad_trees(dtrees, max_nodes=logits.shape[1] - 1, device=logits.device)
         p = processed_probs(tree_penalized_logits(logits, sb, self._history(seqs, sampling), batch), sb)
@@ -687,6 +699,28 @@ class LogitsWorker(abc.ABC):
         return VerifyResult(emitted, [len(x) for x in paths], out_probs, confidence=conf, logprobs=logprobs,
                             tree_nodes=[t.num_nodes for t in dtrees])
 
+    def _verify_tree_greedy(self, seq_ids: Sequence[str], trees: Sequence[DraftTree],
+                            logits: torch.Tensor,  # [B, N_max + 1, V] raw logits per slot
+                            ) -> VerifyResult:
+        """`verify_tree` of rows that are all greedy without penalties, logprobs, confidence or returned
+        distributions, on trees of non-negative tokens with distinct siblings: every method then follows the child
+        whose token is the slot's argmax (first index on ties) and emits the argmax where none is. One argmax and
+        one read; the walk runs on the host."""
+        y = logits.argmax(dim=-1).tolist()  # [B][N_max + 1]
+        paths: list[list[int]] = []
+        final: list[int] = []
+        for yb, t in zip(y, trees):
+            child = {(p, tok): i for i, (tok, p) in enumerate(zip(t.token_ids, t.parents))}
+            path: list[int] = []
+            slot = 0
+            while (nxt := child.get((path[-1] if path else ROOT, yb[slot]))) is not None:
+                path.append(nxt)
+                slot = nxt + 1
+            paths.append(path)
+            final.append(yb[slot])
+        emitted = self.accept_paths(seq_ids, paths, final)
+        return VerifyResult(emitted, [len(p) for p in paths], None, tree_nodes=[t.num_nodes for t in trees])
+
     def accept_path(self, seq_id: str, path: Sequence[int], bonus: int | None = None) -> list[int]:
         """`accept_paths` for one row."""
         return self.accept_paths([seq_id], [path], [bonus])[0]
@@ -703,6 +737,13 @@ class LogitsWorker(abc.ABC):
                 s.prompt_seen = (n, TokenHistory.seen_mask([s.tokens[:n]], self.vocab_size)[0])
             masks.append(s.prompt_seen[1])
         return TokenHistory.from_parts(torch.stack(masks), [s.tokens[s.prompt_seen[0] :] for s in seqs])
+
+
+def _plain_tree(tree: DraftTree) -> bool:
+    """Non-negative tokens and distinct siblings: the trees a greedy walk takes as they are (others go through
+    `TreeBatch`, which rejects or handles them)."""
+    pairs = set(zip(tree.parents, tree.token_ids))
+    return len(pairs) == len(tree.token_ids) and all(t >= 0 for t in tree.token_ids)
 
 
 def _path(parents: Sequence[int], n: int) -> list[int]:

@@ -14,7 +14,7 @@ import torch
 import specray.engine.base as base
 from specray.engine.base import pad_rows
 from specray.engine.hf import HFWorker
-from specray.engine.protocol import DraftMode
+from specray.engine.protocol import DraftMode, SeqSync
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.reference import ref_penalized_logits_row
 from specray.spec.sampling import SamplingBatch, processed_probs
@@ -206,6 +206,63 @@ def test_penalized_greedy_propose_takes_the_general_path(spy):
         logits = w.next_logits(prompt + out)
         out.append(first_argmax(ref_penalized_logits_row(logits, prompt, out, 0.0, 0.0, 1.5)))
     assert got == out
+
+
+@pytest.mark.parametrize("method", list(VerifyMethod))
+def test_tree_fast_paths_equal_general_paths(method, spy):
+    """propose_tree (greedy and coupled mode vs random mode, which keeps the general path) and verify_tree (vs
+    return_probs, which keeps it) on tied logits: the same trees, emitted tokens and worker state."""
+    mode = DraftMode.COUPLED if method == VerifyMethod.COUPLED else DraftMode.GREEDY
+    d_fast, d_gen = tied_worker("d"), tied_worker("d")
+    for w in (d_fast, d_gen):
+        w.table = w.table + torch.randint(0, 2, w.table.shape, generator=torch.Generator().manual_seed(4)).float()
+    t_fast, t_gen = tied_worker("t"), tied_worker("t")
+    ids = [f"r{b}" for b in range(4)]
+    sampling = [SamplingParams(seed=b) for b in range(4)]
+    prompts = [[b, 2 * b + 1, 7] for b in range(4)]
+    for w in (t_fast, t_gen):
+        for sid, p in zip(ids, prompts):
+            w.add(sid, p)
+    syncs = [SeqSync.start(p) for p in prompts]
+    gen = torch.Generator().manual_seed(1)
+    accepted = 0
+    for rnd in range(6):
+        depth = [3, 0, 2, 4] if rnd % 2 else [2, 2, 2, 2]
+        spy.clear()
+        prop = d_fast.propose_tree(ids, depth, sampling, mode=mode, level=0, sync=syncs, width=2)
+        assert not spy
+        ref = d_gen.propose_tree(ids, depth, sampling, mode=DraftMode.RANDOM, level=0, sync=syncs, width=2)
+        assert spy or max(depth) == 0
+        assert prop.trees == ref.trees and prop.token_ids == ref.token_ids and prop.probs is None
+        trees = prop.trees
+        q = None
+        if method == VerifyMethod.REJECTION:
+            n = max(t.num_nodes for t in trees)
+            q = torch.softmax(torch.randn(4, n + 1, VOCAB, generator=gen), -1)
+        before = [t_fast.tokens(s) for s in ids]
+        spy.clear()
+        got = t_fast.verify_tree(ids, trees, q, sampling, method, level=1)
+        assert not spy
+        exp = t_gen.verify_tree(ids, trees, q, sampling, method, level=1, return_probs=True)
+        assert spy
+        assert got.token_ids == exp.token_ids and got.num_accepted == exp.num_accepted
+        assert got.tree_nodes == exp.tree_nodes and got.probs is None
+        for s in ids:
+            assert t_fast.tokens(s) == t_gen.tokens(s)
+            assert t_fast._seqs[s].kv_len == t_gen._seqs[s].kv_len
+        for b, t in enumerate(trees):  # the walk: the first-argmax child at each slot, its argmax at the stop
+            ctx, at, out = before[b], -1, []
+            while True:
+                y = first_argmax(t_fast.next_logits(ctx + out))
+                kid = next((i for i in range(t.num_nodes) if t.parents[i] == at and t.token_ids[i] == y), None)
+                out.append(y)
+                if kid is None:
+                    break
+                at = kid
+            assert got.token_ids[b] == out
+        accepted += sum(got.num_accepted)
+        syncs = [SeqSync(len(c), tuple(e)) for c, e in zip(before, got.token_ids)]
+    assert accepted > 3
 
 
 @pytest.fixture(scope="module")
