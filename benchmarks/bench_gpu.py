@@ -15,12 +15,11 @@ bf16. Their outputs are meaningless; their step times are not, and step times ar
 2. the round: plain 8B, 1B -> 8B and n-gram -> 1B -> 8B (K 4 per level) at batch 1, 16 and 64, in-process (the
    same `CascadeEngine` the served coordinator drives). Per run: overhead per round = (wall - time inside the
    timed forwards) / rounds, the fraction of ideal (forward time / wall) and calls per round per level.
-
 3. with `--count-ops` (instead of 1 and 2): the top-level aten ops per round issued outside the models' forwards
    (the worker's and the coordinator's host work: on a GPU each costs a dispatch and often a launch, some a
-   synchronisation) and inside them, for plain / draft / cascade at batch 1 and 16 (greedy), counted with
-   torch.profiler. A count, not a time, so a CPU measures it: `--sizes tiny-vocab` are 1-2 layer models with
-   the real vocabulary 128256.
+   synchronisation) and inside them, for plain / draft / cascade at batch 1 and 16 (greedy; `--count-sampled`
+   adds temperature 1, top_p 0.95), counted with torch.profiler. A count, not a time, so a CPU measures it:
+   `--sizes tiny-vocab` are 1-2 layer models with the real vocabulary 128256.
 
 Random weights give near-flat logits, so the draft's acceptance is close to nothing and the n-gram level matches
 only where greedy decoding loops; the overhead per round does not depend on acceptance, only on the calls a
@@ -46,6 +45,7 @@ from specray.coordinator.generate import generate
 from specray.coordinator.state import Plan
 from specray.engine.hf import HFWorker
 from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams
 
 #: Llama shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B); "tiny-*" keep the code path testable on a CPU
 SHAPES: dict[str, dict[str, Any]] = {
@@ -258,32 +258,35 @@ def _inside_model(event: Any) -> bool:
 
 
 def count_ops(plans: Sequence[tuple[str, list[Level], Plan]], batches: Sequence[int], tokens: int, vocab: int,
-              device: torch.device, log: Any = print) -> list[dict[str, Any]]:
-    """Top-level aten ops per round (ops called by no other aten op) of greedy generation, split into those issued
-    inside the models' forwards (scoped by `_mark_forwards`) and outside them: the host's own work per round."""
+              device: torch.device, log: Any = print, sampling: SamplingParams | None = None) -> list[dict[str, Any]]:
+    """Top-level aten ops per round (ops called by no other aten op) of generation (greedy, or `sampling`), split
+    into those issued inside the models' forwards (scoped by `_mark_forwards`) and outside them: the host's own work
+    per round."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    sp = sampling or SamplingParams()
+    label = "greedy" if sp.greedy else f"t{sp.temperature:g}-p{sp.top_p:g}"
     out = []
     for b in batches:
         ps = prompts(b, vocab)
         for name, levels, plan in plans:
             engine = CascadeEngine(list(levels))
-            generate(engine, ps, max_tokens=4, ignore_eos=True, plan=plan)  # warm-up: slots, cache capacity
+            generate(engine, ps, max_tokens=4, ignore_eos=True, plan=plan, sampling=sp)  # warm-up: slots, capacity
             with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                res = generate(engine, ps, max_tokens=tokens, ignore_eos=True, plan=plan)
+                res = generate(engine, ps, max_tokens=tokens, ignore_eos=True, plan=plan, sampling=sp)
                 sync(device)
             rounds = max(r.rounds for r in res.results)
             top = [e for e in prof.events() if e.name.startswith("aten::")
                    and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
             inside = [e for e in top if _inside_model(e)]
             outside = collections.Counter(e.name for e in top if not _inside_model(e))
-            row = {"plan": name, "batch": b, "tokens": tokens, "rounds": rounds,
+            row = {"plan": name, "batch": b, "sampling": label, "tokens": tokens, "rounds": rounds,
                    "outside_per_round": sum(outside.values()) / rounds, "inside_per_round": len(inside) / rounds,
                    "outside_by_op_per_round": {k: v / rounds for k, v in outside.most_common()}}
             out.append(row)
-            log(f"ops {name:8s} b{b:<3d} rounds {rounds:3d}  outside the models {row['outside_per_round']:7.1f}/round"
-                f"  inside {row['inside_per_round']:7.1f}/round  most: "
+            log(f"ops {name:8s} {label} b{b:<3d} rounds {rounds:3d}  outside the models "
+                f"{row['outside_per_round']:7.1f}/round  inside {row['inside_per_round']:7.1f}/round  most: "
                 + ", ".join(f"{k[6:]} {v / rounds:.1f}" for k, v in outside.most_common(6)))
     return out
 
@@ -301,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--count-ops", action="store_true",
                     help="instead of timing: count the aten ops per round issued outside (and inside) the models' "
                          f"forwards, greedy, batch {' and '.join(map(str, COUNT_BATCHES))} (a CPU can do it)")
+    ap.add_argument("--count-sampled", action="store_true",
+                    help="with --count-ops: also count at temperature 1, top_p 0.95 (the general sampling path)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -336,8 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for w in (w_small, w_big):
             _mark_forwards(w.model)
         report["schema"] = "specray.bench_gpu.ops/1"
-        report["op_counts"] = count_ops([(n, lv, p) for n, lv, _, p in plans], COUNT_BATCHES, COUNT_TOKENS, vocab,
-                                        dev, log)
+        counted = [(n, lv, p) for n, lv, _, p in plans]
+        report["op_counts"] = count_ops(counted, COUNT_BATCHES, COUNT_TOKENS, vocab, dev, log)
+        if args.count_sampled:
+            report["op_counts"] += count_ops(counted, COUNT_BATCHES, COUNT_TOKENS, vocab, dev, log,
+                                             SamplingParams(temperature=1.0, top_p=0.95, seed=0))
         save()
         return 0
     report["raw_step_s"] = {}
