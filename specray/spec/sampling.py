@@ -39,6 +39,7 @@ __all__ = [
     "inverse_cdf_sample",
     "keyed_uniform",
     "keyed_uniform_at",
+    "keyed_uniform_streams",
     "on_device",
     "philox4x32",
     "processed_probs",
@@ -462,27 +463,30 @@ def philox4x32(
 def _keyed_words(
     seed: torch.Tensor,  # [N] int64
     position: torch.Tensor,  # [N] int64
-    stream: int,
+    stream: int | Sequence[int],
     total: int,
     locate: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:  # [total, 4] int64 32-bit words
     """Philox blocks for `total` (row, block) pairs; `locate` maps flat ids to them, one chunk at a time.
 
-    Key = seed (two 32-bit limbs); counter = (block, stream, position low, position high).
+    Key = seed (two 32-bit limbs); counter = (block, stream, position low, position high). `stream`: one for every
+    row, or each row's own (a sequence of N).
     """
-    if not 0 <= stream < 2**32:
+    per_row = not isinstance(stream, int)
+    streams = list(stream) if per_row else [stream]
+    if not all(0 <= s < 2**32 for s in streams):
         raise ValueError(f"stream must be in [0, 2**32), got {stream}")
     dev = seed.device
     seed = on_device(seed, dev, torch.int64)
     position = on_device(position, dev, torch.int64)
     seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
     pos_lo, pos_hi = position & _MASK32, (position >> 32) & _MASK32
-    c1 = torch.tensor(stream, dtype=torch.int64, device=dev)
+    c1 = torch.tensor(streams if per_row else stream, dtype=torch.int64, device=dev)
     words = torch.empty((total, 4), dtype=torch.int64, device=dev)
     chunk = _CPU_CHUNK if dev.type == "cpu" else max(total, 1)
     for start in range(0, total, chunk):
         row, block = locate(torch.arange(start, min(total, start + chunk), dtype=torch.int64, device=dev))
-        out = philox4x32((block, c1, pos_lo[row], pos_hi[row]), (seed_lo[row], seed_hi[row]))
+        out = philox4x32((block, c1[row] if per_row else c1, pos_lo[row], pos_hi[row]), (seed_lo[row], seed_hi[row]))
         words[start : start + chunk] = torch.stack(out, dim=-1)
     return words
 
@@ -529,6 +533,21 @@ def keyed_uniform_at(
     """keyed_uniform(seed, position, stream, n)[rows, index] without computing the other entries."""
     words = _keyed_words(seed, position, stream, rows.shape[0], lambda f: (rows[f], index[f] >> 2))
     return _to_uniform(words.gather(1, (index & 3).unsqueeze(-1)).squeeze(-1))
+
+
+def keyed_uniform_streams(
+    seed: torch.Tensor,  # [N] int64
+    position: torch.Tensor,  # [N] int64
+    streams: Sequence[int],  # N streams
+) -> torch.Tensor:  # [N] float32
+    """keyed_uniform(seed[i], position[i], streams[i], 1)[0, 0] for every i, in one Philox evaluation: the uniforms
+    of several streams (a verification's accept coins and its residual draws) for the cost of one call."""
+    if seed.shape != position.shape or seed.dim() != 1 or len(streams) != seed.shape[0]:
+        raise ValueError(f"seed, position must be [N] tensors and streams N long, got {tuple(seed.shape)}, "
+                         f"{tuple(position.shape)}, {len(streams)}")
+    rows = seed.shape[0]
+    words = _keyed_words(seed, position, streams, rows, lambda f: (f, torch.zeros_like(f)))
+    return _to_uniform(words[:, 0])
 
 
 def _gumbel(u: torch.Tensor) -> torch.Tensor:

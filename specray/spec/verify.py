@@ -36,7 +36,7 @@ from specray.spec.sampling import (
     accept_stream,
     coupled_argmax,
     inverse_cdf_sample,
-    keyed_uniform,
+    keyed_uniform_streams,
     on_device,
     processed_probs,
     residual_stream,
@@ -136,6 +136,8 @@ def _verify_sampled(
     All accept decisions are made at once; the first rejection per row is found with a cumprod; then one
     [B, V] distribution per row (residual at the rejected slot, or p at the bonus slot) is sampled.
     Comparisons are made in float64 where u * q(x) is exact, so the reference reproduces them bit for bit.
+    The accept coins of slots 0..K-1 and the residual draws of slots 0..K come from one Philox evaluation (the
+    draw at the stop is then picked), not one per stream.
     """
     bsz, slots, vocab = target_probs.shape
     k = slots - 1
@@ -143,13 +145,14 @@ def _verify_sampled(
     x = draft_ids.clamp(min=0)  # placeholders -> any valid index; masked by `valid` below
     valid = torch.arange(k, device=draft_ids.device) < num_draft.unsqueeze(-1)  # [B, K]
     p_x = target_probs[:, :k].gather(-1, x.unsqueeze(-1)).squeeze(-1).double()  # [B, K]
-    u = (
-        keyed_uniform(
-            seed.repeat_interleave(k), _slot_positions(positions, k).reshape(-1), accept_stream(salt), 1
-        )
-        .view(bsz, k)
-        .double()
-    )
+    offsets = list(range(k)) + list(range(k + 1))  # per row: accept coins at slots 0..K-1, then residual draws
+    streams = [accept_stream(salt)] * k + [residual_stream(salt)] * (k + 1)
+    both = keyed_uniform_streams(
+        seed.repeat_interleave(2 * k + 1),
+        (positions.unsqueeze(-1) + torch.tensor(offsets, dtype=torch.int64, device=positions.device)).reshape(-1),
+        streams * bsz,
+    ).view(bsz, 2 * k + 1)
+    u = both[:, :k].double()
     if draft_probs is None:
         accept = u < p_x  # min(1, p(x) / 1)
     else:
@@ -170,7 +173,7 @@ def _verify_sampled(
             residual = (p_n - q_n).clamp(min=0.0)
         has_mass = residual.cumsum(dim=-1)[:, -1] > RESIDUAL_EPS
         weights = torch.where((rejected & has_mass).unsqueeze(-1), residual, p_n)
-    u_final = keyed_uniform(seed, positions + n, residual_stream(salt), 1)[:, 0]
+    u_final = both[:, k:].gather(1, n.unsqueeze(-1)).squeeze(-1)  # the residual draw at slot n
     return _assemble(draft_ids, n, inverse_cdf_sample(weights, u_final))
 
 

@@ -17,7 +17,7 @@ from specray.engine.hf import HFWorker
 from specray.engine.protocol import DraftMode, SeqSync
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.reference import ref_penalized_logits_row
-from specray.spec.sampling import SamplingBatch, processed_probs
+from specray.spec.sampling import SamplingBatch, keyed_uniform, keyed_uniform_streams, processed_probs
 from specray.testing.fake import FakeWorker
 
 VOCAB = 16
@@ -354,6 +354,20 @@ def test_processed_probs_host_branches_equal_tensor_branches(rows):
     bare = SamplingBatch(sb.temperature, sb.top_k, sb.top_p, sb.seed, sb.min_p)  # no host copy
     assert bare.host is None
     torch.testing.assert_close(processed_probs(logits, sb), processed_probs(logits, bare), rtol=0, atol=0)
+
+
+def test_keyed_uniform_streams_is_keyed_uniform_per_stream():
+    seed = torch.tensor([0, 7, 2**62 + 5, 123, 7])
+    position = torch.tensor([0, 3, 2**40 + 1, 9, 3])
+    streams = [1, 2, 0, 2**32 - 1, 5]
+    got = keyed_uniform_streams(seed, position, streams)
+    for i, st in enumerate(streams):
+        assert got[i] == keyed_uniform(seed[i : i + 1], position[i : i + 1], st, 1)[0, 0]
+    assert len(set(got.tolist())) == 5
+    with pytest.raises(ValueError):
+        keyed_uniform_streams(seed, position, streams[:4])
+    with pytest.raises(ValueError):
+        keyed_uniform_streams(seed, position, [1, 2, 3, 2**32, 0])
 
 
 def test_bench_gpu_count_ops_smoke():
