@@ -195,24 +195,29 @@ class HFWorker(LogitsWorker):
         # Every per-token input in one host tensor and one copy to the device (each copy waits for the device):
         # per row the ids (right-padded with token 0), the storage indices, the slot, then which logits to keep:
         # the positions of the last keep[b] inputs when every row keeps as many (the logits then come out
-        # [B, keep, V], rows in order, and nothing waits for the device), else a [B, q] 0/1 mask.
+        # [B, keep, V], rows in order, and nothing waits for the device), else a [B, q] 0/1 mask; for a tree, the
+        # position ids (the row's start + each input's depth; padding: roots of their own).
         same = keep[0] if all(n == keep[0] for n in keep) else 0
+        par = [[*pr, *[-1] * (q - len(pr))] for pr in parents] if parents is not None else None
         rows = []
-        for x, n, st, sl in zip(inputs, keep, starts, slots):
+        for b, (x, n, st, sl) in enumerate(zip(inputs, keep, starts, slots)):
             m = len(x)
             want = list(range(m - same, m)) if same else [0] * (m - n) + [1] * n + [0] * (q - m)
             rows.append([*x, *[0] * (q - m), *range(st, st + q), sl, *want])
-        packed = torch.tensor(rows, dtype=torch.long, device=self.device).view(bsz, -1)  # [B, 2q + 1 + keep or q]
-        ids, idx, row, want = packed.split([q, q, 1, same or q], dim=1)
+            if par is not None:
+                depth: list[int] = []
+                for a in par[b]:
+                    depth.append(0 if a < 0 else depth[a] + 1)
+                rows[-1] += [st + d for d in depth]
+        packed = torch.tensor(rows, dtype=torch.long, device=self.device).view(bsz, -1)  # [B, 2q + 1 + (keep|q) (+q)]
+        ids, idx, row, want, *tree_pos = packed.split([q, q, 1, same or q] + ([q] if par is not None else []), dim=1)
         keep_logits = want if same else want.bool()
         index = (row.squeeze(1), idx)
-        if parents is None:
+        if par is None:
             pos, mask = self.cache.begin(slots, starts, q, eager=self.eager, index=index)
         else:
-            par = torch.tensor([[*pr, *[-1] * (q - len(pr))] for pr in parents], dtype=torch.long).view(bsz, q)
-            depth, window = tree_window(par)  # [B, q], [B, q, q]; padding: roots of their own
-            positions = torch.tensor(starts, dtype=torch.long)[:, None] + depth
-            pos, mask = self.cache.begin(slots, starts, q, eager=self.eager, positions=positions, window=window,
+            _, window = tree_window(torch.tensor(par, dtype=torch.long).view(bsz, q))  # [B, q, q]
+            pos, mask = self.cache.begin(slots, starts, q, eager=self.eager, positions=tree_pos[0], window=window,
                                          index=index)
         t0 = time.perf_counter()
         try:

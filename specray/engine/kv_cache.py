@@ -142,7 +142,12 @@ class SlotKVCache:
         if eager:
             fmask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
             mask = fmask.masked_fill(~mask, torch.finfo(self.dtype).min)
-        pos = self._idx if positions is None else positions.to(self.device, torch.long)
+        if positions is None:
+            pos = self._idx
+        elif positions.device == self.device and positions.dtype == torch.long:
+            pos = positions
+        else:
+            pos = positions.to(self.device, torch.long)
         return pos, mask
 
     def end(self) -> None:
