@@ -20,6 +20,7 @@ Two ideas make speculative decoding in specray exact *and* reproducible:
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,16 @@ def on_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None =
     if t.device == device and (dtype is None or t.dtype == dtype):
         return t
     return t.to(device, dtype)
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32, as the batch's tensors hold it (a host-side test must agree with the tensor's)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _host_greedy(p: SamplingParams) -> bool:
+    """Whether the row's temperature tensor is 0 (a temperature below float32's range rounds to 0 there)."""
+    return _f32(p.temperature) == 0
 
 
 def accept_stream(salt: int) -> int:
@@ -170,13 +181,13 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         if self.host is not None:
-            return all(p.greedy for p in self.host)
+            return all(_host_greedy(p) for p in self.host)
         return bool(self.greedy.all())
 
     @property
     def any_greedy(self) -> bool:
         if self.host is not None:
-            return any(p.greedy for p in self.host)
+            return any(_host_greedy(p) for p in self.host)
         return bool(self.greedy.any())
 
     @property
@@ -310,25 +321,33 @@ def _filter_thresholds(
     x: torch.Tensor,  # [R, V] float32 temperature-scaled logits
     top_k: torch.Tensor,  # [R] int64
     top_p: torch.Tensor,  # [R] float32
+    host: Sequence[SamplingParams] | None = None,
 ) -> torch.Tensor:  # [R, 1] float32
     """Per-row logit threshold: tokens whose scaled logit is below it are filtered out. Masks x in place.
 
     Avoids a full sort of the vocabulary: top-k needs the k largest logits, and top-p only the sorted
     prefix that reaches top_p, found with `topk` on a candidate count that grows x8 for the rows whose
-    prefix was too short (a full sort only for very flat rows).
+    prefix was too short (a full sort only for very flat rows). `host`: the parameters of the rows (any
+    repetition of them), so that the branches read no tensor.
     """
     rows, vocab = x.shape
     neg_inf = torch.full((rows, 1), float("-inf"), device=x.device)
     k = top_k.clamp(max=vocab).unsqueeze(-1)  # [R, 1]
     thr = neg_inf
-    if bool((k > 0).any()):
-        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp(min=0))
+    if host is not None:
+        k_max = max((min(p.top_k, vocab) for p in host), default=0)
+        any_p, every_row = any(_f32(p.top_p) < 1 for p in host), all(_f32(p.top_p) < 1 for p in host)
+    else:
+        k_max = int(k.max()) if rows else 0
+        use_p = top_p < 1
+        any_p, every_row = bool(use_p.any()), bool(use_p.all())
+    if k_max > 0:
+        kth = torch.topk(x, k_max, dim=-1).values.gather(-1, (k - 1).clamp(min=0))
         thr = torch.where(k > 0, kth, neg_inf)
         x.masked_fill_(x < thr, float("-inf"))  # in place: the caller applies a threshold >= thr anyway
-    use_p = top_p < 1
-    if not bool(use_p.any()):
+    if not any_p:
         return thr
-    every_row = bool(use_p.all())
+    use_p = top_p < 1
     p_rows = use_p.nonzero().squeeze(-1)
     xs = x if every_row else x.index_select(0, p_rows)  # [P, V] (no copy in the common all-rows case)
     goal = top_p.index_select(0, p_rows).double().unsqueeze(-1)  # [P, 1]
@@ -382,7 +401,7 @@ def processed_probs(
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     dev = logits.device
     host = sb.host
-    if host is not None and all(p.greedy for p in host):  # one-hots only: no scaling, filters or softmax
+    if host is not None and all(_host_greedy(p) for p in host):  # one-hots only: no scaling, filters or softmax
         return torch.zeros(logits.shape, dtype=torch.float32, device=dev).scatter_(
             -1, logits.argmax(dim=-1, keepdim=True), 1.0)
     temp = on_device(sb.temperature, dev, torch.float32)
@@ -390,29 +409,34 @@ def processed_probs(
     x = logits.float() / torch.where(greedy, torch.ones_like(temp), temp).view(bsz, 1, 1)
     top_k = on_device(sb.top_k, dev)
     top_p = on_device(sb.top_p, dev, torch.float32)
-    needs_filter = ~greedy & ((top_k > 0) & (top_k < vocab) | (top_p < 1))
-    if host is not None:
-        filtered = [not p.greedy and (0 < p.top_k < vocab or p.top_p < 1) for p in host]
-        any_filter, all_filter, any_greedy = any(filtered), all(filtered), any(p.greedy for p in host)
+    if host is not None:  # the tensors' tests below, on the host (float32 values)
+        filtered = [not _host_greedy(p) and (0 < p.top_k < vocab or _f32(p.top_p) < 1) for p in host]
+        any_filter, all_filter, any_greedy = any(filtered), all(filtered), any(_host_greedy(p) for p in host)
     else:
+        needs_filter = ~greedy & ((top_k > 0) & (top_k < vocab) | (top_p < 1))
         any_filter, all_filter, any_greedy = bool(needs_filter.any()), bool(needs_filter.all()), bool(greedy.any())
     if sb.min_p is not None:
         min_p = on_device(sb.min_p, dev, torch.float32)
         use_min_p = ~greedy & (min_p > 0)
-        if (any(not p.greedy and p.min_p > 0 for p in host) if host is not None else bool(use_min_p.any())):
+        if (any(not _host_greedy(p) and _f32(p.min_p) > 0 for p in host) if host is not None
+                else bool(use_min_p.any())):
             # vLLM's min_p: drop p(v) < min_p * max p, i.e. x_v - max x < log(min_p) (in float64)
             log_min = torch.where(use_min_p, min_p.double().log(), float("-inf")).view(bsz, 1, 1)
             drop = (x.double() - x.amax(dim=-1, keepdim=True).double()) < log_min
             x = x.masked_fill_(drop, float("-inf"))
     if all_filter:  # no gather/scatter copies of the (large) logits
         flat = x.view(-1, vocab)
-        thr = _filter_thresholds(flat, top_k.repeat_interleave(steps), top_p.repeat_interleave(steps))
+        thr = _filter_thresholds(flat, top_k.repeat_interleave(steps), top_p.repeat_interleave(steps), host)
         x = flat.masked_fill_(flat < thr, float("-inf")).view(bsz, steps, vocab)
     elif any_filter:
-        rows = needs_filter.nonzero().squeeze(-1)
+        if host is not None:
+            rows = torch.tensor([i for i, f in enumerate(filtered) if f], dtype=torch.int64, device=dev)
+        else:
+            rows = needs_filter.nonzero().squeeze(-1)
         sub = x.index_select(0, rows).view(-1, vocab)  # [R*T, V]
         thr = _filter_thresholds(
-            sub, top_k[rows].repeat_interleave(steps), top_p[rows].repeat_interleave(steps)
+            sub, top_k[rows].repeat_interleave(steps), top_p[rows].repeat_interleave(steps),
+            None if host is None else [p for p, f in zip(host, filtered) if f],
         )
         sub = sub.masked_fill_(sub < thr, float("-inf")).view(-1, steps, vocab)
         x = x.index_copy_(0, rows, sub)

@@ -346,6 +346,10 @@ def test_sampling_batch_fields_and_host_copy():
     [SamplingParams(0.0, seed=0), SamplingParams(0.8, top_k=4, seed=1), SamplingParams(1.2, top_p=0.7, seed=2)],
     [SamplingParams(0.9, top_k=5, seed=0), SamplingParams(0.6, top_p=0.5, min_p=0.2, seed=1)],
     [SamplingParams(0.0, seed=0), SamplingParams(1.0, seed=1), SamplingParams(0.5, min_p=0.3, seed=2)],
+    # values float32 rounds across a branch: a temperature that is 0 there, a top_p that is 1, a min_p that is 0
+    [SamplingParams(1e-46, seed=0), SamplingParams(0.7, top_p=0.999999999, seed=1),
+     SamplingParams(0.8, min_p=1e-50, top_k=3, seed=2)],
+    [SamplingParams(1e-46, seed=0)] * 2,
 ])
 def test_processed_probs_host_branches_equal_tensor_branches(rows):
     """Branching on the host copy of the parameters gives what branching on the tensors gives (ties included)."""
