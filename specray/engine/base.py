@@ -121,10 +121,11 @@ def token_confidence(
     return torch.where(on_device(sb.temperature, raw.device) == 0, raw, drawn)
 
 
-def plain_greedy(sampling: Sequence[SamplingParams]) -> bool:
-    """Whether every row is greedy without penalties or logprobs: its token is then the argmax of the raw logits
-    (first index on ties, as `processed_probs` makes it), which the workers' fast paths compute alone."""
-    return all(sp.greedy and not sp.penalized and sp.logprobs is None for sp in sampling)
+def plain_greedy(sampling: Sequence[SamplingParams], logprobs: bool = True) -> bool:
+    """Whether every row is greedy without penalties (and, where they would be reported, without logprobs): its
+    token is then the argmax of the raw logits (first index on ties, as `processed_probs` makes it), which the
+    workers' fast paths compute alone."""
+    return all(sp.greedy and not sp.penalized and (sp.logprobs is None or not logprobs) for sp in sampling)
 
 
 def pad_rows(
@@ -288,7 +289,7 @@ class LogitsWorker(abc.ABC):
         seqs = self._prepare(seq_ids, sync)
         kmax = max(k, default=0)
         out: list[list[int]] = [[] for _ in seqs]
-        if mode != DraftMode.RANDOM and stop_below <= 0 and plain_greedy(sampling):
+        if mode != DraftMode.RANDOM and stop_below <= 0 and plain_greedy(sampling, logprobs=False):
             # every row's token is the argmax of its logits (what every mode draws from a one-hot): one op and one
             # read per step
             for t in range(kmax):
@@ -366,7 +367,7 @@ class LogitsWorker(abc.ABC):
         bsz = len(seqs)
         # rows all greedy without penalties: a parent's children are its top `width` raw logits in every mode but
         # random (which returns q), scored by their log-softmax (what `draft_children` gives such rows)
-        fast = mode != DraftMode.RANDOM and plain_greedy(sampling)
+        fast = mode != DraftMode.RANDOM and plain_greedy(sampling, logprobs=False)
         sb_all = None if fast else SamplingBatch.from_params(sampling)
         history = None if fast else self._history(seqs, sampling)
         toks: list[list[int]] = [[] for _ in seqs]

@@ -208,6 +208,20 @@ def test_penalized_greedy_propose_takes_the_general_path(spy):
     assert got == out
 
 
+def test_greedy_rows_with_logprobs(spy):
+    """Logprobs leave drafting on the fast path (a draft reports none) and put verification on the general one."""
+    w = tied_worker("lp")
+    w.add("a", [1, 2, 3])
+    sp = SamplingParams(seed=0, logprobs=2)
+    prop = w.propose(["a"], [3], [sp], mode=DraftMode.GREEDY)
+    assert not spy
+    w.rollback("a", 3)
+    res = w.verify(["a"], prop.token_ids, None, [sp], VerifyMethod.GREEDY)
+    assert spy
+    assert res.token_ids[0] == greedy_walk(w, [1, 2, 3], prop.token_ids[0])
+    assert res.logprobs is not None and len(res.logprobs[0]) == len(res.token_ids[0])
+
+
 @pytest.mark.parametrize("method", list(VerifyMethod))
 def test_tree_fast_paths_equal_general_paths(method, spy):
     """propose_tree (greedy and coupled mode vs random mode, which keeps the general path) and verify_tree (vs
