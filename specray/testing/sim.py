@@ -115,7 +115,8 @@ _README_S9 = ("benchmarks/README.md, section 1, 'Bounded look-ahead (session 9, 
               ": Qwen2.5-Coder bf16, 1 thread")
 
 
-_GPU_RUN = "benchmarks/bench_gpu.py, benchmarks/results/gpu-20261126-h200.json (measured, benchmarks/README.md section 8)"
+_GPU_RUN = ("benchmarks/bench_gpu.py, benchmarks/results/gpu-20261126-h200.json (measured, benchmarks/README.md "
+            "section 8)")
 
 
 def _gpu(name: str, decode_s: float, params: float, gpus: int, source: str) -> StepCostModel:
