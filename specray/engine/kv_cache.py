@@ -61,6 +61,7 @@ class SlotKVCache:
         self._idx: torch.Tensor | None = None  # [B, q] storage index of each new token
         self._kv_len = 0
         self._contiguous: tuple[int, int] | None = None
+        self._block: int | None = None
 
     # ----- slot management -------------------------------------------------------------------
     def allocate(self, prompt: Sequence[int] = ()) -> tuple[int, int]:
@@ -161,6 +162,8 @@ class SlotKVCache:
         self._rows, self._idx, self._kv_len = rows_t.to(self.device), idx.to(self.device), kv_len
         r0 = rows[0]
         self._contiguous = (r0, r0 + len(rows)) if rows == list(range(r0, r0 + len(rows))) else None
+        # every row writing at the same start into a run of slots (batch 1 always): a slice, not a scatter
+        self._block = starts[0] if self._contiguous is not None and len(set(starts)) == 1 else None
         keys = torch.arange(kv_len)
         if window is None:
             mask = keys[None, None, None, :] <= idx[:, None, :, None]  # [B,1,q,kv_len]
@@ -179,7 +182,7 @@ class SlotKVCache:
 
     def end(self) -> None:
         self._rows = self._idx = None
-        self._contiguous = None
+        self._contiguous = self._block = None
 
     def move(self, rows: list[int], src: list[int], dst: list[int]) -> None:
         """Copy entry src[m] of slot rows[m] to index dst[m] of the same slot, in every layer (K and V).
@@ -200,9 +203,15 @@ class SlotKVCache:
         """key/value [B, H_kv, q, D] -> the rows' K and V [B, H_kv, kv_len, D] including the new tokens."""
         assert self._rows is not None and self._idx is not None, "begin() must precede the forward"
         kp, vp = self.k[layer_idx], self.v[layer_idx]
-        rows, pos = self._rows[:, None], self._idx  # [B,1], [B,q], on the device
-        kp[rows, :, pos] = key.transpose(1, 2).to(self.dtype)  # indexed view is [B, q, H, D]
-        vp[rows, :, pos] = value.transpose(1, 2).to(self.dtype)
+        if self._block is not None:
+            a, b = self._contiguous
+            s, e = self._block, self._block + key.shape[2]
+            kp[a:b, :, s:e] = key.to(self.dtype)
+            vp[a:b, :, s:e] = value.to(self.dtype)
+        else:
+            rows, pos = self._rows[:, None], self._idx  # [B,1], [B,q], on the device
+            kp[rows, :, pos] = key.transpose(1, 2).to(self.dtype)  # indexed view is [B, q, H, D]
+            vp[rows, :, pos] = value.transpose(1, 2).to(self.dtype)
         if self._contiguous is not None:
             a, b = self._contiguous
             return kp[a:b, :, : self._kv_len], vp[a:b, :, : self._kv_len]
