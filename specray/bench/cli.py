@@ -90,6 +90,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=["auto", "vllm", "hf"], default="auto",
                    help="engine of the target given by --model, as in `specray generate`: vllm verifies the drafts "
                         "inside its engine step; auto: vllm where it is installed, else hf. The hf_* peers need hf")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="hf levels: prefill every prompt whole instead of reusing the KV of an earlier request that "
+                        "it starts with (enable_prefix_caching: false); vLLM levels always cache prefixes")
     g.add_argument("--threads", type=int, default=None, help="torch threads (none: torch's choice)")
     g.add_argument("--overlap", action="store_true",
                    help="draft the next round on a second thread while the target verifies this one")
@@ -145,9 +148,10 @@ def cascade_from_flags(args: argparse.Namespace) -> Any:
     names = short if len(set(short)) == len(short) else models
     common = dict(dtype=args.dtype, num_threads=args.threads)
     levels = [LevelConfig(kind="ngram", num_speculative_tokens=ks[0])] if args.ngram else []
-    levels += [LevelConfig(kind="hf", model=d, name=n, num_speculative_tokens=k, **common)
+    cache = {"enable_prefix_caching": not args.no_prefix_caching}
+    levels += [LevelConfig(kind="hf", model=d, name=n, num_speculative_tokens=k, **common, **cache)
                for d, n, k in zip(args.draft, names, ks[len(levels):])]
-    target = dict(common)
+    target = dict(common, **(cache if args.backend == "hf" else {}))
     if args.backend != "hf" and n_prop:
         target["engine_verify"] = max(ks)  # the drafts are verified inside the vLLM engine's step
     return CascadeConfig(levels=[*levels, LevelConfig(kind=args.backend, model=args.model, name=names[-1],
