@@ -24,7 +24,9 @@ coordinator making every call), `compiled` (a Ray Compiled Graph per level) and 
 labelled `actors` / `actors-flat` / `actors-compiled` / `actors-call` (and `multinode...`).
 Plans: plain (target alone), draft (8B K -> 70B-TP4), cascade (1B K -> 8B K -> 70B-TP4); greedy, K per level,
 each with and without overlap (drafting the next round while the target verifies; not for plain). The qwen-cpu
-preset has two levels (0.5B -> 1.5B): plain and draft.
+preset has two levels (0.5B -> 1.5B): plain and draft. The h200-hf preset has the hf backend's own step times
+measured on an H200 (benchmarks/bench_gpu.py: 1B -> 8B, plain and draft), to set the simulated round beside the
+real one measured there.
 
 Definitions, per run (one timed `generate` after an untimed warm-up on the same prompts and engine):
   rounds              engine rounds (target verifications) = the most rounds any row took
@@ -149,16 +151,19 @@ class LevelSpec:
 PRESET_LEVELS: dict[str, tuple[LevelSpec, ...]] = {
     "gpu": (LevelSpec("llama-1b", 0.3, 2), LevelSpec("llama-8b", 0.25, 1), LevelSpec("llama-70b-tp4")),
     "qwen-cpu": (LevelSpec("qwen-cpu-0.5b", 0.25, 1), LevelSpec("qwen-cpu-1.5b")),
+    "h200-hf": (LevelSpec("h200-hf-1b", 0.3, 2), LevelSpec("h200-hf-8b")),
 }
 PLAN_LEVELS: dict[str, dict[str, tuple[str, ...]]] = {
     "gpu": {"plain": ("llama-70b-tp4",), "draft": ("llama-8b", "llama-70b-tp4"),
             "cascade": ("llama-1b", "llama-8b", "llama-70b-tp4")},
     "qwen-cpu": {"plain": ("qwen-cpu-1.5b",), "draft": ("qwen-cpu-0.5b", "qwen-cpu-1.5b")},
+    "h200-hf": {"plain": ("h200-hf-8b",), "draft": ("h200-hf-1b", "h200-hf-8b")},
 }
 #: multinode: which node (custom resource of `LocalCluster`'s DEFAULT_NODES) holds each level
 NODE_OF: dict[str, dict[str, str]] = {
     "gpu": {"llama-1b": "head_node", "llama-8b": "draft", "llama-70b-tp4": "target"},
     "qwen-cpu": {"qwen-cpu-0.5b": "draft", "qwen-cpu-1.5b": "target"},
+    "h200-hf": {"h200-hf-1b": "draft", "h200-hf-8b": "target"},
 }
 
 
@@ -622,7 +627,7 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
 
 
 def _short(name: str) -> str:
-    return name.replace("llama-", "").replace("qwen-cpu-", "q").replace("-tp4", "")
+    return name.replace("llama-", "").replace("qwen-cpu-", "q").replace("h200-hf-", "h").replace("-tp4", "")
 
 
 def config_label(r: dict[str, Any]) -> str:

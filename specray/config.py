@@ -83,6 +83,10 @@ class LevelConfig(_Strict):
         False, description="float32 on CPU only: reorder linear weights once for oneDNN. On CPUs without bf16 "
         "units a K+1-token verification then costs ~1.9 decoding steps instead of ~3, so speculation pays."
     )
+    enable_prefix_caching: bool = Field(
+        True, description="hf levels: a new request reuses the KV of a finished one whose tokens its prompt starts "
+        "with (a conversation's next turn, a shared system prompt or document), so its prefill feeds only the rest. "
+        "vLLM levels always cache prefixes (vLLM's own).")
     max_context: int | None = Field(None, ge=16, description="Context limit; defaults to the model's.")
     num_speculative_tokens: int = Field(
         4, ge=0, le=64, description="K: tokens this level proposes to the level above per round (a suffix level: "
@@ -206,6 +210,9 @@ class LevelConfig(_Strict):
                 raise ValueError("a suffix level takes no `model` (it drafts from text it has seen)")
         elif not self.model:
             raise ValueError(f"a {self.kind} level needs `model`")
+        if not self.enable_prefix_caching and self.kind == "vllm":
+            raise ValueError("enable_prefix_caching: a vllm level always caches prefixes (an engine argument specray "
+                             "sets); it can be turned off for hf levels only")
         if self.engine_args:
             self._check_engine_args()
         if self.native_speculation is not None:

@@ -52,8 +52,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "suffix match, else the largest draft model's draft (--hybrid-lookup). A mode the cascade "
                         f"cannot run is skipped. Default: {' '.join(DEFAULT_MODES)}")
     g.add_argument("--peers", nargs="*", default=[], choices=PEERS, metavar="PEER",
-                   help=f"also measure other engines on the same requests at batch 1: {', '.join(PEERS)}; one that "
-                        "is not installed is skipped with the reason")
+                   help=f"also measure other engines on the same requests: {', '.join(PEERS)}. hf_* at batch 1; "
+                        "vllm_* at every --batch size (B requests per LLM.generate call, a fresh process each); "
+                        "one that is not installed is skipped with the reason")
     g.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
                    help="in-process batch sizes: B requests run together through the scheduler (default: 1)")
     g.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="C",
@@ -89,6 +90,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=["auto", "vllm", "hf"], default="auto",
                    help="engine of the target given by --model, as in `specray generate`: vllm verifies the drafts "
                         "inside its engine step; auto: vllm where it is installed, else hf. The hf_* peers need hf")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="hf levels: prefill every prompt whole instead of reusing the KV of an earlier request that "
+                        "it starts with (enable_prefix_caching: false); vLLM levels always cache prefixes")
     g.add_argument("--threads", type=int, default=None, help="torch threads (none: torch's choice)")
     g.add_argument("--overlap", action="store_true",
                    help="draft the next round on a second thread while the target verifies this one")
@@ -128,6 +132,10 @@ def load_config(path: str) -> Any:
     return app_config_from_args(data)[0]
 
 
+#: the untimed request each mode gets first (kernels, allocations, first-call costs)
+WARMUP_PROMPT = "Say hello."
+
+
 def cascade_from_flags(args: argparse.Namespace) -> Any:
     """The cascade the model flags describe: [n-gram] + drafts + target."""
     from specray.config import CascadeConfig, LevelConfig
@@ -144,9 +152,10 @@ def cascade_from_flags(args: argparse.Namespace) -> Any:
     names = short if len(set(short)) == len(short) else models
     common = dict(dtype=args.dtype, num_threads=args.threads)
     levels = [LevelConfig(kind="ngram", num_speculative_tokens=ks[0])] if args.ngram else []
-    levels += [LevelConfig(kind="hf", model=d, name=n, num_speculative_tokens=k, **common)
+    cache = {"enable_prefix_caching": not args.no_prefix_caching}
+    levels += [LevelConfig(kind="hf", model=d, name=n, num_speculative_tokens=k, **common, **cache)
                for d, n, k in zip(args.draft, names, ks[len(levels):])]
-    target = dict(common)
+    target = dict(common, **(cache if args.backend == "hf" else {}))
     if args.backend != "hf" and n_prop:
         target["engine_verify"] = max(ks)  # the drafts are verified inside the vLLM engine's step
     return CascadeConfig(levels=[*levels, LevelConfig(kind=args.backend, model=args.model, name=names[-1],
@@ -288,8 +297,8 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
     peers = []
     for p in dict.fromkeys(args.peers):
         why = peers_mod.unavailable(p, target_kind=target.kind, hf_target=hf_target, has_draft=has_draft)
-        if why is None and 1 not in batches:
-            why = "peers run at batch 1 only: add 1 to --batch"
+        if why is None and p in HF_PEERS and 1 not in batches:
+            why = "hf peers run at batch 1 only: add 1 to --batch"
         if why:
             skipped.append({"name": p, "reason": why})
         else:
@@ -308,7 +317,9 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         return [(i, prompt_ids(target.tokenizer, r), row_max_tokens(r, args.max_tokens)) for i, r in chunk]
 
     if args.warmup and rows:
-        first = [(0, {**rows[0]})]
+        # a short prompt of its own, as the vLLM peers' warm-up is shorter than a KV block: a prefix cache (the hf
+        # levels', the server's) must not start the timed run holding the first request's prompt
+        first = [(0, {"workload": rows[0]["workload"], "prompt": WARMUP_PROMPT})]
         for m in modes:
             target.run(m, first, 1, 8)
         for p in hf_peers:
@@ -325,7 +336,7 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         return cells[key]
 
     steps = sum(len(_chunks(wrows, b)) * (len(modes) + (len(hf_peers) if b == 1 else 0))
-                for wrows in by_workload.values() for b in batches) + len(vllm_peers) * len(by_workload)
+                for wrows in by_workload.values() for b in batches) + len(vllm_peers) * len(by_workload) * len(batches)
     with tqdm(total=steps, desc="bench", unit="run", disable=args.quiet, file=log) as bar:
         for w, wrows in by_workload.items():
             for b in batches:
@@ -343,17 +354,19 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
                             cell(w, b, p, "peer").add(res.seconds, res.requests)
                             bar.update(1)
             for p in vllm_peers:
-                bar.set_postfix_str(f"{w} {p} (fresh process)")
-                try:
-                    res = peers_mod.run_vllm(
-                        p, cfg.levels[-1].model, ids_rows(list(enumerate(wrows))), threads=args.peer_threads,
-                        dtype=cfg.levels[-1].dtype, draft=draft_level.model if draft_level else None,
-                        k=draft_level.num_speculative_tokens if draft_level else 4, temperature=args.temperature,
-                        log=log)
-                    cell(w, 1, p, "peer").add(res.seconds, res.requests)
-                except RuntimeError as exc:
-                    skipped.append({"name": f"{p}:{w}", "reason": str(exc)})
-                bar.update(1)
+                for b in batches:  # the same chunks of b requests as the modes, each one generate call
+                    bar.set_postfix_str(f"{w} {batch_kind} {b} {p} (fresh process)")
+                    try:
+                        res = peers_mod.run_vllm(
+                            p, cfg.levels[-1].model, ids_rows([r for c in _chunks(wrows, b) for r in c]),
+                            threads=args.peer_threads, dtype=cfg.levels[-1].dtype,
+                            draft=draft_level.model if draft_level else None,
+                            k=draft_level.num_speculative_tokens if draft_level else 4,
+                            temperature=args.temperature, batch=b, log=log)
+                        cell(w, b, p, "peer").add(res.seconds, res.requests)
+                    except RuntimeError as exc:
+                        skipped.append({"name": f"{p}:{w}:{b}", "reason": str(exc)})
+                    bar.update(1)
     settings = {"modes": modes, "peers": peers, "batches": list(batches), "batch_kind": batch_kind,
                 "temperature": args.temperature, "seed": args.seed, "max_tokens": args.max_tokens,
                 "workloads": {w: len(r) for w, r in by_workload.items()}}

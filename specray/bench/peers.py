@@ -135,9 +135,10 @@ def vllm_speculative_config(peer: str, draft: str | None = None, k: int = 4) -> 
 
 def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], *, threads: int = 2,
              dtype: str = "bfloat16", draft: str | None = None, k: int = 4, temperature: float = 0.0,
-             log=None) -> Chunk:
-    """`peer` on `rows` ((index, prompt ids, max tokens), one at a time) in a fresh process; raises RuntimeError
-    with the child's exit code if it fails."""
+             batch: int = 1, log=None) -> Chunk:
+    """`peer` on `rows` ((index, prompt ids, max tokens)) in a fresh process, `batch` rows at a time (one
+    `LLM.generate` call each, which vLLM schedules as one batch); raises RuntimeError with the child's exit code if
+    it fails."""
     from specray.engine.models import resolve_model
     from specray.engine.vllm import preload_env
 
@@ -145,7 +146,7 @@ def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], 
 
     spec = {"peer": peer, "model": str(resolve_model(model)), "threads": threads, "dtype": dtype,
             "draft": str(resolve_model(draft)) if draft else None, "k": k, "temperature": temperature,
-            "rows": [list(r) for r in rows]}
+            "batch": max(1, int(batch)), "rows": [list(r) for r in rows]}
     env = {**os.environ, **preload_env()}
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
@@ -160,7 +161,7 @@ def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], 
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    """In the fresh process: one vLLM engine, every row once, one at a time."""
+    """In the fresh process: one vLLM engine, every row once, `batch` rows per generate call."""
     threads = int(spec["threads"])
     temperature = float(spec["temperature"])
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")  # one OpenMP thread per core
@@ -188,20 +189,24 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     warm = spec["rows"][0][1][:8]  # shorter than a KV block: prefix caching keeps nothing of it
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     requests, total = [], 0.0
-    for index, ids, max_tokens in spec["rows"]:
-        sp = SamplingParams(temperature=temperature, max_tokens=int(max_tokens),
-                            seed=index if temperature > 0 else None)  # one seed per prompt
+    rows, batch = spec["rows"], int(spec.get("batch", 1))
+    for start in range(0, len(rows), batch):
+        chunk = rows[start : start + batch]
+        sps = [SamplingParams(temperature=temperature, max_tokens=int(max_tokens),
+                              seed=index if temperature > 0 else None)  # one seed per prompt
+               for index, _, max_tokens in chunk]
         t0 = time.perf_counter()
-        res = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        outs = llm.generate([{"prompt_token_ids": ids} for _, ids, _ in chunk], sps, use_tqdm=False)
         dt = time.perf_counter() - t0
         total += dt
-        m = getattr(res, "metrics", None)  # vLLM versions differ in what a RequestOutput's metrics hold
-        ttft = getattr(m, "first_token_latency", None)
-        if not ttft:
-            first, arrival = getattr(m, "first_token_time", None), getattr(m, "arrival_time", None)
-            ttft = first - arrival if isinstance(first, float) and isinstance(arrival, float) else None
-        toks = list(res.outputs[0].token_ids)
-        requests.append({"index": index, "tokens": len(toks), "seconds": dt, "ttft_s": ttft, "output": toks})
+        for (index, _, _), res in zip(chunk, outs):
+            m = getattr(res, "metrics", None)  # vLLM versions differ in what a RequestOutput's metrics hold
+            ttft = getattr(m, "first_token_latency", None)
+            if not ttft:
+                first, arrival = getattr(m, "first_token_time", None), getattr(m, "arrival_time", None)
+                ttft = first - arrival if isinstance(first, float) and isinstance(arrival, float) else None
+            toks = list(res.outputs[0].token_ids)
+            requests.append({"index": index, "tokens": len(toks), "seconds": dt, "ttft_s": ttft, "output": toks})
     return {"seconds": total, "requests": requests}
 
 

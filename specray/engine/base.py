@@ -187,10 +187,13 @@ class LogitsWorker(abc.ABC):
         """Copy KV entry src[m] of slot slots[m] to index dst[m] (a backend with a KV cache)."""
         return None
 
-    def _allocate(self) -> int:
-        return -1
+    def _allocate(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """A KV slot for a new sequence with this prompt, and how many of the prompt's first positions the slot
+        already holds valid KV for (a backend with prefix caching; 0 otherwise)."""
+        return -1, 0
 
-    def _release(self, slot: int) -> None:
+    def _release(self, slot: int, tokens: Sequence[int]) -> None:
+        """Free `slot`, whose first positions hold valid KV of `tokens`."""
         return None
 
     def _cache_bytes(self) -> int:
@@ -211,12 +214,13 @@ class LogitsWorker(abc.ABC):
             raise ValueError(f"{self.name}: sequence {seq_id!r} has an empty prompt")
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"{self.name}: prompt of {len(prompt_ids)} tokens exceeds the context {self.max_context}")
-        self._seqs[seq_id] = SeqState(self._allocate(), list(prompt_ids))
+        slot, cached = self._allocate(prompt_ids)
+        self._seqs[seq_id] = SeqState(slot, list(prompt_ids), kv_len=cached)
 
     def free(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
-            self._release(seq.slot)
+            self._release(seq.slot, seq.tokens[: seq.kv_len])
 
     def rollback(self, seq_id: str, length: int) -> None:
         self._apply_sync(self._get(seq_id), SeqSync(length))

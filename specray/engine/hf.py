@@ -36,6 +36,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
+#: the fewest prompt tokens a finished sequence's KV slot must share with a new prompt to be reused for it
+MIN_PREFIX = 8
+
 _CUDA_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
@@ -95,6 +98,8 @@ class HFWorker(LogitsWorker):
 
     num_threads sets torch's intra-op threads for this process (process-wide: in-process levels share
     it; Ray actors each have their own). prefill_chunk bounds the tokens of one prompt forward.
+    prefix_caching: a new sequence takes the KV of a finished one whose tokens its prompt starts with (at least
+    `MIN_PREFIX` of them), so its prefill feeds only the rest (`SlotKVCache`).
     `model` may also be a causal LM already built (random weights of a real shape, for step-time benchmarks on a
     machine that cannot download any); `tokenizer` is then optional (token-id prompts only without one).
     """
@@ -116,6 +121,7 @@ class HFWorker(LogitsWorker):
         prefill_chunk: int = 512,
         initial_slots: int = 4,
         cpu_prepack: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -154,6 +160,7 @@ class HFWorker(LogitsWorker):
         self.cache = SlotKVCache(
             cfg.num_hidden_layers, kv_heads, head_dim, self.dtype, self.device,
             initial_slots=initial_slots, initial_capacity=256, max_capacity=self.max_context,
+            min_prefix=MIN_PREFIX if prefix_caching else 0,
         )
         self.prefill_chunk = prefill_chunk
         # On CUDA, PyTorch may pick cuDNN's attention for our masked forwards, which sets up a plan on the host
@@ -165,18 +172,19 @@ class HFWorker(LogitsWorker):
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s) in %.1fs", self.name, self.dtype, self.load_seconds)
 
-    def _allocate(self) -> int:
-        return self.cache.allocate()
+    def _allocate(self, prompt: Sequence[int]) -> tuple[int, int]:
+        return self.cache.allocate(prompt)
 
-    def _release(self, slot: int) -> None:
-        self.cache.release(slot)
+    def _release(self, slot: int, tokens: Sequence[int]) -> None:
+        self.cache.release(slot, tokens)
 
     def _cache_bytes(self) -> int:
         return self.cache.nbytes()
 
     def stats(self) -> WorkerStats:
         st = super().stats()
-        st.extra.update(forward_calls=self.forward_calls, forward_seconds=self.forward_seconds)
+        st.extra.update(forward_calls=self.forward_calls, forward_seconds=self.forward_seconds,
+                        prefix_cache_hits=self.cache.prefix_hits, prefix_cache_tokens=self.cache.prefix_tokens)
         return st
 
     def _move_kv(self, slots: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:

@@ -8,9 +8,16 @@ pass explicit `position_ids` and a 4D mask, which `begin()` builds.
 Layout per layer: K and V pools of shape [S_slots, H_kv, capacity, D]. A sequence owns one slot; its
 valid length is kept by the worker and passed to `begin()`. Rejected tokens stay in the pool past that
 length and are hidden by the mask until a later write overwrites them, so rollback copies nothing.
+
+Prefix caching works the same way: a released slot keeps its KV, and the cache remembers which tokens it holds.
+A new sequence whose prompt starts with a released slot's tokens takes that slot and starts with those positions
+already valid (a conversation's next turn, or another request with the same system prompt and document), so its
+prefill feeds only the rest. Nothing is copied, and a slot that was never released keeps nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -28,7 +35,10 @@ class SlotKVCache:
         initial_slots: int = 4,
         initial_capacity: int = 256,
         max_capacity: int | None = None,
+        min_prefix: int = 0,
     ) -> None:
+        """min_prefix: the fewest leading tokens a released slot must share with a new prompt to be reused for it
+        (0: no prefix caching)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -40,23 +50,50 @@ class SlotKVCache:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self._free: list[int] = []
+        self.min_prefix = min_prefix
+        #: released slot -> the tokens whose KV it still holds, least recently released first
+        self._kept: dict[int, list[int]] = {}
+        self.prefix_hits = 0
+        self.prefix_tokens = 0
         self._grow(initial_slots, initial_capacity)
         # set by begin() for the forward in flight
         self._rows: torch.Tensor | None = None  # [B]
         self._idx: torch.Tensor | None = None  # [B, q] storage index of each new token
         self._kv_len = 0
         self._contiguous: tuple[int, int] | None = None
+        self._block: int | None = None
 
     # ----- slot management -------------------------------------------------------------------
-    def allocate(self) -> int:
-        """Take a free slot, growing the pool if none is left."""
-        if not self._free:
-            self._grow(max(1, self._slots) * 2, self._capacity)
-        return self._free.pop()
+    def allocate(self, prompt: Sequence[int] = ()) -> tuple[int, int]:
+        """Take a free slot for a sequence starting with `prompt`: (slot, positions of it whose KV the slot already
+        holds). The released slot sharing the longest prefix with `prompt` (at least `min_prefix` tokens, and
+        never the whole prompt: its last token is fed to get logits), else a slot that keeps nothing (lowest first:
+        keeps active rows near-contiguous), else the least recently released one; the pool grows only when no
+        slot is free."""
+        best, best_n = -1, 0
+        if self.min_prefix and len(prompt) > self.min_prefix:
+            for slot, held in self._kept.items():
+                n = _common_prefix(held, prompt, len(prompt) - 1)
+                if n >= self.min_prefix and n > best_n:
+                    best, best_n = slot, n
+        if best < 0:
+            if not self._free:
+                self._grow(max(1, self._slots) * 2, self._capacity)
+            empty = [s for s in self._free if s not in self._kept]
+            best = empty[-1] if empty else next(iter(self._kept))
+        self._free.remove(best)
+        self._kept.pop(best, None)
+        if best_n:
+            self.prefix_hits += 1
+            self.prefix_tokens += best_n
+        return best, best_n
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, tokens: Sequence[int] = ()) -> None:
+        """Free `slot`; `tokens`: those its first positions hold valid KV of (kept for prefix caching)."""
         self._free.append(slot)
         self._free.sort(reverse=True)  # hand out low slots first: keeps active rows near-contiguous
+        if self.min_prefix and len(tokens) >= self.min_prefix:
+            self._kept[slot] = list(tokens)
 
     @property
     def num_slots(self) -> int:
@@ -130,6 +167,8 @@ class SlotKVCache:
         self._kv_len = kv_len
         r0 = rows[0]
         self._contiguous = (r0, r0 + b) if rows == list(range(r0, r0 + b)) else None
+        # every row writing at the same start into a run of slots (batch 1 always): a slice, not a scatter
+        self._block = starts[0] if self._contiguous is not None and len(set(starts)) == 1 else None
         keys = torch.arange(kv_len, device=self.device)
         if window is None:
             mask = (keys <= self._idx.unsqueeze(-1)).unsqueeze(1)  # [B,1,q,kv_len]
@@ -152,7 +191,7 @@ class SlotKVCache:
 
     def end(self) -> None:
         self._rows = self._idx = None
-        self._contiguous = None
+        self._contiguous = self._block = None
 
     def move(self, rows: list[int], src: list[int], dst: list[int]) -> None:
         """Copy entry src[m] of slot rows[m] to index dst[m] of the same slot, in every layer (K and V).
@@ -173,9 +212,15 @@ class SlotKVCache:
         """key/value [B, H_kv, q, D] -> the rows' K and V [B, H_kv, kv_len, D] including the new tokens."""
         assert self._rows is not None and self._idx is not None, "begin() must precede the forward"
         kp, vp = self.k[layer_idx], self.v[layer_idx]
-        rows, pos = self._rows[:, None], self._idx  # [B,1], [B,q], on the device
-        kp[rows, :, pos] = key.transpose(1, 2).to(self.dtype)  # indexed view is [B, q, H, D]
-        vp[rows, :, pos] = value.transpose(1, 2).to(self.dtype)
+        if self._block is not None:
+            a, b = self._contiguous
+            s, e = self._block, self._block + key.shape[2]
+            kp[a:b, :, s:e] = key.to(self.dtype)
+            vp[a:b, :, s:e] = value.to(self.dtype)
+        else:
+            rows, pos = self._rows[:, None], self._idx  # [B,1], [B,q], on the device
+            kp[rows, :, pos] = key.transpose(1, 2).to(self.dtype)  # indexed view is [B, q, H, D]
+            vp[rows, :, pos] = value.transpose(1, 2).to(self.dtype)
         if self._contiguous is not None:
             a, b = self._contiguous
             return kp[a:b, :, : self._kv_len], vp[a:b, :, : self._kv_len]
@@ -189,3 +234,20 @@ class SlotKVCache:
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of a and b, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    if n == 0 or a[0] != b[0]:
+        return 0
+    if list(a[:n]) == list(b[:n]):
+        return n
+    lo, hi = 1, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on slice equality (C-speed comparisons)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo

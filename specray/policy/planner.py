@@ -1,8 +1,10 @@
 """Choose the speculation plan (which levels run, and K for each) per round from live measurements.
 
-Each candidate is priced by `specray.policy.pricing` (goodput E[L] * B / T_round of plain decoding, one
-drafter, cascades, a native vLLM target, overlapped rounds); this module chooses among them: a static
-table, hysteresis, exploration of stale pairs, plain probes at new batch sizes.
+`Planner` is made of three parts: what it has measured (`specray.policy.measurements`: the engine's observer hooks
+and the step-cost fits and acceptances they update), the candidate plans ranked by predicted goodput
+(`specray.policy.ranking`; each candidate priced by `specray.policy.pricing`: E[L] * B / T_round of plain decoding,
+one drafter, cascades, a native vLLM target, overlapped rounds), and, in this module, the choice among them: a
+static table, hysteresis, exploration of stale pairs, plain probes at new batch sizes, each within its time budget.
 
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
@@ -20,48 +22,26 @@ timed tree proposals (`on_propose_tree`).
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from specray.coordinator.state import Plan, plan_name
-from specray.policy.chains import ChainTable
-from specray.policy.cost import Acceptance, StepCost
-from specray.policy.pricing import Pricing, _effective
-from specray.spec.params import VerifyMethod, tree_feeds
+from specray.coordinator.state import Plan
+from specray.policy.measurements import Measurements, batch_bucket
+from specray.policy.pricing import _effective
+from specray.policy.ranking import REGIMES, Ranking, regime_of
+from specray.spec.params import VerifyMethod
 
 if TYPE_CHECKING:
     from specray.coordinator.cascade import CascadeEngine
-    from specray.coordinator.feed import TreeWalk
     from specray.coordinator.state import Level
-    from specray.spec.params import TreeShape
 
 __all__ = ["Planner", "regime_of"]
 
-REGIMES = ("cascade", "draft", "ngram", "none")
 
-
-def regime_of(plan: Plan, is_ngram: Sequence[bool]) -> str:
-    """'none' (plain decoding), 'ngram' or 'draft' (one drafter), or 'cascade' (two or more drafters)."""
-    eff = _effective(plan)
-    if len(eff) == 1:
-        return "none"
-    if len(eff) == 2:
-        return "ngram" if is_ngram[plan.levels[eff[0]]] else "draft"
-    return "cascade"
-
-
-def _bucket(batch: int) -> int:
-    """Batch sizes grouped by powers of two (1, 2, 3-4, 5-8, ...): where plain decoding is re-measured."""
-    return 1 << max(0, int(batch) - 1).bit_length()
-
-
-class Planner(Pricing):
+class Planner(Measurements, Ranking):
     """Picks a `Plan` per round for the best expected goodput; `planner(batch_size) -> Plan`.
 
     Only the levels' names, `is_ngram` and `k` (the default plan) are used. `attach(engine)` subscribes
@@ -82,7 +62,6 @@ class Planner(Pricing):
     plan of that regime), 'hybrid' (best hybrid plan) or a plan name like 'ngram:3>draft:4>target' (hybrid:
     'ngram:3|draft:4>target').
     """
-
     def __init__(
         self,
         levels: Sequence[Level],
@@ -171,75 +150,12 @@ class Planner(Pricing):
         self.answers = 0  # plan() calls so far (a caller tells a round the planner chose for from one it did not)
         self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
         self.plain = Plan((self.top,), ())
-        #: K of the target's own (native vLLM) speculation on plain rounds; 0: plain decoding is one token
-        self.native_k = int(levels[-1].native_k or 0)
-        self.native_q = float(self.native_k + 1)  # decayed mean tokens fed per row in a native step
-        self._native_decay = decay
-        self.decay_match = decay
-
-        fit_decay = decay**0.25  # the cost fit keeps a longer memory than the acceptance estimates
-        self.costs: dict[int, StepCost] = {self.top: StepCost(prior_target, decay=fit_decay, table_decay=decay)}
-        for i in range(self.top - 1, -1, -1):
-            if not self.is_ngram[i]:
-                ratio = prior_cost_ratio ** (self.top - i)
-                self.costs[i] = StepCost(self._scaled_prior(ratio), decay=fit_decay, table_decay=decay)
-        self.acceptance: dict[tuple[int, int], Acceptance] = {
-            (up, lo): Acceptance(prior_alpha_ngram if self.is_ngram[lo] else prior_alpha_model, decay=decay,
-                                 k_max=max(32, max(self.k_choices) + 1))
-            for lo, up in itertools.combinations(range(self.top + 1), 2)
-        }
-        #: hybrid plans (a lookup level 0 under a model drafter): the acceptance of the lookup's drafts on rows
-        #: where it matched, per (verifier, lookup) pair, and the decayed share of rows it matched on (the match
-        #: rate; `prior_match` until measured: 0 keeps hybrid plans out until a lookup round has seen matches)
-        self.matched: dict[tuple[int, int], Acceptance] = {
-            (up, 0): Acceptance(prior_alpha_match, decay=decay, k_max=max(32, max(self.k_choices) + 1))
-            for up in range(1, self.top + 1)} if self.is_ngram[0] else {}
-        self.prior_match = prior_match
-        self._match = [0.0, 0.0]  # decayed (rows matched, rows looked up)
-        #: the target verifies drafts of up to this many tokens inside its engine, on its decode path
-        self.engine_verify = int(levels[-1].engine_verify or 0)
-        #: token trees: a suffix level 0 with `tree_width` w > 1 drafts trees for the levels above it that verify
-        #: them (`WorkerCaps.tree_verify`); each such (verifier, 0, w) gets its own acceptance (at each depth: does
-        #: some child of the walk's node win) and the decayed mean of the nodes a call fed (`on_tree`), and every
-        #: plan of that pair is a candidate twice, as chains (`Plan.tree` = 1) and as trees (`Plan.tree` = w); the
-        #: chains' tokens fed are measured the same way (key width 1), so both are priced at what they feed
-        #: a model level with a tree shape (`Level.tree`, its worker with `tree_propose`) drafts trees as a plan's first
-        #: level directly below a target that verifies them: (target, level, w) gets the same two measurements, its
-        #: plans the same two candidates, and its proposal is priced per depth (pricing.py, "Token trees")
-        first = levels[0]
-        self.tree_width = first.tree_width if first.suffix is not None else 1
-        k_acc = max(32, max(self.k_choices) + 1)
-        self.tree_acceptance: dict[tuple[int, int, int], Acceptance] = {
-            (up, 0, self.tree_width): Acceptance(prior_alpha_ngram, decay=decay, k_max=k_acc)
-            for up in range(1, self.top + 1)
-            if self.tree_width > 1 and levels[up].caps is not None and levels[up].caps.tree_verify}
-        self._suffix_trees = bool(self.tree_acceptance)
-        top_caps = levels[-1].caps
-        self.tree_shapes: dict[int, TreeShape] = {
-            i: lvl.tree for i, lvl in enumerate(levels[:-1])
-            if lvl.tree is not None and lvl.tree.branches and lvl.caps is not None and lvl.caps.tree_propose
-            and top_caps is not None and top_caps.tree_verify}
-        for i, shape in self.tree_shapes.items():
-            self.tree_acceptance[(self.top, i, shape.width)] = Acceptance(prior_alpha_model, decay=decay, k_max=k_acc)
-        #: the configured tree width of each level that drafts trees
-        self.tree_widths: dict[int, int] = {**({0: self.tree_width} if self._suffix_trees else {}),
-                                            **{i: shape.width for i, shape in self.tree_shapes.items()}}
-        self.tree_nodes: dict[tuple[int, int, int], float] = {}
-        self.decay_nodes = decay
+        self._init_measurements(levels, decay, prior_alpha_model, prior_alpha_ngram, prior_alpha_match, prior_match,
+                                prior_cost_ratio, prior_target)
         if self._width(self.default_plan, 0) > 1:  # the configured plan drafts trees: name its width
             self.default_plan = Plan(self.default_plan.levels, self.default_plan.k,
                                      tree=self.tree_widths[self.default_plan.levels[0]])
-        self.native_cost: StepCost | None = None
-        if self.native_k:
-            self.acceptance[(self.top, self.top)] = Acceptance(prior_alpha_ngram, decay=decay,
-                                                               k_max=max(32, self.native_k + 1))
-        if self.native_k or self.engine_verify or levels[-1].live_decode:
-            self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
-        self.candidates = self._enumerate()
-        self._index = {p: i for i, p in enumerate(self.candidates)}
-        self._chains = ChainTable(self.candidates)  # the ranking's vectorised pricing of chain candidates
-        self._n_levels = np.array([len(p.levels) for p in self.candidates])  # explain's tie-breaks
-        self._k_sum = np.array([sum(p.k) for p in self.candidates])
+        self._init_candidates()
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
 
         self._lock = threading.RLock()
@@ -247,9 +163,6 @@ class Planner(Pricing):
         self._streak = 0
         self._calls = 0  # plan() answers past the table (rounds), whether ranked or held
         self._explored_at = 0  # _calls at the latest exploration check
-        self._clock = 0  # target verify calls seen (~ engine rounds)
-        self._measured: dict[tuple[int, ...] | str, int] = {}  # pair, tree key or "plain" -> clock of last measurement
-        self._plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
         self._plain_probed: set[int] = set()  # buckets given their first plain probe
         self._last_bucket, self._bucket_run = 0, 0  # bucket of the latest plan() call, consecutive calls there
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
@@ -272,61 +185,13 @@ class Planner(Pricing):
         self._memo.clear()
         return self
 
-    def _scaled_prior(self, ratio: float):
-        target = self.costs[self.top]
-        return lambda: tuple(ratio * c for c in target.coefficients)
-
-    def _enumerate(self) -> list[Plan]:
-        plans = [self.plain]
-        lower = list(range(self.top))
-        for r in range(1, len(lower) + 1):
-            for subset in itertools.combinations(lower, r):
-                width = self.tree_widths.get(subset[0], 1)
-                trees = width > 1 and (subset[1] if r > 1 else self.top, subset[0], width) in self.tree_acceptance
-                for ks in itertools.product(self.k_choices, repeat=r):
-                    if trees:  # the first level's chains and its trees: widths {1, configured}
-                        plans += [Plan((*subset, self.top), ks, tree=1),
-                                  Plan((*subset, self.top), ks, tree=width)]
-                    else:
-                        plans.append(Plan((*subset, self.top), ks))
-        if self.is_ngram[0]:  # hybrid: the lookup's match per row, else a model drafter's draft
-            for m in range(1, self.top):
-                for ks in itertools.product(self.k_choices, repeat=2):
-                    plans.append(Plan((0, m, self.top), ks, hybrid=True))
-        return plans
-
-    # ----- measurements (engine observer hooks) ---------------------------------------------------
-    def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None:
-        """A timed worker call: kind 'propose' (tokens = sequential steps) or 'verify' (tokens = q)."""
-        with self._lock:
-            cost = self.costs.get(level)
-            if cost is None or tokens <= 0 or batch <= 0:
-                return
-            self._memo.clear()
-            if kind == "propose":
-                cost.observe(batch, 1, seconds / tokens, weight=float(tokens))
-            elif kind == "native":
-                if self.native_cost is not None and level == self.top:
-                    self.native_cost.observe(batch, tokens, seconds)
-                    self._clock += 1
-                    self._plain_at[_bucket(batch)] = self._clock
-                    if not self.native_k:  # plain decoding on the live path (no on_native follows)
-                        self._measured["plain"] = self._clock
-            else:
-                cost.observe(batch, tokens, seconds)
-                if level == self.top:
-                    self._clock += 1
-                    if tokens == 1:
-                        self._measured["plain"] = self._clock
-                        self._plain_at[_bucket(batch)] = self._clock
-
     def on_round(self, batch: int, seconds: float) -> None:
         """A round the planner chose a plan for took `seconds` (wall, every group): an exploration round's cost
         beyond the held plan's predicted round is what the next probe is priced at (`explore_budget`), since
         it includes what no step measurement sees -- a level catching up on the probed rows' whole text."""
         with self._lock:
             if self._explore_pending is None:
-                bucket = _bucket(batch)
+                bucket = batch_bucket(batch)
                 self._served[bucket] = self._served.get(bucket, 0.0) + seconds
                 return
             held, pairs = self._explore_pending
@@ -335,194 +200,7 @@ class Planner(Pricing):
             self._explore_pending = None
             self._served.clear()
 
-    def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
-        """Acceptance of the native target's own speculation on rows it decoded without a specray draft (one
-        entry per such row: vLLM's draft length and accepted count). A row drafted short (no n-gram match, or a
-        fresh request) counts a failure at the next position, since its step ended there too."""
-        with self._lock:
-            acc = self.acceptance.get((level, level))
-            if acc is None or level != self.top:
-                return
-            last = self._measured.get("plain")
-            # the clock already advanced for this call (on_call comes first): the gap is to the call before it
-            gap = 1.0 if last is None or last >= self._clock else float(self._clock - last)
-            acc.observe(draft_lens, accepted, gap=gap, proposed=self.native_k)
-            q = max(draft_lens, default=0) + 1
-            self.native_q = self._native_decay * self.native_q + (1.0 - self._native_decay) * q
-            self._measured["plain"] = self._clock
-            self._memo.clear()
-
-    def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
-                  asked: int | None = None) -> None:
-        """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call. `asked`: the tokens each
-        row was asked for, where known (a lookup level: else the call's longest draft)."""
-        with self._lock:
-            acc = self.acceptance.get((level, lower))
-            if acc is None:
-                return
-            last = self._measured.get((level, lower))
-            gap = 1.0 if last is None else float(self._clock - last)
-            # an n-gram drafts less than asked where it finds no match: the longest draft in the call
-            # is the best lower bound on what was asked (model drafters always fill their K); at least 1, so that a
-            # call in which no row matched (always the case at batch 1 without a match) counts a failure at the
-            # first position of each row instead of nothing: such rounds emit one token, and the n-gram's price must
-            # include them (else it is overrated at batch 1 against plain decoding and hybrid plans)
-            proposed = (asked or max(max(draft_lens, default=0), 1)) if self.is_ngram[lower] else None
-            acc.observe(draft_lens, accepted, gap=gap, proposed=proposed)
-            if asked is None and self._chain_fed(level, lower) and draft_lens:
-                # a chain round of a pair that also drafts trees: its tokens fed, priced like a tree's nodes
-                self._fed_nodes((level, lower, 1), max(max(draft_lens), 1))
-            if self.is_ngram[lower] and draft_lens:
-                # the rows it matched on: the match rate, and the acceptance of a match (a hybrid plan's price)
-                hit = [j for j, n in enumerate(draft_lens) if n > 0]
-                f = self.decay_match
-                self._match = [f * self._match[0] + len(hit), f * self._match[1] + len(draft_lens)]
-                if hit and (level, lower) in self.matched:
-                    self.matched[(level, lower)].observe([draft_lens[j] for j in hit], [accepted[j] for j in hit],
-                                                         gap=gap, proposed=proposed)
-            self._memo.clear()
-            self._measured[(level, lower)] = self._clock
-
-    def _fed_nodes(self, key: tuple[int, int, int], nodes: int) -> None:
-        """The decayed mean of the largest draft (tree nodes, or a chain's tokens: width 1) per call of `key`."""
-        old = self.tree_nodes.get(key)
-        f = self.decay_nodes
-        self.tree_nodes[key] = float(nodes) if old is None else f * old + (1.0 - f) * nodes
-
-    def on_propose_tree(self, level: int, batch: int, depth: int, width: int, nodes: int, seconds: float) -> None:
-        """A model level's timed tree proposal (`depth` forwards, `width` children per node, at most `nodes` nodes
-        per row): its forwards, each feeding the paths to the nodes it expands (`tree_feeds`), are measurements of
-        the level's step cost at those sizes -- as `depth` forwards of their mean size, exact for the linear cost
-        model -- so a tree's proposal is priced from what tree proposals took, and its chain steps (one token each)
-        are not priced at a tree's cost."""
-        with self._lock:
-            cost = self.costs.get(level)
-            feeds = tree_feeds(depth, width, nodes)
-            if cost is None or not feeds or batch <= 0:
-                return
-            self._memo.clear()
-            cost.observe(batch, max(1, round(sum(feeds) / len(feeds))), seconds / len(feeds), weight=float(len(feeds)))
-
-    def on_tree(self, level: int, lower: int, width: int, walks: Sequence[TreeWalk]) -> None:
-        """A tree verification of `lower`'s trees (drafted `width` children per node) by `level`, one walk per
-        row: the tree's acceptance per depth (a depth is a trial where the walk's node has children, a success
-        where one of them is accepted; a walk that ends at a leaf before the node budget -- a model level's tree:
-        before the tree's depth -- counts a failure after it, since the round ends there too) and the nodes fed;
-        the chain along the first children feeds the pair's chain acceptance (`on_verify`), so running trees keeps
-        the chain's price measured."""
-        with self._lock:
-            key = (level, lower, width)
-            acc = self.tree_acceptance.get(key)
-            if acc is not None and walks:
-                last = self._measured.get(key)
-                gap = 1.0 if last is None else float(self._clock - last)
-                budget = max(max(w.nodes for w in walks), 1)
-                bound = budget if self.is_ngram[lower] else max(max(w.depth for w in walks), 1)
-                acc.observe([w.reach for w in walks], [w.accepted for w in walks], gap=gap, proposed=bound)
-                self._fed_nodes(key, budget)
-                self._measured[key] = self._clock
-            # a spine ends where the tree's node budget went to siblings, not where a chain would end: a spine
-            # accepted whole is cut short (no failure after it); a row without a tree is the lookup's miss
-            self.on_verify(level, lower, [w.spine for w in walks], [w.spine_accepted for w in walks], asked=1)
-
-    def _scores(self, batch: int) -> tuple[list[Plan], np.ndarray, dict[Plan, int]]:
-        """(plans, goodput of each, index of each plan): every candidate, then the held and default plans where they
-        are not candidates, priced at `batch` -- chain candidates by `ChainTable` (the same values as `goodput`, in
-        one vectorised pass), the others one by one. Memoised until the next measurement; callers must not modify."""
-        extras = tuple(p for p in dict.fromkeys((self._current, self.default_plan)) if p not in self._index)
-        key = ("g", batch, extras)
-        got = self._memo.get(key)
-        if got is not None:
-            return got
-        gp, covered = self._chains.goodputs(self, batch)
-        plans, index = self.candidates, self._index
-        for i in np.flatnonzero(~covered).tolist():
-            gp[i] = self.goodput(plans[i], batch)
-        if extras:
-            plans = [*plans, *extras]
-            index = {**index, **{p: len(self.candidates) + j for j, p in enumerate(extras)}}
-            gp = np.concatenate([gp, [self.goodput(p, batch) for p in extras]])
-        got = self._memo[key] = (plans, gp, index)
-        return got
-
-    def _goodput(self, plan: Plan, batch: int) -> float:
-        """`goodput(plan, batch)`, read from the ranking's table when the plan is in it."""
-        plans, gp, index = self._scores(batch)
-        i = index.get(plan)
-        return float(gp[i]) if i is not None else self.goodput(plan, batch)
-
-    def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
-        """Every candidate (and the current and default plans) with its predicted goodput, best first (ties: fewer
-        levels, then a smaller total K, then candidate order)."""
-        with self._lock:
-            plans, gp, _ = self._scores(max(1, batch_size))
-            if np.isnan(gp).any():  # no total order: what Python's sort makes of it
-                return sorted(zip(plans, gp.tolist()), key=lambda x: (-x[1], len(x[0].levels), sum(x[0].k)))
-            extra = plans[len(self.candidates):]
-            n_levels = np.concatenate([self._n_levels, [len(p.levels) for p in extra]]) if extra else self._n_levels
-            k_sum = np.concatenate([self._k_sum, [sum(p.k) for p in extra]]) if extra else self._k_sum
-            order = np.lexsort((k_sum, n_levels, -gp))  # stable: equal keys keep the candidates' order
-            return list(zip(map(plans.__getitem__, order.tolist()), gp[order].tolist()))
-
-    def describe(self, batch_size: int, top: int = 5) -> dict[str, Any]:
-        """The planner's view for `/health`: the plan it holds and its best-ranked candidates at `batch_size`,
-        each with predicted goodput (tokens/s), tokens per round E[L] and round time -- what to look at when
-        a deployment speculates less (or more) than expected."""
-        batch = max(1, int(batch_size))
-        with self._lock:
-            ranked = [{"plan": self.plan_name(p), "goodput": round(g, 3),
-                       "tokens_per_round": round(self.expected_length(p, batch), 3),
-                       "round_s": round(self.round_time(p, batch), 4)} for p, g in self.explain(batch)[:top]]
-            return {"batch": batch, "current": self.plan_name(self._current), "ranked": ranked}
-
-    # ----- choosing ---------------------------------------------------------------------------------
-    def regime_of(self, plan: Plan) -> str:
-        return regime_of(plan, self.is_ngram)
-
-    def plan_name(self, plan: Plan) -> str:
-        return plan_name(plan, self.names)
-
-    def _parse(self, spec: Any, batch: int) -> Plan | None:
-        """A table entry's plan at `batch` (None: no override)."""
-        if spec is None or isinstance(spec, Plan):
-            return spec
-        if isinstance(spec, int):
-            return self.plain if spec <= 0 else Plan(self.default_plan.levels, tuple(spec for _ in self.default_plan.k))
-        s = str(spec).strip()
-        if s == "auto":
-            return None
-        if s in ("none", "plain"):
-            return self.plain
-        if s == "default":
-            return self.default_plan
-        if s in (*REGIMES, "hybrid"):  # 'cascade' is a chain of drafters; 'hybrid' the best hybrid plan
-            ranked = [p for p, _ in self.explain(batch)
-                      if (p.hybrid if s == "hybrid" else not p.hybrid and self.regime_of(p) == s)]
-            if not ranked:
-                raise ValueError(f"table entry {s!r}: no candidate plan of that regime")
-            return ranked[0]
-        levels, ks = [], []
-        hybrid = "|" in s  # 'ngram:3|draft:4>target': the n-gram's match, else the draft's
-        parts = s.replace("|", ">", 1).split(">")
-        tree = 0
-        for j, part in enumerate(parts):
-            name, _, k = part.partition(":")
-            if j == 0 and "/w" in k:  # 'suffix:8/w3>target': the first level's tree width (`Plan.tree`)
-                k, _, w = k.partition("/w")
-                tree = int(w)
-            if name not in self.names:
-                raise ValueError(f"table entry {s!r}: unknown level {name!r}")
-            levels.append(self.names.index(name))
-            if j < len(parts) - 1:
-                ks.append(int(k) if k else 0)
-        return Plan(tuple(levels), tuple(ks), hybrid=hybrid, tree=tree)
-
-    def _override(self, batch: int) -> Plan | None:
-        for lo, hi, spec in self.table:
-            if lo <= batch <= hi:
-                return self._parse(spec, batch)
-        return None
-
+    # ----- exploration and choosing ------------------------------------------------------------------
     def _pairs(self, plan: Plan) -> list[tuple[int, int]]:
         if plan.hybrid:  # both drafters draft for the target
             return [(plan.levels[-1], plan.levels[0]), (plan.levels[-1], plan.levels[1])]
@@ -549,7 +227,7 @@ class Planner(Pricing):
         for item in items:
             if item in current:
                 continue
-            last = self._plain_at.get(_bucket(batch)) if item == "plain" else self._measured.get(item)
+            last = self._plain_at.get(batch_bucket(batch)) if item == "plain" else self._measured.get(item)
             age = math.inf if last is None else self._clock - last
             if age >= self.explore_every // 2:  # measured anyway (e.g. by overridden requests): skip
                 stale.append((age, item))
@@ -581,13 +259,13 @@ class Planner(Pricing):
                         *(self._explore_cost.get(pair, 0.0) for pair in self._pairs(probe)))
         else:
             extra = max(0.0, self.round_time(probe, batch) - self.round_time(self._current, batch))
-        return extra <= self.explore_budget * self._served.get(_bucket(batch), 0.0)
+        return extra <= self.explore_budget * self._served.get(batch_bucket(batch), 0.0)
 
     def _hold(self, batch: int) -> bool:
         """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;
         otherwise until `rerank_every` rounds have passed and, with a `rerank_budget`, until the time since the
         last ranking is at least its cost over the budget."""
-        if self._calls <= 1 or self._clock < self.warmup or _bucket(batch) != self._last_bucket:
+        if self._calls <= 1 or self._clock < self.warmup or batch_bucket(batch) != self._last_bucket:
             return False
         if self._unranked + 1 < self.rerank_every:
             return True
@@ -627,7 +305,7 @@ class Planner(Pricing):
                 self._current, self._streak = start, 0
                 self._last, self.last_reason = (batch, start), "warmup"
                 return start
-            bucket, grew = _bucket(batch), 0 < self._last_bucket < _bucket(batch)
+            bucket, grew = batch_bucket(batch), 0 < self._last_bucket < batch_bucket(batch)
             self._bucket_run = self._bucket_run + 1 if bucket == self._last_bucket else 1
             self._last_bucket = bucket
             if grew and best == self.plain != self._current and bucket in self._plain_at:

@@ -301,7 +301,8 @@ class Coordinator:
                 continue
             try:
                 st = await asyncio.wait_for(asyncio.to_thread(lv.worker.stats), timeout=10)
-                out["levels"][lv.name] = {"live_sequences": st.live_sequences, "cache_bytes": st.cache_bytes}
+                out["levels"][lv.name] = {"live_sequences": st.live_sequences, "cache_bytes": st.cache_bytes,
+                                          **{k: v for k, v in st.extra.items() if k.startswith("prefix_cache_")}}
             except Exception as exc:
                 out["levels"][lv.name] = f"unavailable: {exc}"
                 if lv is self.levels[-1]:

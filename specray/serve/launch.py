@@ -1,6 +1,6 @@
 """Launching a cascade's model levels: one Ray actor per level, in one placement group (`launch_levels`).
 
-`launch_levels` reserves the placement group, starts the actors (`specray.serve.actors.LevelActor`) with each
+`launch_levels` reserves the placement group, starts the actors (`specray.serve.level_actor.LevelActor`) with each
 level's resources, waits until they have loaded their models, checks that their tokenizers agree, and returns
 ready-to-use `Level`s over `ActorWorker`s (n-gram levels run in the caller's process). Nothing stays running
 after an error.
@@ -21,15 +21,9 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from specray.config import CascadeConfig, LevelConfig
 from specray.coordinator.state import Level
 from specray.engine.models import TokenizerMismatchError
-from specray.serve.actors import (
-    ActorWorker,
-    LevelActor,
-    LevelStartError,
-    RemoteNesting,
-    WorkerFactory,
-    _first_line,
-    _last_line,
-)
+from specray.serve.actor_client import _first_line, _last_line
+from specray.serve.actors import ActorWorker, RemoteNesting
+from specray.serve.level_actor import LevelActor, LevelStartError, WorkerFactory
 from specray.serve.placement import actor_options, bundle_nodes, in_bundle, level_bundle, reserve
 
 __all__ = ["LaunchedCascade", "default_factory", "launch_levels"]

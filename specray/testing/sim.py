@@ -115,6 +115,10 @@ _README_S9 = ("benchmarks/README.md, section 1, 'Bounded look-ahead (session 9, 
               ": Qwen2.5-Coder bf16, 1 thread")
 
 
+_GPU_RUN = ("benchmarks/bench_gpu.py, benchmarks/results/gpu-20261126-h200.json (measured, benchmarks/README.md "
+            "section 8)")
+
+
 def _gpu(name: str, decode_s: float, params: float, gpus: int, source: str) -> StepCostModel:
     per_token = 2.0 * params / (_H100_BF16_FLOPS * gpus)
     return StepCostModel(decode_s - per_token, per_token, name, source)
@@ -155,6 +159,17 @@ PRESETS: dict[str, StepCostModel] = {
         "qwen-cpu-1.5b", (1, 0.350), (17, 0.600),
         f"{_README_S9}: the 1.5B ~330-370 ms per step (q = 1), ~450-520 ms for 9 tokens, ~600 ms for 17; a line "
         "through the middle of the first range and the last.",
+    ),
+    "h200-hf-1b": _linear(
+        "h200-hf-1b", (1, 0.0150), (256, 0.0236),
+        f"{_GPU_RUN}: random-weight Llama 3.2 1B shape, bf16, the hf backend's worker forward on one H200, median "
+        "15.0 ms at batch 1 x 1 token and 23.6 ms at batch 64 x 4 tokens; a line through those two.",
+    ),
+    "h200-hf-8b": _linear(
+        "h200-hf-8b", (1, 0.0310), (320, 0.0322),
+        f"{_GPU_RUN}: random-weight Llama 3.1 8B shape, bf16, the hf backend's worker forward on one H200, median "
+        "~31 ms at batch 1 (1-5 tokens) and 32.2 ms at batch 64 x 5 tokens: host-bound (eager PyTorch), nearly "
+        "flat in the tokens fed; a line through those two.",
     ),
 }
 

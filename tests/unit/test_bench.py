@@ -229,10 +229,34 @@ def test_missing_peers_are_skipped_with_the_reason(tiny, workload, monkeypatch):
     for r in peers.values():
         assert r["tokens"] > 0 and r["speedup"] is not None and r["bound"] is None
     assert peers[("copy", "hf_plain")]["speedup_vs_own_plain"] == pytest.approx(1.0)
-    # peers at batch 1 only
+    # hf peers at batch 1 only
     report = run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "--batch", "2", "--no-warmup",
                                           "--peers", "hf_plain")))
-    assert report["skipped"] == [{"name": "hf_plain", "reason": "peers run at batch 1 only: add 1 to --batch"}]
+    assert report["skipped"] == [{"name": "hf_plain", "reason": "hf peers run at batch 1 only: add 1 to --batch"}]
+
+
+def test_vllm_peers_run_at_every_batch_size_on_the_modes_chunks(tiny, workload, monkeypatch):
+    """A vLLM peer gets the same chunks of B requests as the modes, B per generate call, for each --batch."""
+    from specray.bench.runner import Chunk
+
+    monkeypatch.setattr(peers_mod, "installed", lambda module: True)
+    calls = []
+
+    def fake_run_vllm(peer, model, rows, *, batch=1, **kw):
+        calls.append((peer, len(rows), batch))
+        return Chunk(0.5, [RequestResult(i, 4, 0.5, 0.1, [1, 2, 3, 4]) for i, _, _ in rows])
+
+    monkeypatch.setattr(peers_mod, "run_vllm", fake_run_vllm)
+    report = run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "--batch", "1", "3", "--no-warmup",
+                                          "--peers", "vllm_plain")))
+    validate(report)
+    n: dict[str, int] = {}
+    for row in load_workloads(files=[str(workload)]):
+        n[row["workload"]] = n.get(row["workload"], 0) + 1
+    # a workload smaller than the batch repeats to fill it; the last chunk may be short
+    assert sorted(calls) == sorted(("vllm_plain", max(k, b), b) for k in n.values() for b in (1, 3))
+    cells = {(r["workload"], r["batch"]) for r in report["results"] if r["name"] == "vllm_plain"}
+    assert cells == {(w, b) for w in n for b in (1, 3)}
 
 
 def test_without_matplotlib_the_report_is_written_and_plots_skipped(tiny, workload, tmp_path, monkeypatch, capsys):
@@ -299,3 +323,20 @@ def test_a_serve_config_file_gives_the_cascade_and_the_planners_policy(tiny, wor
     bad = tmp_path / "bad.yaml"
     bad.write_text("- a list\n")
     assert cli_main(["bench", "--config", str(bad), "--workload-file", str(workload), "--quiet"]) == 2
+
+
+@pytest.mark.slow  # a vLLM engine start in a fresh process (~30-80 s here)
+def test_vllm_peer_child_batches_rows_and_greedy_does_not_depend_on_the_batch(rep_target):
+    """The real vLLM child (a fresh process): rows go B per generate call; the same prompt greedy-decoded inside a
+    batch of 2 and alone gives the same tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(rep_target))
+    a, b = tok.encode("def fibonacci(n):"), tok.encode("The river ran quietly past")
+    res = peers_mod.run_vllm("vllm_plain", str(rep_target), [(0, a, 10), (1, b, 10), (2, a, 10)], threads=1,
+                             dtype="float32", batch=2)
+    by_index = {r.index: r for r in res.requests}
+    assert sorted(by_index) == [0, 1, 2] and all(r.tokens == 10 for r in res.requests)
+    assert by_index[0].output == by_index[2].output  # batch of 2 vs alone
+    assert by_index[0].seconds == by_index[1].seconds  # one generate call: one wall time for the chunk
+    assert res.seconds == pytest.approx(by_index[0].seconds + by_index[2].seconds)
