@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from specray.coordinator.cascade import Level
@@ -75,3 +76,20 @@ def test_fit_recovers_a_line():
     assert f["calls"] == 5
     assert abs(f["base_s"] - 0.01) < 1e-9 and abs(f["per_token_s"] - 0.001) < 1e-9
     assert torch.isclose(torch.tensor(f["median_rel_error"]), torch.tensor(0.0), atol=1e-9)
+
+
+def test_bench_gpu_count_ops_smoke():
+    """`bench_gpu.py --count-ops`'s counter on tiny models: ops inside and outside the forwards, per plan."""
+    mod = _bench()
+    small, big = mod.worker("tiny-small", "cpu", 1), mod.worker("tiny-big", "cpu", 2)
+    for w in (small, big):
+        mod._mark_forwards(w.model)
+    plans = [("plain", [Level("b", worker=big)], mod.Plan((0,), ())),
+             ("draft", [Level("a", worker=small, k=2), Level("b", worker=big)], mod.Plan((0, 1), (2,)))]
+    rows = mod.count_ops(plans, [1], 3, 512, torch.device("cpu"), log=lambda _msg: None)
+    assert [(r["plan"], r["batch"]) for r in rows] == [("plain", 1), ("draft", 1)]
+    for r in rows:
+        assert r["rounds"] >= 1 and r["inside_per_round"] > 0 and r["outside_per_round"] > 0
+        assert sum(r["outside_by_op_per_round"].values()) == pytest.approx(r["outside_per_round"])
+    plain, draft = rows
+    assert draft["inside_per_round"] > plain["inside_per_round"]  # two models' forwards per round
