@@ -340,7 +340,8 @@ def test_deterministic_draft_first_token_follows_target_distribution(vt, ht):
     sp0 = SamplingParams(temperature=0.9, top_k=12, top_p=0.95)
     prompt = ht.tokenizer.encode(PROMPTS[1])
     ht.add("ref", prompt)
-    logits = ht._forward(ht._prepare(["ref"], None), [prompt[-1:]], [1])
+    (row,) = ht._prepare(["ref"], None)  # its pending tokens: the last one, or more after a prefix-cache hit
+    logits = ht._forward([row], [row.tokens[row.kv_len :]], [1])
     ht.free("ref")
     p = processed_probs(logits[None], SamplingBatch.from_params([SamplingParams(0.9, 12, 0.95, 0)]))[0, 0]
     x = int(p.argsort(descending=True)[1])  # the 2nd most likely token: accepted sometimes, often rejected
@@ -369,7 +370,8 @@ def test_deterministic_draft_first_token_follows_target_distribution(vt, ht):
 def _next_token_p(ht, sp: SamplingParams, context: list[int]) -> torch.Tensor:
     """The target's processed distribution of the token after `context` (hf backend, fp32): [V]."""
     ht.add("ref", context)
-    logits = ht._forward(ht._prepare(["ref"], None), [context[-1:]], [1])
+    (row,) = ht._prepare(["ref"], None)  # its pending tokens: the last one, or more after a prefix-cache hit
+    logits = ht._forward([row], [row.tokens[row.kv_len :]], [1])
     ht.free("ref")
     return processed_probs(logits[None], SamplingBatch.from_params([SamplingParams(sp.temperature, sp.top_k,
                                                                                    sp.top_p, 0)]))[0, 0]
