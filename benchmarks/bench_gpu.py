@@ -113,7 +113,9 @@ class TimedWorker(HFWorker):
 
 
 def worker(shape: str, device: str, seed: int) -> TimedWorker:
-    w = TimedWorker(build(shape, device, seed), name=shape, dtype="bfloat16", device=device, max_context=4096)
+    # no prefix caching: the warm-up runs the timed run's prompts, and every timed run should prefill them
+    w = TimedWorker(build(shape, device, seed), name=shape, dtype="bfloat16", device=device, max_context=4096,
+                    prefix_caching=False)
     w.calls, w.fit_calls, w.spans = [], [], []  # every forward; those of timed runs (no warm-up) for the fit
     return w
 
