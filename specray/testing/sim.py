@@ -115,8 +115,8 @@ _README_S9 = ("benchmarks/README.md, section 1, 'Bounded look-ahead (session 9, 
               ": Qwen2.5-Coder bf16, 1 thread")
 
 
-_GPU_RUN = ("benchmarks/bench_gpu.py, benchmarks/results/gpu-20261126-h200.json (measured, benchmarks/README.md "
-            "section 8)")
+_GPU_RUN = ("benchmarks/bench_gpu.py, benchmarks/results/gpu-20261126-h200-lean.json (measured, "
+            "benchmarks/README.md section 8)")
 
 
 def _gpu(name: str, decode_s: float, params: float, gpus: int, source: str) -> StepCostModel:
@@ -160,16 +160,18 @@ PRESETS: dict[str, StepCostModel] = {
         f"{_README_S9}: the 1.5B ~330-370 ms per step (q = 1), ~450-520 ms for 9 tokens, ~600 ms for 17; a line "
         "through the middle of the first range and the last.",
     ),
-    "h200-hf-1b": _linear(
-        "h200-hf-1b", (1, 0.0150), (256, 0.0236),
-        f"{_GPU_RUN}: random-weight Llama 3.2 1B shape, bf16, the hf backend's worker forward on one H200, median "
-        "15.0 ms at batch 1 x 1 token and 23.6 ms at batch 64 x 4 tokens; a line through those two.",
+    "h200-hf-1b": StepCostModel(
+        0.01288, 2.42e-5, "h200-hf-1b",
+        f"{_GPU_RUN}: random-weight Llama 3.2 1B shape, bf16, the hf backend's worker forward on one H200, timed "
+        "with the device synchronised: least squares over 1,100 decode and draft forwards (median error 4%); "
+        "medians 12.6 ms at batch 1 x 1 token, 22.9 ms at batch 64 x 4 tokens.",
     ),
-    "h200-hf-8b": _linear(
-        "h200-hf-8b", (1, 0.0310), (320, 0.0322),
-        f"{_GPU_RUN}: random-weight Llama 3.1 8B shape, bf16, the hf backend's worker forward on one H200, median "
-        "~31 ms at batch 1 (1-5 tokens) and 32.2 ms at batch 64 x 5 tokens: host-bound (eager PyTorch), nearly "
-        "flat in the tokens fed; a line through those two.",
+    "h200-hf-8b": StepCostModel(
+        0.02660, 7.9e-6, "h200-hf-8b",
+        f"{_GPU_RUN}: random-weight Llama 3.1 8B shape, bf16, the hf backend's worker forward on one H200, timed "
+        "with the device synchronised: least squares over its decode and verification forwards (median error "
+        "5%); medians 25.5 ms at batch 1 x 1 token, 28.4 ms at batch 64 x 5 tokens. Host-bound (eager PyTorch "
+        "launches ~1,200 kernels per step), so nearly flat in the tokens fed.",
     ),
 }
 
