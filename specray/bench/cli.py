@@ -324,8 +324,10 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
             target.run(m, first, 1, 8)
         for p in hf_peers:
             hf.run(p, [(0, prompt_ids(target.tokenizer, rows[0]), 8)])
-    # a workload is a stream: its requests go in file order (one after another at batch 1) and a suffix store
-    # learns from the earlier ones; each workload and batch size starts with empty stores (new_stream)
+    # a workload is a stream: its requests go in file order (one after another at batch 1), and a suffix store and
+    # the prefix caches learn from the earlier ones. Each mode makes its own pass over a workload at a batch size,
+    # starting with empty stores and caches (new_stream): interleaved chunk by chunk, a mode would find the prompt
+    # the mode before it just prefilled in the cache
 
     cells: dict[tuple[str, int, str], Cell] = {}
 
@@ -340,13 +342,14 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
     with tqdm(total=steps, desc="bench", unit="run", disable=args.quiet, file=log) as bar:
         for w, wrows in by_workload.items():
             for b in batches:
-                target.new_stream()
-                for chunk in _chunks(wrows, b):
-                    for m in modes:
+                for m in modes:
+                    target.new_stream()
+                    for chunk in _chunks(wrows, b):
                         bar.set_postfix_str(f"{w} {batch_kind} {b} {m}")
                         res = target.run(m, chunk, b, args.max_tokens)
                         cell(w, b, m, "mode").add(res.seconds, res.requests)
                         bar.update(1)
+                for chunk in _chunks(wrows, b):
                     if b == 1:
                         for p in hf_peers:
                             bar.set_postfix_str(f"{w} {p}")

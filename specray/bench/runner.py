@@ -145,8 +145,12 @@ class InProcessTarget:
         return self._lookup[mode]
 
     def new_stream(self) -> None:
-        """Start the suffix modes over with empty suffix stores (the next requests draw on no earlier output)."""
+        """Start over with empty suffix stores and prefix caches: the next requests draw on no earlier output or
+        prefill (each mode's pass over a workload starts cold, as a peer's fresh process does)."""
         self._lookup.clear()
+        for lv in self.levels:
+            if lv.worker is not None:
+                lv.worker.reset_prefix_cache()
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "levels": [lv.name for lv in self.levels], "overlap": self.overlap}

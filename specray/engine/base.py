@@ -228,6 +228,10 @@ class LogitsWorker(abc.ABC):
     def tokens(self, seq_id: str) -> list[int]:
         return list(self._get(seq_id).tokens)
 
+    def reset_prefix_cache(self) -> None:
+        """No prefix cache here (a backend with one forgets it)."""
+        return None
+
     def stats(self) -> WorkerStats:
         return WorkerStats(
             live_sequences=len(self._seqs),

@@ -181,6 +181,9 @@ class HFWorker(LogitsWorker):
     def _cache_bytes(self) -> int:
         return self.cache.nbytes()
 
+    def reset_prefix_cache(self) -> None:
+        self.cache.forget_prefixes()
+
     def stats(self) -> WorkerStats:
         st = super().stats()
         st.extra.update(forward_calls=self.forward_calls, forward_seconds=self.forward_seconds,

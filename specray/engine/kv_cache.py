@@ -88,6 +88,10 @@ class SlotKVCache:
             self.prefix_tokens += best_n
         return best, best_n
 
+    def forget_prefixes(self) -> None:
+        """Released slots keep nothing from now on (their KV stays until overwritten, unreachable)."""
+        self._kept.clear()
+
     def release(self, slot: int, tokens: Sequence[int] = ()) -> None:
         """Free `slot`; `tokens`: those its first positions hold valid KV of (kept for prefix caching)."""
         self._free.append(slot)

@@ -202,3 +202,7 @@ class Worker(Protocol):
 
     def stats(self) -> WorkerStats:
         """Live sequences and cache usage."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prompt prefixes cached from finished sequences (a benchmark's modes each start cold); live
+        sequences keep their KV."""

@@ -238,6 +238,9 @@ class VLLMWorker(LiveRequests, PromptScoring):
         return WorkerCaps(self.name, self.vocab_size, self.max_context, tuple(self.eos_token_ids),
                           native_k=self.native_k, live_decode=self.live_decode, engine_verify=self.engine_verify)
 
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
     def stats(self) -> WorkerStats:
         return WorkerStats(
             live_sequences=len(self._seqs),

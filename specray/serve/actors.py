@@ -169,6 +169,10 @@ class ActorWorker(ActorClient):
         self._flush()
         return self._get(self._stats.remote())
 
+    def reset_prefix_cache(self) -> None:
+        self._flush()
+        self._get(self.handle.reset_prefix_cache.remote())
+
     def info(self) -> dict[str, Any]:
         """Fresh info (node, pid, incarnation, ...) from the actor."""
         return self._get(self._info.remote())

@@ -111,6 +111,10 @@ class LevelActor:
         with self._lock:
             return self.worker.stats()
 
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self.worker.reset_prefix_cache()
+
     # ----- introspection --------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         """Static facts of the worker plus where this process runs (node, pid, placement bundle)."""

@@ -110,3 +110,19 @@ def test_prefix_caching_feeds_only_the_new_tokens(target):
     w._forward = counting
     generate([Level("t", worker=w)], [prompt + [7, 8, 9]], max_tokens=2, ignore_eos=True)
     assert sum(fed) <= 3 + 4 + 2  # the 3 new prompt tokens, the 4 outputs of the first request, the 2 steps
+
+
+def test_a_benchmark_stream_starts_with_empty_prefix_caches(target):
+    """`specray bench` gives each mode its own cold pass: new_stream forgets the prompts earlier passes cached."""
+    from specray.bench.runner import InProcessTarget
+    from specray.spec.params import SamplingParams
+
+    w = HFWorker(target)
+    bench = InProcessTarget([Level("t", worker=w)], SamplingParams())
+    bench.run("none", [(0, {"workload": "w", "prompt": "def fibonacci(n): return n"})], 1, 4)
+    assert w.cache._kept  # the finished request's prompt is cached
+    bench.new_stream()
+    assert not w.cache._kept
+    prompt = list(range(5, 30))
+    w.add("a", prompt)
+    assert w._seqs["a"].kv_len == 0
