@@ -349,8 +349,8 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
                         res = target.run(m, chunk, b, args.max_tokens)
                         cell(w, b, m, "mode").add(res.seconds, res.requests)
                         bar.update(1)
-                for chunk in _chunks(wrows, b):
-                    if b == 1:
+                if b == 1:  # the hf peers decode one request at a time
+                    for chunk in _chunks(wrows, b):
                         for p in hf_peers:
                             bar.set_postfix_str(f"{w} {p}")
                             res = hf.run(p, ids_rows(chunk))
