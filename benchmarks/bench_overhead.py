@@ -388,7 +388,7 @@ class _Echo:
     def __init__(self) -> None:
         from specray.serve.direct import FrameServer
 
-        self.server = FrameServer("127.0.0.1", self.handle)
+        self.server = FrameServer("127.0.0.1", self.handle, poll=False)  # the bare transport
 
     def handle(self, request: float) -> float:
         t0 = time.monotonic()

@@ -215,7 +215,8 @@ class ActorClient:
             try:
                 if self._direct is None:
                     self._direct = FrameClient(*self._direct_at, timeout_s=self.timeout_s)
-                return self._direct.call(self._request(call))
+                request = self._request(call)
+                return self._direct.call(request, request.shape())
             except TransportError as e:
                 self._drop_direct()
                 raise LevelUnavailable(self.level, str(e)) from e

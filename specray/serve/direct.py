@@ -6,6 +6,14 @@ Ray Compiled Graph costs about a quarter of that, but its reader polls its chann
 a CPU core busy, cores that CPU levels need for their models. A blocking socket costs neither: a request is one
 length-prefixed pickle frame each way (`TCP_NODELAY`), and an idle level sleeps in `recv`.
 
+Waiting: a thread blocked in `recv` is parked, and waking it when the frame lands costs tens of microseconds on
+bare metal and more on a virtual machine, twice per call (the request wakes the server, the reply the client), on
+the round's critical path. Both sides know roughly when their next frame is due (`FrameClock`: a low quantile of
+the last few waits of the same kind: a client's calls of one shape, a server's gaps between its reply and the
+next request), so they park until just before then and poll the socket from there (`POLL_LEAD_S` before, at most
+`POLL_MAX_S` past the due time, then they park again). Only waits due within `POLL_UNDER_S` poll: beside a
+CPU-speed step a wake-up is nothing, and a polling thread would take time from the models' cores.
+
 Ray stays in charge of everything else: it places and restarts the actor, and the address and a per-incarnation
 token travel in the actor's `info()`. A connection must present the token before any frame is unpickled, so
 only a process that can call the actor through Ray can send it requests. A request's exception travels back and
@@ -19,13 +27,23 @@ import hmac
 import logging
 import pickle
 import secrets
+import select
 import socket
 import struct
 import threading
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["FrameClient", "FrameServer", "TransportError"]
+__all__ = ["FrameClient", "FrameServer", "FrameClock", "TransportError"]
+
+#: start polling this long before a frame is due
+POLL_LEAD_S = 0.0003
+#: poll at most this long past the due time, then park until the frame comes
+POLL_MAX_S = 0.0005
+#: only waits due within this poll (GPU-speed steps); longer ones park as usual
+POLL_UNDER_S = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +83,61 @@ def _dumps_exception(exc: BaseException) -> bytes:
         return pickle.dumps((False, RuntimeError(f"{type(exc).__name__}: {exc}")), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+class FrameClock:
+    """When the next frame of a kind is due: a low quantile (`quantile`) of the last `window` waits of that kind,
+    so that polling mostly starts before the frame rather than after it."""
+
+    def __init__(self, window: int = 16, quantile: float = 0.25) -> None:
+        self.window = window
+        self.quantile = quantile
+        self._recent: dict[Hashable, deque[float]] = {}
+        #: waits that polled, and those the frame came to while polling
+        self.polled = self.caught = 0
+
+    def due(self, kind: Hashable) -> float | None:
+        """Seconds from the wait's start to its frame, or None before two waits of this kind."""
+        recent = self._recent.get(kind)
+        if recent is None or len(recent) < 2:
+            return None
+        return sorted(recent)[int(self.quantile * (len(recent) - 1))]
+
+    def record(self, kind: Hashable, seconds: float) -> None:
+        recent = self._recent.get(kind)
+        if recent is None:
+            recent = self._recent[kind] = deque(maxlen=self.window)
+        recent.append(seconds)
+
+    def wait(self, sock: socket.socket, kind: Hashable, since: float) -> None:
+        """Before a blocking read of `sock`: if a frame of `kind` is due soon after `since` (a `perf_counter`
+        time), park until just before it and poll from there."""
+        due = self.due(kind)
+        if due is None or due >= POLL_UNDER_S:
+            return
+        socks = [sock]
+        wait = since + due - POLL_LEAD_S - time.perf_counter()
+        if wait > 0 and select.select(socks, [], [], wait)[0]:
+            return  # came early: it woke us as usual
+        self.polled += 1
+        stop = since + due + POLL_MAX_S
+        while time.perf_counter() < stop:
+            if select.select(socks, [], [], 0)[0]:
+                self.caught += 1
+                return
+
+
 class FrameServer:
     """Serves `handler(request) -> result` on a listening socket, one thread per connection.
 
     `on_thread_start` runs first in every connection thread (the level sets its torch thread count there).
+    `poll`: poll for a request that is due soon (module docstring).
     """
 
     def __init__(self, host: str, handler: Callable[[Any], Any],
-                 on_thread_start: Callable[[], None] | None = None) -> None:
+                 on_thread_start: Callable[[], None] | None = None, poll: bool = True) -> None:
         self.handler = handler
+        self.poll = poll
+        self._clocks: set[FrameClock] = set()  # one per open connection (when its requests come)
+        self._done = [0, 0]  # polled / caught of the closed connections
         self.on_thread_start = on_thread_start
         self.token = secrets.token_hex(16)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -93,6 +157,7 @@ class FrameServer:
             threading.Thread(target=self._serve, args=(conn,), name="specray-direct", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        clock: FrameClock | None = None
         with conn:
             try:
                 if not hmac.compare_digest(_recv(conn), self.token.encode()):
@@ -100,15 +165,33 @@ class FrameServer:
                     return
                 if self.on_thread_start is not None:
                     self.on_thread_start()
+                clock, replied = FrameClock(), None
+                self._clocks.add(clock)
                 while True:
-                    request = pickle.loads(_recv(conn))
+                    if replied is not None and self.poll:
+                        clock.wait(conn, "request", replied)
+                    frame = _recv(conn)
+                    if replied is not None:
+                        clock.record("request", time.perf_counter() - replied)
+                    request = pickle.loads(frame)
                     try:
                         reply = pickle.dumps((True, self.handler(request)), protocol=pickle.HIGHEST_PROTOCOL)
                     except Exception as exc:  # the request failed: the client raises it
                         reply = _dumps_exception(exc)
                     _send(conn, reply)
+                    replied = time.perf_counter()
             except (ConnectionError, OSError):
                 return  # the client went away
+            finally:
+                if clock is not None:
+                    self._clocks.discard(clock)
+                    self._done[0] += clock.polled
+                    self._done[1] += clock.caught
+
+    def polls(self) -> tuple[int, int]:
+        """Requests waited for by polling, and those that came while polling, over every connection so far."""
+        clocks = list(self._clocks)
+        return (self._done[0] + sum(c.polled for c in clocks), self._done[1] + sum(c.caught for c in clocks))
 
     def close(self) -> None:
         try:
@@ -118,9 +201,12 @@ class FrameServer:
 
 
 class FrameClient:
-    """One connection to a `FrameServer`; one request in flight at a time (calls from several threads queue)."""
+    """One connection to a `FrameServer`; one request in flight at a time (calls from several threads queue).
 
-    def __init__(self, address: tuple[str, int], token: str, timeout_s: float | None = None) -> None:
+    `poll`: poll for replies that are due soon (module docstring), for calls that name their `shape`."""
+
+    def __init__(self, address: tuple[str, int], token: str, timeout_s: float | None = None,
+                 poll: bool = True) -> None:
         try:
             self._sock = socket.create_connection(tuple(address), timeout=timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -129,15 +215,23 @@ class FrameClient:
         except OSError as exc:
             raise TransportError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
         self._lock = threading.Lock()
+        self.poll = poll
+        self.clock = FrameClock()
 
-    def call(self, request: Any) -> Any:
-        """Send `request`, return the handler's result or raise its exception. A `TransportError` leaves the
-        connection unusable: close it."""
+    def call(self, request: Any, shape: Hashable | None = None) -> Any:
+        """Send `request`, return the handler's result or raise its exception. `shape`: what the call's duration
+        depends on (calls of one shape take about as long), for polling near its reply. A `TransportError` leaves
+        the connection unusable: close it."""
         payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             try:
                 _send(self._sock, payload)
+                t0 = time.perf_counter()
+                if shape is not None and self.poll:
+                    self.clock.wait(self._sock, shape, t0)
                 reply = _recv(self._sock)
+                if shape is not None:
+                    self.clock.record(shape, time.perf_counter() - t0)
             except OSError as exc:  # closed, reset, timed out
                 raise TransportError(f"{type(exc).__name__}: {exc}") from exc
         ok, value = pickle.loads(reply)

@@ -90,7 +90,7 @@ class LevelActor:
         if client is None:
             client = self._peers[at] = FrameClient(*at)
         try:
-            return client.call(request)
+            return client.call(request, request.shape())
         except TransportError:
             self._peers.pop(at, None)
             client.close()

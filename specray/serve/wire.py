@@ -72,6 +72,9 @@ class ProposeCall:
         return worker.propose(self.seq_ids, self.k, samplings.resolve(self.seq_ids, self.sampling), mode=self.mode,
                               level=self.level, sync=syncs(self.sync), stop_below=self.stop_below)
 
+    def shape(self) -> tuple[int, int]:
+        return len(self.seq_ids), max(self.k, default=0)
+
 
 @dataclass(frozen=True)
 class TreeProposeCall:
@@ -93,6 +96,9 @@ class TreeProposeCall:
                                    max_nodes=self.max_nodes)
         return replace(prop, trees=None if prop.trees is None else wire_trees(prop.trees))
 
+    def shape(self) -> tuple[int, int]:
+        return len(self.seq_ids), max(self.depth, default=0) * self.width
+
 
 @dataclass(frozen=True)
 class VerifyCall:
@@ -112,6 +118,9 @@ class VerifyCall:
         return worker.verify(self.seq_ids, self.draft_ids, self.draft_probs,
                              samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
                              sync=syncs(self.sync), return_probs=self.return_probs, confidence=self.confidence)
+
+    def shape(self) -> tuple[int, int]:
+        return len(self.seq_ids), max(map(len, self.draft_ids), default=0)
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,9 @@ class TreeVerifyCall:
                                   samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
                                   sync=syncs(self.sync), return_probs=self.return_probs,
                                   confidence=self.confidence)
+
+    def shape(self) -> tuple[int, int]:
+        return len(self.seq_ids), max((len(t[0]) for t in self.trees if t is not None), default=0)
 
 
 @dataclass(frozen=True)
@@ -165,6 +177,9 @@ class NestedCall:
 
         return run_nested(draft, worker, propose_low)
 
+    def shape(self) -> tuple[int, int]:
+        return len(self.draft.seq_ids), max(self.draft.want, default=0)
+
 
 @dataclass(frozen=True)
 class LevelRequest:
@@ -172,6 +187,12 @@ class LevelRequest:
 
     frees: tuple[str, ...]
     call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall
+
+    def shape(self) -> tuple[str, int, int]:
+        """What the call's duration depends on: its kind, its rows (to the next power of two) and its tokens per
+        row (`specray.serve.direct.FrameClock`)."""
+        rows, tokens = self.call.shape()
+        return type(self.call).__name__, 1 << max(0, rows - 1).bit_length(), tokens
 
 
 def wire_syncs(sync: Sequence[SeqSync | None] | None) -> list[WireSync] | None:

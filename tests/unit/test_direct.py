@@ -1,0 +1,87 @@
+"""The direct transport's socket layer (`specray.serve.direct`): frames, errors, and polling near a due frame."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specray.serve import direct
+from specray.serve.direct import FrameClient, FrameClock, FrameServer, TransportError
+
+
+def _server(handler, poll: bool = True) -> FrameServer:
+    return FrameServer("127.0.0.1", handler, poll=poll)
+
+
+def test_clock_is_a_low_quantile_of_recent_waits_per_kind():
+    clock = FrameClock(window=4, quantile=0.25)
+    assert clock.due("a") is None
+    clock.record("a", 0.010)
+    assert clock.due("a") is None  # one wait says little
+    for s in (0.012, 0.011, 0.030):
+        clock.record("a", s)
+    assert clock.due("a") == pytest.approx(0.010)  # sorted 10 11 12 30 ms: index int(0.25 * 3) = 0
+    clock.record("a", 0.020)  # the window drops 0.010
+    assert clock.due("a") == pytest.approx(0.011)
+    assert clock.due("b") is None
+
+
+def test_replies_errors_and_polling_for_short_calls():
+    def handler(request):
+        kind, sleep_s = request
+        time.sleep(sleep_s)
+        if kind == "fail":
+            raise ValueError("bad request")
+        return kind, sleep_s
+
+    server = _server(handler)
+    client = FrameClient(server.address, server.token)
+    try:
+        for _ in range(6):
+            assert client.call(("ok", 0.004), shape=("ok", 1)) == ("ok", 0.004)
+        assert client.clock.polled > 0  # due within POLL_UNDER_S: later calls poll near their reply
+        with pytest.raises(ValueError, match="bad request"):
+            client.call(("fail", 0.0), shape=("fail", 1))
+        polled = client.clock.polled
+        long_s = direct.POLL_UNDER_S + 0.01
+        for _ in range(3):
+            assert client.call(("ok", long_s), shape=("long", 1)) == ("ok", long_s)
+        assert client.clock.polled == polled  # a CPU-speed call parks as before
+        for _ in range(3):
+            assert client.call(("ok", 0.001)) == ("ok", 0.001)  # no shape: never polls
+        assert client.clock.polled == polled
+    finally:
+        client.close()
+        server.close()
+
+
+def test_no_polling_when_turned_off_and_a_wrong_token_is_refused():
+    server = _server(lambda r: r, poll=False)
+    client = FrameClient(server.address, server.token, poll=False)
+    try:
+        for i in range(5):
+            assert client.call(i, shape="x") == i
+        assert client.clock.polled == 0
+    finally:
+        client.close()
+    bad = FrameClient(server.address, "0" * 32)
+    with pytest.raises(TransportError):
+        bad.call(1)
+    bad.close()
+    server.close()
+
+
+def test_a_server_polls_for_requests_that_come_at_a_steady_pace():
+    seen = []
+    server = _server(seen.append)
+    client = FrameClient(server.address, server.token)
+    try:
+        for i in range(8):
+            time.sleep(0.005)
+            client.call(i)
+        assert seen == list(range(8))
+        assert server.polls()[0] > 0
+    finally:
+        client.close()
+        server.close()
