@@ -34,6 +34,8 @@ W = TypeVar("W", bound="HasThreads")
 
 
 class HasThreads(Protocol):
+    """A worker whose calls `pinned` runs with its own thread count."""
+
     #: torch intra-op threads of this worker's calls (None: the calling thread's count)
     num_threads: int | None
 
