@@ -76,7 +76,8 @@ class LevelConfig(_Strict):
     )
     device: str = Field("cpu", description="torch device of this level's worker.")
     num_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads of this level's process (None: torch default)."
+        None, ge=1, description="torch intra-op threads of this level: its actor's process when served; in one "
+        "process, every call of the level, from whatever thread (None: torch default)."
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention kernel.")
     cpu_prepack: bool = Field(

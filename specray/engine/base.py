@@ -28,6 +28,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerCaps, WorkerStats
+from specray.engine.threads import pinned
 from specray.spec.params import PLACEHOLDER_TOKEN_ID, SamplingParams, TokenLogprob, VerifyMethod
 from specray.spec.sampling import (
     SamplingBatch,
@@ -162,6 +163,8 @@ class LogitsWorker(abc.ABC):
     #: pending spans longer than this are prefilled alone, so a batched decode step stays short
     prefill_threshold: int = 8
     prefill_chunk: int = 512
+    #: torch threads of every call (`specray.engine.threads`); None: the calling thread's count
+    num_threads: int | None = None
 
     def __init__(self) -> None:
         self._seqs: dict[str, SeqState] = {}
@@ -282,6 +285,7 @@ class LogitsWorker(abc.ABC):
         return seqs
 
     # ----- protocol: propose / verify -----------------------------------------------------------
+    @pinned
     def propose(
         self,
         seq_ids: Sequence[str],
@@ -343,6 +347,7 @@ class LogitsWorker(abc.ABC):
                     stopped[b] = True
         return DraftProposal(out, probs)
 
+    @pinned
     def propose_tree(
         self,
         seq_ids: Sequence[str],
@@ -465,6 +470,7 @@ class LogitsWorker(abc.ABC):
                 probs[b, slot] = q
         return DraftProposal([list(t) for t in toks], probs, trees=trees)
 
+    @pinned
     def verify(
         self,
         seq_ids: Sequence[str],
@@ -542,6 +548,7 @@ class LogitsWorker(abc.ABC):
         return VerifyResult(emitted, n_acc, None)
 
     # ----- token trees --------------------------------------------------------------------------
+    @pinned
     def score_tree(
         self,
         seq_ids: Sequence[str],
@@ -649,6 +656,7 @@ class LogitsWorker(abc.ABC):
             self._keep_paths(rows, paths)
         return out
 
+    @pinned
     def verify_tree(
         self,
         seq_ids: Sequence[str],

@@ -96,8 +96,9 @@ def prepack_linears(model: torch.nn.Module) -> int:
 class HFWorker(LogitsWorker):
     """Worker over a transformers model folder, known name or hub id (Llama, Qwen2, Mistral, GPT-2, ...).
 
-    num_threads sets torch's intra-op threads for this process (process-wide: in-process levels share
-    it; Ray actors each have their own). prefill_chunk bounds the tokens of one prompt forward.
+    num_threads: torch's intra-op threads of this worker's calls, in whatever thread makes them
+    (`specray.engine.threads`), so in-process levels each keep their own; also the process default from here on
+    (the model loads with it). prefill_chunk bounds the tokens of one prompt forward.
     prefix_caching: a new sequence takes the KV of a finished one whose tokens its prompt starts with (at least
     `MIN_PREFIX` of them), so its prefill feeds only the rest (`SlotKVCache`).
     `model` may also be a causal LM already built (random weights of a real shape, for step-time benchmarks on a
@@ -128,6 +129,7 @@ class HFWorker(LogitsWorker):
         from specray.engine.models import load_tokenizer, resolve_model
 
         super().__init__()
+        self.num_threads = num_threads
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = torch.device(device)

