@@ -302,7 +302,8 @@ class Coordinator:
             try:
                 st = await asyncio.wait_for(asyncio.to_thread(lv.worker.stats), timeout=10)
                 out["levels"][lv.name] = {"live_sequences": st.live_sequences, "cache_bytes": st.cache_bytes,
-                                          **{k: v for k, v in st.extra.items() if k.startswith("prefix_cache_")}}
+                                          **{k: v for k, v in st.extra.items()
+                                             if k.startswith(("prefix_cache_", "transport_"))}}
             except Exception as exc:
                 out["levels"][lv.name] = f"unavailable: {exc}"
                 if lv is self.levels[-1]:

@@ -138,6 +138,11 @@ class FrameServer:
         self.poll = poll
         self._clocks: set[FrameClock] = set()  # one per open connection (when its requests come)
         self._done = [0, 0]  # polled / caught of the closed connections
+        self._stats_lock = threading.Lock()
+        self._served = 0
+        self._busy_s = 0.0  # in the handler
+        self._idle_s = 0.0  # between a reply and the next request on the same connection
+        self._idles: deque[float] = deque(maxlen=256)
         self.on_thread_start = on_thread_start
         self.token = secrets.token_hex(16)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -171,13 +176,20 @@ class FrameServer:
                     if replied is not None and self.poll:
                         clock.wait(conn, "request", replied)
                     frame = _recv(conn)
+                    got = time.perf_counter()
                     if replied is not None:
-                        clock.record("request", time.perf_counter() - replied)
+                        clock.record("request", got - replied)
                     request = pickle.loads(frame)
                     try:
                         reply = pickle.dumps((True, self.handler(request)), protocol=pickle.HIGHEST_PROTOCOL)
                     except Exception as exc:  # the request failed: the client raises it
                         reply = _dumps_exception(exc)
+                    with self._stats_lock:  # before the reply: a caller that has it sees the request counted
+                        self._served += 1
+                        self._busy_s += time.perf_counter() - got
+                        if replied is not None:
+                            self._idle_s += got - replied
+                            self._idles.append(got - replied)
                     _send(conn, reply)
                     replied = time.perf_counter()
             except (ConnectionError, OSError):
@@ -187,6 +199,15 @@ class FrameServer:
                     self._clocks.discard(clock)
                     self._done[0] += clock.polled
                     self._done[1] += clock.caught
+
+    def stats(self) -> dict[str, float]:
+        """Requests served, seconds spent serving them and seconds idle between a reply and the next request on
+        the same connection (the round's time outside this level: the caller's work and the other levels'),
+        with the median of the last 256 idle gaps in ms."""
+        with self._stats_lock:
+            idles = sorted(self._idles)
+            return {"requests": float(self._served), "busy_s": self._busy_s, "idle_s": self._idle_s,
+                    "idle_ms_p50": 1000 * idles[len(idles) // 2] if idles else 0.0}
 
     def polls(self) -> tuple[int, int]:
         """Requests waited for by polling, and those that came while polling, over every connection so far."""

@@ -16,6 +16,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -108,8 +109,12 @@ class LevelActor:
                 self._samplings.by_seq.pop(s, None)
 
     def stats(self) -> WorkerStats:
+        """The worker's stats, plus the direct transport's (`transport_*`: requests served, seconds busy and
+        idle between requests, the median idle gap): where a round's time goes outside this level."""
         with self._lock:
-            return self.worker.stats()
+            st = self.worker.stats()
+        extra = {**st.extra, **{f"transport_{k}": v for k, v in self._server.stats().items()}}
+        return replace(st, extra=extra)
 
     def reset_prefix_cache(self) -> None:
         with self._lock:

@@ -110,7 +110,10 @@ def test_openai_client_through_serve(serve_app):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, temperature=-3)
     metrics = httpx.get(url + "/metrics").text
     assert "spec_decode_num_draft_tokens_total" in metrics
-    assert httpx.get(url + "/health").json()["status"] == "ok"
+    health = httpx.get(url + "/health").json()
+    assert health["status"] == "ok"
+    target = health["levels"]["target"]  # the level actors' direct transport: requests served, idle between them
+    assert target["transport_requests"] >= 4 and target["transport_busy_s"] > 0 and target["transport_idle_s"] > 0
 
 
 def test_per_request_model_tree_through_serve(serve_app):

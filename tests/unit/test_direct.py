@@ -82,6 +82,10 @@ def test_a_server_polls_for_requests_that_come_at_a_steady_pace():
             client.call(i)
         assert seen == list(range(8))
         assert server.polls()[0] > 0
+        st = server.stats()
+        assert st["requests"] == 8
+        assert 0.0 < st["busy_s"] < st["idle_s"]  # idle ~5 ms before each of the last 7, a trivial handler
+        assert st["idle_ms_p50"] >= 4.0
     finally:
         client.close()
         server.close()
