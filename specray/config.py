@@ -317,6 +317,10 @@ class CascadeConfig(_Strict):
         "(direct), a Ray Compiled Graph per level (its reader keeps a CPU core busy while idle), or plain actor calls "
         "(nodes that cannot reach each other's ephemeral ports).",
     )
+    poll: bool = Field(
+        True, description="Direct transport: both ends of a level's connection poll the socket just before a frame "
+        "is due (calls of GPU-speed levels: due within 50 ms) instead of waking a parked thread; off: they park.",
+    )
     nested: bool = Field(
         True, description="A middle level of a cascade runs its inner rounds beside its model, calling the level "
         "below directly (direct transport): one hop from the coordinator per round instead of two per inner round. "

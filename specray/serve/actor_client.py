@@ -63,13 +63,15 @@ class ActorClient:
 
     def __init__(
         self, handle: Any, timeout_s: float | None = None, info: dict[str, Any] | None = None, level: str | None = None,
-        transport: str = "direct",
+        transport: str = "direct", poll: bool = True,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.handle = handle
         self.timeout_s = timeout_s
         self.transport = transport
+        #: direct transport: poll near a reply that is due soon, and ask the actor to do so for our requests
+        self.poll = poll
         self._run, self._add, self._free_many = handle.run, handle.add, handle.free_many
         self._stats, self._info, self._ping = handle.stats, handle.info, handle.ping
         self.level: str = level or "?"  # for error messages until info() answers
@@ -214,7 +216,7 @@ class ActorClient:
         with self._direct_lock:
             try:
                 if self._direct is None:
-                    self._direct = FrameClient(*self._direct_at, timeout_s=self.timeout_s)
+                    self._direct = FrameClient(*self._direct_at, timeout_s=self.timeout_s, poll=self.poll)
                 request = self._request(call)
                 return self._direct.call(request, request.shape())
             except TransportError as e:

@@ -153,7 +153,7 @@ class ActorWorker(ActorClient):
         low_sp, _ = low._wire(draft.seq_ids, draft.sampling, draft.low_syncs)
         with low._frees_lock:
             frees, low._frees = tuple(low._frees), []
-        call = NestedCall(replace(draft, sampling=[]), mid_sp, low_sp, low._direct_at, frees)
+        call = NestedCall(replace(draft, sampling=[]), mid_sp, low_sp, low._direct_at, frees, poll=self.poll)
         try:
             out: NestedOutcome = self._send_direct(call)
         except BaseException:
@@ -172,6 +172,11 @@ class ActorWorker(ActorClient):
     def reset_prefix_cache(self) -> None:
         self._flush()
         self._get(self.handle.reset_prefix_cache.remote())
+
+    def transport_stats(self) -> dict[str, float]:
+        """The actor's direct transport: requests served, seconds busy and idle between them, the median idle gap
+        in ms (`specray.serve.direct.FrameServer.stats`)."""
+        return self._get(self.handle.transport_stats.remote())
 
     def info(self) -> dict[str, Any]:
         """Fresh info (node, pid, incarnation, ...) from the actor."""

@@ -26,6 +26,7 @@ from specray.config import AppConfig
 from specray.coordinator.cascade import CascadeEngine
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler, Speculation
 from specray.metrics import MetricsSink, SpecMetrics
+from specray.serve.actors import ActorWorker
 from specray.serve.protocol import SpeculationOptions, usage_from_stats
 from specray.spec.params import SamplingParams, VerifyMethod
 
@@ -302,8 +303,10 @@ class Coordinator:
             try:
                 st = await asyncio.wait_for(asyncio.to_thread(lv.worker.stats), timeout=10)
                 out["levels"][lv.name] = {"live_sequences": st.live_sequences, "cache_bytes": st.cache_bytes,
-                                          **{k: v for k, v in st.extra.items()
-                                             if k.startswith(("prefix_cache_", "transport_"))}}
+                                          **{k: v for k, v in st.extra.items() if k.startswith("prefix_cache_")}}
+                if isinstance(lv.worker, ActorWorker):  # its actor's direct transport (docs/serving.md)
+                    tr = await asyncio.wait_for(asyncio.to_thread(lv.worker.transport_stats), timeout=10)
+                    out["levels"][lv.name].update({f"transport_{k}": v for k, v in tr.items()})
             except Exception as exc:
                 out["levels"][lv.name] = f"unavailable: {exc}"
                 if lv is self.levels[-1]:

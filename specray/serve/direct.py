@@ -8,11 +8,12 @@ length-prefixed pickle frame each way (`TCP_NODELAY`), and an idle level sleeps 
 
 Waiting: a thread blocked in `recv` is parked, and waking it when the frame lands costs tens of microseconds on
 bare metal and more on a virtual machine, twice per call (the request wakes the server, the reply the client), on
-the round's critical path. Both sides know roughly when their next frame is due (`FrameClock`: a low quantile of
-the last few waits of the same kind: a client's calls of one shape, a server's gaps between its reply and the
-next request), so they park until just before then and poll the socket from there (`POLL_LEAD_S` before, at most
-`POLL_MAX_S` past the due time, then they park again). Only waits due within `POLL_UNDER_S` poll: beside a
-CPU-speed step a wake-up is nothing, and a polling thread would take time from the models' cores.
+the round's critical path. Both sides know roughly when their next frame is due (`FrameClock`: the lower and
+upper quartiles of the last few waits of the same kind: a client's calls of one shape, a server's gaps between a
+reply and the next request), so they park until just before then and poll the socket from there (`POLL_LEAD_S`
+before, at most `POLL_MAX_S` past each due time, parked in between). Only waits due within `POLL_UNDER_S` poll:
+beside a CPU-speed step a wake-up is nothing, and a polling thread would take time from the models' cores. A
+client chooses for its connection (`poll`): the server polls for that connection's requests only if it does.
 
 Ray stays in charge of everything else: it places and restarts the actor, and the address and a per-incarnation
 token travel in the actor's `info()`. A connection must present the token before any frame is unpickled, so
@@ -84,22 +85,31 @@ def _dumps_exception(exc: BaseException) -> bytes:
 
 
 class FrameClock:
-    """When the next frame of a kind is due: a low quantile (`quantile`) of the last `window` waits of that kind,
-    so that polling mostly starts before the frame rather than after it."""
+    """When the next frame of a kind is due: a low and a high quantile (`quantiles`) of the last `window` waits of
+    that kind. Waits are often bimodal (a middle level's one or two inner rounds, a target waiting for a round's
+    drafts or for the next round at once), so a wait polls near each: from just before the first until a little
+    past it, then parked until just before the second (`wait`)."""
 
-    def __init__(self, window: int = 16, quantile: float = 0.25) -> None:
+    def __init__(self, window: int = 16, quantiles: tuple[float, ...] = (0.25, 0.75)) -> None:
         self.window = window
-        self.quantile = quantile
+        self.quantiles = quantiles
         self._recent: dict[Hashable, deque[float]] = {}
         #: waits that polled, and those the frame came to while polling
         self.polled = self.caught = 0
 
-    def due(self, kind: Hashable) -> float | None:
-        """Seconds from the wait's start to its frame, or None before two waits of this kind."""
+    def due(self, kind: Hashable) -> list[float]:
+        """Seconds from the wait's start to its frame, one per quantile (windows that would overlap merged), or
+        none before two waits of this kind."""
         recent = self._recent.get(kind)
         if recent is None or len(recent) < 2:
-            return None
-        return sorted(recent)[int(self.quantile * (len(recent) - 1))]
+            return []
+        ordered = sorted(recent)
+        out: list[float] = []
+        for q in self.quantiles:
+            t = ordered[int(q * (len(ordered) - 1))]
+            if not out or t - out[-1] > POLL_LEAD_S + POLL_MAX_S:
+                out.append(t)
+        return out
 
     def record(self, kind: Hashable, seconds: float) -> None:
         recent = self._recent.get(kind)
@@ -108,28 +118,31 @@ class FrameClock:
         recent.append(seconds)
 
     def wait(self, sock: socket.socket, kind: Hashable, since: float) -> None:
-        """Before a blocking read of `sock`: if a frame of `kind` is due soon after `since` (a `perf_counter`
-        time), park until just before it and poll from there."""
-        due = self.due(kind)
-        if due is None or due >= POLL_UNDER_S:
-            return
+        """Before a blocking read of `sock`: for each time a frame of `kind` is due after `since` (a
+        `perf_counter` time) within `POLL_UNDER_S`, park until just before it and poll from there."""
         socks = [sock]
-        wait = since + due - POLL_LEAD_S - time.perf_counter()
-        if wait > 0 and select.select(socks, [], [], wait)[0]:
-            return  # came early: it woke us as usual
-        self.polled += 1
-        stop = since + due + POLL_MAX_S
-        while time.perf_counter() < stop:
-            if select.select(socks, [], [], 0)[0]:
-                self.caught += 1
-                return
+        polled = False
+        for due in self.due(kind):
+            if due >= POLL_UNDER_S:
+                break
+            wait = since + due - POLL_LEAD_S - time.perf_counter()
+            if wait > 0 and select.select(socks, [], [], wait)[0]:
+                return  # came before this window: it woke us as usual
+            if not polled:
+                self.polled += 1
+                polled = True
+            stop = since + due + POLL_MAX_S
+            while time.perf_counter() < stop:
+                if select.select(socks, [], [], 0)[0]:
+                    self.caught += 1
+                    return
 
 
 class FrameServer:
     """Serves `handler(request) -> result` on a listening socket, one thread per connection.
 
     `on_thread_start` runs first in every connection thread (the level sets its torch thread count there).
-    `poll`: poll for a request that is due soon (module docstring).
+    `poll`: poll for a request that is due soon (module docstring), on connections whose client asks for it.
     """
 
     def __init__(self, host: str, handler: Callable[[Any], Any],
@@ -168,12 +181,14 @@ class FrameServer:
                 if not hmac.compare_digest(_recv(conn), self.token.encode()):
                     log.warning("direct transport: a connection presented a wrong token; closed")
                     return
+                options = pickle.loads(_recv(conn))  # after the token: only a trusted peer's frames are unpickled
+                poll = self.poll and bool(options.get("poll", True))
                 if self.on_thread_start is not None:
                     self.on_thread_start()
                 clock, replied = FrameClock(), None
                 self._clocks.add(clock)
                 while True:
-                    if replied is not None and self.poll:
+                    if replied is not None and poll:
                         clock.wait(conn, "request", replied)
                     frame = _recv(conn)
                     got = time.perf_counter()
@@ -233,6 +248,7 @@ class FrameClient:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.settimeout(timeout_s)
             _send(self._sock, token.encode())
+            _send(self._sock, pickle.dumps({"poll": poll}, protocol=pickle.HIGHEST_PROTOCOL))  # the options
         except OSError as exc:
             raise TransportError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
         self._lock = threading.Lock()

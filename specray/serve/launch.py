@@ -89,6 +89,7 @@ def launch_levels(
     start_timeout_s: float | None = None,
     call_timeout_s: float | None = None,
     transport: str | None = None,
+    poll: bool | None = None,
 ) -> LaunchedCascade:
     """Start one actor per model level (in one placement group) and return the cascade's `Level`s.
 
@@ -98,7 +99,8 @@ def launch_levels(
     bundles cannot be reserved within `placement_timeout_s` (default: `cfg.placement.timeout_s`),
     `LevelStartError` if an actor fails to start within `start_timeout_s` (default: `cfg.start_timeout_s`),
     and `TokenizerMismatchError` if two model levels disagree on the tokenizer; nothing stays running
-    after an error. transport: how rounds reach the actors (default `cfg.transport`; module docstring).
+    after an error. transport: how rounds reach the actors (default `cfg.transport`; module docstring); poll: the
+    direct transport polls near a due frame (default `cfg.poll`).
     """
     from specray.coordinator.generate import level_from_config
 
@@ -141,7 +143,8 @@ def launch_levels(
                 launched.levels.append(level_from_config(lc))
                 continue
             w = ActorWorker(launched.actors[lc.display_name], timeout_s=call_timeout_s, info=infos[lc.display_name],
-                            level=lc.display_name, transport=transport or cfg.transport)
+                            level=lc.display_name, transport=transport or cfg.transport,
+                            poll=cfg.poll if poll is None else poll)
             launched.workers[lc.display_name] = w
             launched.levels.append(level_from_config(lc, worker=w))
         if cfg.nested:

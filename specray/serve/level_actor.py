@@ -16,7 +16,6 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import ray
@@ -50,7 +49,8 @@ class LevelActor:
         self.worker = factory()
         self._lock = threading.Lock()
         self._samplings = Samplings()
-        self._peers: dict[Endpoint, FrameClient] = {}  # other levels' actors this one calls (nested drafting)
+        #: other levels' actors this one calls (nested drafting), per endpoint and polling choice
+        self._peers: dict[tuple[Endpoint, bool], FrameClient] = {}
         threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the server's threads set it too
         self._server = FrameServer(ray.util.get_node_ip_address(), self.run,
                                    on_thread_start=lambda: torch.set_num_threads(threads))
@@ -85,15 +85,15 @@ class LevelActor:
                 self._samplings.by_seq.pop(seq_id, None)
             return request.call.run(self.worker, self._samplings, self._peer_call)
 
-    def _peer_call(self, at: Endpoint, request: LevelRequest) -> Any:
+    def _peer_call(self, at: Endpoint, request: LevelRequest, poll: bool = True) -> Any:
         """A request to another level's actor over its direct transport (a middle level's `NestedCall`)."""
-        client = self._peers.get(at)
+        client = self._peers.get((at, poll))
         if client is None:
-            client = self._peers[at] = FrameClient(*at)
+            client = self._peers[(at, poll)] = FrameClient(*at, poll=poll)
         try:
             return client.call(request, request.shape())
         except TransportError:
-            self._peers.pop(at, None)
+            self._peers.pop((at, poll), None)
             client.close()
             raise
 
@@ -109,12 +109,13 @@ class LevelActor:
                 self._samplings.by_seq.pop(s, None)
 
     def stats(self) -> WorkerStats:
-        """The worker's stats, plus the direct transport's (`transport_*`: requests served, seconds busy and
-        idle between requests, the median idle gap): where a round's time goes outside this level."""
         with self._lock:
-            st = self.worker.stats()
-        extra = {**st.extra, **{f"transport_{k}": v for k, v in self._server.stats().items()}}
-        return replace(st, extra=extra)
+            return self.worker.stats()
+
+    def transport_stats(self) -> dict[str, float]:
+        """The direct transport's requests served, seconds busy and idle between requests, and the median idle
+        gap (`FrameServer.stats`): where a round's time goes outside this level."""
+        return self._server.stats()
 
     def reset_prefix_cache(self) -> None:
         with self._lock:

@@ -28,8 +28,9 @@ WireTree = tuple[tuple[int, ...], tuple[int, ...]] | None
 WireSampling = SamplingParams | None  # None: the actor has it
 #: (address, token) of a level actor's direct transport
 Endpoint = tuple[tuple[str, int], str]
-#: sends a `LevelRequest` to the level actor at an endpoint and returns its result (raises its exception)
-PeerCall = Callable[[Endpoint, "LevelRequest"], Any]
+#: sends a `LevelRequest` to the level actor at an endpoint, polling for the reply or not (`specray.serve.direct`),
+#: and returns its result (raises its exception)
+PeerCall = Callable[[Endpoint, "LevelRequest", bool], Any]
 
 
 class Samplings:
@@ -159,6 +160,7 @@ class NestedCall:
     low_sampling: list[WireSampling]
     low_at: Endpoint
     low_frees: tuple[str, ...]
+    poll: bool = True  # the connection to the level below polls for replies (the coordinator's own choice)
 
     def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> NestedOutcome:
         if peer is None:
@@ -173,7 +175,7 @@ class NestedCall:
                 first[0] = False
                 frees, wire_sp = self.low_frees, self.low_sampling
             call = ProposeCall(seq_ids, k, wire_sp, mode, level, wire_syncs(sync), stop_below)
-            return peer(self.low_at, LevelRequest(frees, call))
+            return peer(self.low_at, LevelRequest(frees, call), self.poll)
 
         return run_nested(draft, worker, propose_low)
 

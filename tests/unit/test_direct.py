@@ -14,17 +14,21 @@ def _server(handler, poll: bool = True) -> FrameServer:
     return FrameServer("127.0.0.1", handler, poll=poll)
 
 
-def test_clock_is_a_low_quantile_of_recent_waits_per_kind():
-    clock = FrameClock(window=4, quantile=0.25)
-    assert clock.due("a") is None
+def test_clock_gives_the_quartiles_of_recent_waits_per_kind():
+    clock = FrameClock(window=4)
+    assert clock.due("a") == []
     clock.record("a", 0.010)
-    assert clock.due("a") is None  # one wait says little
+    assert clock.due("a") == []  # one wait says little
     for s in (0.012, 0.011, 0.030):
         clock.record("a", s)
-    assert clock.due("a") == pytest.approx(0.010)  # sorted 10 11 12 30 ms: index int(0.25 * 3) = 0
+    # sorted 10 11 12 30 ms: indices int(0.25 * 3) and int(0.75 * 3)
+    assert clock.due("a") == pytest.approx([0.010, 0.012])
     clock.record("a", 0.020)  # the window drops 0.010
-    assert clock.due("a") == pytest.approx(0.011)
-    assert clock.due("b") is None
+    assert clock.due("a") == pytest.approx([0.011, 0.020])
+    for _ in range(4):
+        clock.record("a", 0.0101)
+    assert clock.due("a") == pytest.approx([0.0101])  # windows closer than lead + max poll merge
+    assert clock.due("b") == []
 
 
 def test_replies_errors_and_polling_for_short_calls():
@@ -70,6 +74,19 @@ def test_no_polling_when_turned_off_and_a_wrong_token_is_refused():
         bad.call(1)
     bad.close()
     server.close()
+
+
+def test_a_client_that_does_not_poll_is_not_polled_for():
+    server = _server(lambda r: r)  # the server would poll
+    client = FrameClient(server.address, server.token, poll=False)
+    try:
+        for i in range(8):
+            time.sleep(0.005)
+            assert client.call(i, shape="x") == i
+        assert server.polls()[0] == 0 and client.clock.polled == 0
+    finally:
+        client.close()
+        server.close()
 
 
 def test_a_server_polls_for_requests_that_come_at_a_steady_pace():
