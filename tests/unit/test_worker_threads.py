@@ -1,4 +1,4 @@
-"""Levels with their own torch thread counts in one process, called from any thread (issue #18).
+"""Levels with their own torch thread counts in one process, called from any thread.
 
 OpenMP counts belong to the OS thread, and torch sets a thread's count only at its first parallel op. vLLM's
 CPU attention sizes a step's schedule with the thread's count and refuses a kernel run with another, so a vLLM
