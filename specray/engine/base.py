@@ -40,8 +40,9 @@ from specray.engine.tree_rows import (
     keep_paths,
     score_trees,
 )
+from specray.spec.noise import sample_tokens
 from specray.spec.params import PLACEHOLDER_TOKEN_ID, SamplingParams, VerifyMethod
-from specray.spec.sampling import SamplingBatch, apply_penalties, on_device, processed_probs, sample_tokens
+from specray.spec.sampling import SamplingBatch, apply_penalties, on_device, processed_probs
 from specray.spec.tree import DraftTree, pad_trees
 from specray.spec.tree_verify import tree_penalized_logits, verify_tree
 from specray.spec.verify import verify as verify_batch

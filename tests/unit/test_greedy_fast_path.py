@@ -14,9 +14,10 @@ import specray.engine.tree_rows as tree_rows
 from specray.engine.hf import HFWorker
 from specray.engine.protocol import DraftMode, SeqSync
 from specray.engine.rows import pad_rows
+from specray.spec.noise import keyed_uniform, keyed_uniform_streams
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.reference import ref_penalized_logits_row
-from specray.spec.sampling import SamplingBatch, keyed_uniform, keyed_uniform_streams, processed_probs
+from specray.spec.sampling import SamplingBatch, processed_probs
 from specray.testing.fake import FakeWorker
 
 VOCAB = 16
