@@ -17,9 +17,11 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from specray.engine.base import LogitsWorker, SeqState, tree_window
+from specray.engine.base import LogitsWorker
 from specray.engine.kv_cache import SlotKVCache
 from specray.engine.protocol import WorkerStats
+from specray.engine.rows import SeqState
+from specray.engine.tree_rows import tree_window
 
 log = logging.getLogger(__name__)
 

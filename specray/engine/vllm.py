@@ -41,8 +41,9 @@ from specray.engine.threads import pinned
 from specray.engine.vllm_fixes import shield_llvmlite
 from specray.engine.vllm_live import LiveRequests, _Live
 from specray.engine.vllm_scoring import FULL, PromptScoring, UnsupportedSamplingError
+from specray.spec.noise import sample_tokens
 from specray.spec.params import SamplingParams, VerifyMethod
-from specray.spec.sampling import SamplingBatch, processed_probs, sample_tokens
+from specray.spec.sampling import SamplingBatch, processed_probs
 
 log = logging.getLogger(__name__)
 

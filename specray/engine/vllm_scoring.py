@@ -12,7 +12,7 @@ tokens never go through the sampling processors), so ``processed_logprobs`` woul
   lists, so rows wider than `prompt_logprobs_max_width` (64) are scored instead with one 1-token generation
   request per slot (``prompt[:n+j]``, ``logprobs=w``), all in the same engine call.
 * propose (greedy): one temperature-0 generation of k tokens. propose (random / coupled): k steps of one
-  generated token with ``logprobs=w``, each sampled here with the keyed noise of `specray.spec.sampling`.
+  generated token with ``logprobs=w``, each sampled here with the keyed noise of `specray.spec.noise`.
 
 From the top-w raw logprobs we rebuild the *processed* distribution exactly (the filtered-out tokens get
 -inf, which is what top-k/top-p do anyway) and hand it to `specray.spec.verify`, the code the hf backend

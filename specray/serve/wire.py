@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from specray.coordinator.inner import NestedDraft, NestedOutcome, run_nested
-from specray.engine.base import TokenTree
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult, Worker
+from specray.engine.tree_rows import TokenTree
 from specray.spec.params import SamplingParams, VerifyMethod
 
 __all__ = ["LevelRequest", "NestedCall", "ProposeCall", "Samplings", "TreeProposeCall", "TreeVerifyCall", "VerifyCall",

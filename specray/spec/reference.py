@@ -11,14 +11,9 @@ import math
 
 import torch
 
+from specray.spec.noise import accept_stream, gumbel_noise, keyed_uniform, residual_stream
 from specray.spec.params import PLACEHOLDER_TOKEN_ID, VerifyMethod
-from specray.spec.sampling import (
-    SamplingBatch,
-    accept_stream,
-    gumbel_noise,
-    keyed_uniform,
-    residual_stream,
-)
+from specray.spec.sampling import SamplingBatch
 from specray.spec.tree import DraftTree
 from specray.spec.tree_verify import TreeVerifyOutput
 from specray.spec.verify import RESIDUAL_EPS, VerifyOutput

@@ -27,15 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.spec.noise import coupled_argmax, gumbel_noise, inverse_cdf_sample, keyed_uniform, residual_stream
 from specray.spec.params import PLACEHOLDER_TOKEN_ID, TreeShape
-from specray.spec.sampling import (
-    SamplingBatch,
-    coupled_argmax,
-    gumbel_noise,
-    inverse_cdf_sample,
-    keyed_uniform,
-    residual_stream,
-)
+from specray.spec.sampling import SamplingBatch
 from specray.spec.verify import count_drafts
 
 __all__ = [

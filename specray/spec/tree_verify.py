@@ -38,18 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.spec.noise import accept_stream, coupled_argmax, inverse_cdf_sample, keyed_uniform, residual_stream
 from specray.spec.params import PLACEHOLDER_TOKEN_ID, VerifyMethod
-from specray.spec.sampling import (
-    SamplingBatch,
-    TokenHistory,
-    accept_stream,
-    apply_penalties,
-    coupled_argmax,
-    inverse_cdf_sample,
-    keyed_uniform,
-    processed_probs,
-    residual_stream,
-)
+from specray.spec.sampling import SamplingBatch, TokenHistory, apply_penalties, processed_probs
 from specray.spec.tree import DraftTree, TreeBatch, pad_trees
 from specray.spec.verify import RESIDUAL_EPS, VerifyOutput
 

@@ -30,17 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.spec.noise import accept_stream, coupled_argmax, inverse_cdf_sample, keyed_uniform_streams, residual_stream
 from specray.spec.params import PLACEHOLDER_TOKEN_ID, VerifyMethod
-from specray.spec.sampling import (
-    SamplingBatch,
-    accept_stream,
-    coupled_argmax,
-    inverse_cdf_sample,
-    keyed_uniform_streams,
-    on_device,
-    processed_probs,
-    residual_stream,
-)
+from specray.spec.sampling import SamplingBatch, on_device, processed_probs
 
 __all__ = ["RESIDUAL_EPS", "VerifyOutput", "count_drafts", "verify", "verify_logits"]
 

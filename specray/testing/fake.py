@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specray.engine.base import LogitsWorker, SeqState
+from specray.engine.base import LogitsWorker
+from specray.engine.rows import SeqState
 
 
 class FakeWorker(LogitsWorker):

@@ -68,8 +68,8 @@ from typing import Any
 
 import torch
 
-from specray.engine.base import SeqState
 from specray.engine.protocol import WorkerStats
+from specray.engine.rows import SeqState
 from specray.testing.fake import FakeWorker
 
 __all__ = [

@@ -160,7 +160,7 @@ def test_tree_rounds_over_actors_equal_plain(fakes):
     """A suffix level drafting token trees for the target's actor (`verify_tree` over the direct transport and a
     plain actor call: token ids and parents on the wire): greedy == plain decoding in process, with trees that
     branched; the same call in process and over the actor gives the same result."""
-    from specray.engine.base import TokenTree
+    from specray.engine.tree_rows import TokenTree
     from specray.spec.suffix import SuffixConfig, SuffixDrafter
     from specray.spec.tree import DraftTree
 

@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,19 +12,7 @@ from specray.coordinator.cascade import Level
 from specray.coordinator.generate import generate
 from specray.engine.hf import HFWorker
 from specray.testing.tiny import load_tiny
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    name = "bench_gpu_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "bench_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from tests._bench import load_bench
 
 
 def test_worker_from_a_model_object_decodes_like_one_from_its_folder(tiny):
@@ -48,7 +33,7 @@ def test_no_attention_kernel_restriction_on_cpu(tiny):
 
 
 def test_bench_gpu_runs_every_plan_on_cpu(tmp_path):
-    b = _bench()
+    b = load_bench("bench_gpu")
     out = tmp_path / "gpu.json"
     rc = b.main(["--sizes", "tiny", "--device", "cpu", "--batches", "1", "2", "--tokens", "6", "--out", str(out)])
     assert rc == 0
@@ -69,7 +54,7 @@ def test_bench_gpu_runs_every_plan_on_cpu(tmp_path):
 
 
 def test_fit_recovers_a_line():
-    b = _bench()
+    b = load_bench("bench_gpu")
     calls = [(1, q, n, 0.01 + 0.001 * n) for n, q in [(1, 1), (4, 4), (16, 1), (64, 1), (80, 5)]]
     calls.append((1, 128, 128, 5.0))  # a prefill: left out of the fit
     f = b.fit(calls)
@@ -80,7 +65,7 @@ def test_fit_recovers_a_line():
 
 def test_bench_gpu_count_ops_smoke():
     """`bench_gpu.py --count-ops`'s counter on tiny models: ops inside and outside the forwards, per plan."""
-    mod = _bench()
+    mod = load_bench("bench_gpu")
     small, big = mod.worker("tiny-small", "cpu", 1), mod.worker("tiny-big", "cpu", 2)
     for w in (small, big):
         mod._mark_forwards(w.model)

@@ -11,7 +11,7 @@ import torch
 
 from specray.coordinator.cascade import CascadeEngine, Level
 from specray.coordinator.generate import generate
-from specray.engine.base import token_confidence
+from specray.engine.rows import token_confidence
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.sampling import SamplingBatch

@@ -4,16 +4,20 @@ batches that must keep the general path; the host-side branching of `SamplingBat
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import specray.engine.base as base
-from specray.engine.base import pad_rows
+import specray.engine.tree_rows as tree_rows
 from specray.engine.hf import HFWorker
 from specray.engine.protocol import DraftMode, SeqSync
+from specray.engine.rows import pad_rows
+from specray.spec.noise import keyed_uniform, keyed_uniform_streams
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.reference import ref_penalized_logits_row
-from specray.spec.sampling import SamplingBatch, keyed_uniform, keyed_uniform_streams, processed_probs
+from specray.spec.sampling import SamplingBatch, processed_probs
 from specray.testing.fake import FakeWorker
 
 VOCAB = 16
@@ -34,14 +38,19 @@ def tied_worker(name: str) -> FakeWorker:
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the general path's `processed_probs` calls made by the workers."""
+    """Counts the general paths' `processed_probs` calls made by the workers: in every engine module that calls it
+    (the chains' paths in `base`, tree drafting in `tree_rows`), so no path escapes the count."""
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return processed_probs(*args, **kwargs)
 
-    monkeypatch.setattr(base, "processed_probs", counted)
+    holders = [m for n, m in list(sys.modules.items())
+               if n.startswith("specray.engine.") and getattr(m, "processed_probs", None) is processed_probs]
+    assert {base, tree_rows} <= set(holders)
+    for m in holders:
+        monkeypatch.setattr(m, "processed_probs", counted)
     return calls
 
 

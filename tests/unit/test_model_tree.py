@@ -18,8 +18,9 @@ from specray.coordinator.scheduler import Request, Scheduler, Speculation
 from specray.engine.protocol import DraftMode, SeqSync
 from specray.serve.protocol import usage_from_stats
 from specray.serve.protocol.requests import SpeculationOptions
+from specray.spec.noise import sample_tokens
 from specray.spec.params import SamplingParams, TreeShape, VerifyMethod
-from specray.spec.sampling import SamplingBatch, processed_probs, sample_tokens
+from specray.spec.sampling import SamplingBatch, processed_probs
 from specray.spec.tree import ROOT, draft_children
 from specray.testing.fake import FakeWorker
 from tests.unit.test_cascade import assert_target_law

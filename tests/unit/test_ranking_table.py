@@ -186,9 +186,9 @@ def test_acceptance_counts_equal_a_row_by_row_update():
 def test_overhead_bench_reports_the_planners_own_cpu():
     """bench_overhead.py times the planner's hooks in the coordinator's thread (the number its README table gives)."""
     from specray.testing.sim import StepCostModel
-    from tests.unit.test_sim import _bench
+    from tests._bench import load_bench
 
-    b = _bench()
+    b = load_bench("bench_overhead")
     tiny = StepCostModel(0.002, 0.0)
     specs = tuple(b.LevelSpec(s.name, s.noise, s.noise_seed, step_cost=tiny, order=2) for s in b.PRESET_LEVELS["gpu"])
     client = b.ClientLog()

@@ -7,21 +7,20 @@ import math
 import pytest
 import torch
 
-from specray.spec.params import SamplingParams
-from specray.spec.reference import ref_processed_probs_row, ref_sample_token
-from specray.spec.sampling import (
+from specray.spec.noise import (
     COUPLED_STREAM,
-    SamplingBatch,
     accept_stream,
     coupled_argmax,
     gumbel_noise,
     keyed_uniform,
     keyed_uniform_at,
     philox4x32,
-    processed_probs,
     residual_stream,
     sample_tokens,
 )
+from specray.spec.params import SamplingParams
+from specray.spec.reference import ref_processed_probs_row, ref_sample_token
+from specray.spec.sampling import SamplingBatch, processed_probs
 
 
 def _batch(params: list[SamplingParams]) -> SamplingBatch:

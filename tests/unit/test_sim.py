@@ -3,12 +3,9 @@ in-process measurement. Fast, no Ray."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pickle
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,22 +14,10 @@ from specray.coordinator.generate import generate
 from specray.spec.params import SamplingParams
 from specray.testing.fake import FakeWorker
 from specray.testing.sim import PRESETS, SimWorker, StepCostModel, read_trace, sim_factory, union_length
+from tests._bench import load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 GREEDY = [SamplingParams().with_seed()]
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
-
-
-def _bench():
-    """benchmarks/bench_overhead.py as a module (registered, so its dataclasses resolve their module)."""
-    name = "bench_overhead_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "bench_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_propose_lasts_k_forwards_of_the_cost_model():
@@ -117,7 +102,7 @@ def test_presets_and_factory():
 
 
 def test_bench_inproc_measurement_smoke():
-    b = _bench()
+    b = load_bench("bench_overhead")
     tiny = StepCostModel(0.002, 0.0)
     specs = tuple(b.LevelSpec(s.name, s.noise, s.noise_seed, step_cost=tiny, order=2) for s in b.PRESET_LEVELS["gpu"])
     client = b.ClientLog()

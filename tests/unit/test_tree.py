@@ -13,16 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specray.spec.noise import sample_tokens
 from specray.spec.params import PLACEHOLDER_TOKEN_ID as PH
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.reference import ref_verify_tree
-from specray.spec.sampling import (
-    SamplingBatch,
-    TokenHistory,
-    apply_penalties,
-    processed_probs,
-    sample_tokens,
-)
+from specray.spec.sampling import SamplingBatch, TokenHistory, apply_penalties, processed_probs
 from specray.spec.suffix import SuffixConfig, SuffixDrafter
 from specray.spec.tree import DraftTree, TreeBatch, pad_trees, sample_siblings, tree_from_topk
 from specray.spec.tree_verify import tree_penalized_logits, verify_tree, verify_tree_logits

@@ -10,7 +10,7 @@ import pytest
 
 from specray.coordinator.cascade import CascadeEngine, Level, Plan
 from specray.coordinator.generate import generate
-from specray.engine.base import TokenTree
+from specray.engine.tree_rows import TokenTree
 from specray.policy.planner import Planner
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.suffix import SuffixConfig, SuffixDrafter

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from specray.engine.base import TokenTree, tree_window
 from specray.engine.hf import HFWorker
 from specray.engine.protocol import SeqSync
+from specray.engine.tree_rows import TokenTree, tree_window
 from specray.engine.vllm import VLLMWorker
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.sampling import SamplingBatch

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specray.config import LevelConfig
 from specray.coordinator.cascade import CascadeEngine, Level, Plan
 from specray.coordinator.generate import generate, level_from_config
-from specray.engine.base import TokenTree
+from specray.engine.tree_rows import TokenTree
 from specray.metrics import SpecMetrics
 from specray.serve.protocol import usage_from_stats
 from specray.spec.params import SamplingParams, VerifyMethod

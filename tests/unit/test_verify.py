@@ -7,10 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specray.spec.noise import sample_tokens
 from specray.spec.params import PLACEHOLDER_TOKEN_ID as PH
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.reference import ref_verify
-from specray.spec.sampling import SamplingBatch, processed_probs, sample_tokens
+from specray.spec.sampling import SamplingBatch, processed_probs
 from specray.spec.verify import VerifyOutput, count_drafts, verify, verify_logits
 
 ALL_METHODS = list(VerifyMethod)

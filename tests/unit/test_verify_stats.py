@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from specray.spec.noise import sample_tokens
 from specray.spec.params import SamplingParams, VerifyMethod
-from specray.spec.sampling import SamplingBatch, processed_probs, sample_tokens
+from specray.spec.sampling import SamplingBatch, processed_probs
 from specray.spec.verify import VerifyOutput, verify
 
 N = 100_000
