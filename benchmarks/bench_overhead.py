@@ -20,9 +20,9 @@ max_tokens, ignore_eos=True)`):
 On the Ray paths each configuration runs once per transport (`--transports`, side by side, same actors; see
 specray/serve/actors.py): `direct` (the level's own socket, the default, with nested drafting: the middle level
 of the cascade runs its inner rounds in its actor, calling the level below directly), `flat` (direct, the
-coordinator making every call), `nopoll` (direct and nested, both ends parking in `recv` instead of polling near
-a due frame), `compiled` (a Ray Compiled Graph per level) and `call` (plain actor calls), labelled `actors` /
-`actors-flat` / `actors-nopoll` / `actors-compiled` / `actors-call` (and `multinode...`).
+coordinator making every call), `poll` (direct and nested, both ends polling near a due frame instead of parking
+in `recv`: `cascade.poll`), `compiled` (a Ray Compiled Graph per level) and `call` (plain actor calls), labelled
+`actors` / `actors-flat` / `actors-poll` / `actors-compiled` / `actors-call` (and `multinode...`).
 Plans: plain (target alone), draft (8B K -> 70B-TP4), cascade (1B K -> 8B K -> 70B-TP4); greedy, K per level,
 each with and without overlap (drafting the next round while the target verifies; not for plain). The qwen-cpu
 preset has two levels (0.5B -> 1.5B): plain and draft. The h200-hf preset has the hf backend's own step times
@@ -325,9 +325,9 @@ class RayBackend:
                          for s in specs]
             self.launched = launch_levels(cfg, factories=factories, name_prefix=f"overhead-{path}",
                                           start_timeout_s=180, transport=_ray_transport(transport),
-                                          poll=transport != "nopoll")
+                                          poll=transport == "poll")
             self.levels = {lv.name: lv for lv in self.launched.levels}
-            self.nesting = self.launched.nesting if transport in ("direct", "nopoll") else None
+            self.nesting = self.launched.nesting if transport in ("direct", "poll") else None
             for n, lv in self.levels.items():
                 client.patch(n, lv.worker)
             self.files = TraceFiles(list(self.trace_paths.values()))
@@ -761,12 +761,12 @@ class TransportView:
         self.base = base
         self.path = path_label(base.path.split("-")[0], transport)
         self.costs, self.info = base.costs, base.info
-        # direct / nopoll: nested drafting, as the launched cascade has it; flat: the coordinator makes every call
-        self.nesting = base.launched.nesting if transport in ("direct", "nopoll") else None
+        # direct / poll: nested drafting, as the launched cascade has it; flat: the coordinator makes every call
+        self.nesting = base.launched.nesting if transport in ("direct", "poll") else None
         self.levels = {}
         for n, lv in base.levels.items():
             w = ActorWorker(lv.worker.handle, info=lv.worker._info_cache, level=n,
-                            transport=_ray_transport(transport), poll=transport != "nopoll")
+                            transport=_ray_transport(transport), poll=transport == "poll")
             client.patch(n, w)
             self.levels[n] = Level(n, worker=w, k=lv.k, method=lv.method)
 
@@ -785,8 +785,8 @@ class TransportView:
 
 
 def _ray_transport(transport: str) -> str:
-    """The cascade's transport behind a benchmark transport name (`flat`, `nopoll`: direct, used another way)."""
-    return "direct" if transport in ("flat", "nopoll") else transport
+    """The cascade's transport behind a benchmark transport name (`flat`, `poll`: direct, used another way)."""
+    return "direct" if transport in ("flat", "poll") else transport
 
 
 def path_label(path: str, transport: str) -> str:
@@ -870,7 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-tokens-large", type=int, default=None, help="new tokens at batch >= 64 (default: same)")
     ap.add_argument("--overlap", choices=("both", "on", "off"), default="both")
     ap.add_argument("--preset", choices=tuple(PRESET_LEVELS), default="gpu")
-    ap.add_argument("--transports", nargs="+", choices=("direct", "nopoll", "flat", "compiled", "call"),
+    ap.add_argument("--transports", nargs="+", choices=("direct", "poll", "flat", "compiled", "call"),
                     default=["direct", "flat", "compiled", "call"],
                     help="how the Ray paths reach the level actors (each configuration runs once per transport)")
     ap.add_argument("--k", type=int, default=4, help="tokens each level proposes per round")

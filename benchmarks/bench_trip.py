@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         floor = bo.transfer_floor_ms()
         actor = ray.remote(num_cpus=0)(TimedLevel).remote(sim_factory("level", PRESETS[args.preset], vocab=64), 1)
-        worker = ActorWorker(actor)
+        worker = ActorWorker(actor, poll=True)  # the connection asks for polling; the phases switch it
         sent: list[tuple[float, float]] = []
         call = direct.FrameClient.call
 

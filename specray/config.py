@@ -318,8 +318,9 @@ class CascadeConfig(_Strict):
         "(nodes that cannot reach each other's ephemeral ports).",
     )
     poll: bool = Field(
-        True, description="Direct transport: both ends of a level's connection poll the socket just before a frame "
-        "is due (calls of GPU-speed levels: due within 50 ms) instead of waking a parked thread; off: they park.",
+        False, description="Direct transport: both ends of a level's connection poll the socket just before a frame "
+        "is due (calls of GPU-speed levels: due within 50 ms) instead of waking a parked thread. Pays only where "
+        "cores are spare (benchmarks/README.md section 6); off: they park.",
     )
     nested: bool = Field(
         True, description="A middle level of a cascade runs its inner rounds beside its model, calling the level "

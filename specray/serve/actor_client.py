@@ -63,7 +63,7 @@ class ActorClient:
 
     def __init__(
         self, handle: Any, timeout_s: float | None = None, info: dict[str, Any] | None = None, level: str | None = None,
-        transport: str = "direct", poll: bool = True,
+        transport: str = "direct", poll: bool = False,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")

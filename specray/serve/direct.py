@@ -13,7 +13,9 @@ upper quartiles of the last few waits of the same kind: a client's calls of one 
 reply and the next request), so they park until just before then and poll the socket from there (`POLL_LEAD_S`
 before, at most `POLL_MAX_S` past each due time, parked in between). Only waits due within `POLL_UNDER_S` poll:
 beside a CPU-speed step a wake-up is nothing, and a polling thread would take time from the models' cores. A
-client chooses for its connection (`poll`): the server polls for that connection's requests only if it does.
+client chooses for its connection (`poll`, off by default): the server polls for that connection's requests
+only if it does. Polling pays only where cores are spare: it takes a fifth off one call between two processes,
+but on a 2-core box running a cascade's four processes it made rounds slower (benchmarks/README.md section 6).
 
 Ray stays in charge of everything else: it places and restarts the actor, and the address and a per-incarnation
 token travel in the actor's `info()`. A connection must present the token before any frame is unpickled, so
@@ -182,13 +184,13 @@ class FrameServer:
                     log.warning("direct transport: a connection presented a wrong token; closed")
                     return
                 options = pickle.loads(_recv(conn))  # after the token: only a trusted peer's frames are unpickled
-                poll = self.poll and bool(options.get("poll", True))
+                wants_poll = bool(options.get("poll", False))
                 if self.on_thread_start is not None:
                     self.on_thread_start()
                 clock, replied = FrameClock(), None
                 self._clocks.add(clock)
                 while True:
-                    if replied is not None and poll:
+                    if replied is not None and wants_poll and self.poll:
                         clock.wait(conn, "request", replied)
                     frame = _recv(conn)
                     got = time.perf_counter()
@@ -242,7 +244,7 @@ class FrameClient:
     `poll`: poll for replies that are due soon (module docstring), for calls that name their `shape`."""
 
     def __init__(self, address: tuple[str, int], token: str, timeout_s: float | None = None,
-                 poll: bool = True) -> None:
+                 poll: bool = False) -> None:
         try:
             self._sock = socket.create_connection(tuple(address), timeout=timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -85,7 +85,7 @@ class LevelActor:
                 self._samplings.by_seq.pop(seq_id, None)
             return request.call.run(self.worker, self._samplings, self._peer_call)
 
-    def _peer_call(self, at: Endpoint, request: LevelRequest, poll: bool = True) -> Any:
+    def _peer_call(self, at: Endpoint, request: LevelRequest, poll: bool = False) -> Any:
         """A request to another level's actor over its direct transport (a middle level's `NestedCall`)."""
         client = self._peers.get((at, poll))
         if client is None:

@@ -160,7 +160,7 @@ class NestedCall:
     low_sampling: list[WireSampling]
     low_at: Endpoint
     low_frees: tuple[str, ...]
-    poll: bool = True  # the connection to the level below polls for replies (the coordinator's own choice)
+    poll: bool = False  # the connection to the level below polls for replies (the coordinator's own choice)
 
     def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> NestedOutcome:
         if peer is None:

@@ -40,7 +40,7 @@ def test_replies_errors_and_polling_for_short_calls():
         return kind, sleep_s
 
     server = _server(handler)
-    client = FrameClient(server.address, server.token)
+    client = FrameClient(server.address, server.token, poll=True)
     try:
         for _ in range(6):
             assert client.call(("ok", 0.004), shape=("ok", 1)) == ("ok", 0.004)
@@ -78,7 +78,7 @@ def test_no_polling_when_turned_off_and_a_wrong_token_is_refused():
 
 def test_a_client_that_does_not_poll_is_not_polled_for():
     server = _server(lambda r: r)  # the server would poll
-    client = FrameClient(server.address, server.token, poll=False)
+    client = FrameClient(server.address, server.token)  # polling is off by default
     try:
         for i in range(8):
             time.sleep(0.005)
@@ -92,7 +92,7 @@ def test_a_client_that_does_not_poll_is_not_polled_for():
 def test_a_server_polls_for_requests_that_come_at_a_steady_pace():
     seen = []
     server = _server(seen.append)
-    client = FrameClient(server.address, server.token)
+    client = FrameClient(server.address, server.token, poll=True)  # the client asks for it
     try:
         for i in range(8):
             time.sleep(0.005)
