@@ -84,7 +84,9 @@ def test_concurrency_1_to_32_changes_the_plan(bigger_target):
         for p in PROMPTS[4:]:  # concurrency 1
             request(p, 48)
         m1 = rounds_per_plan(srv.url)
-        threads = [threading.Thread(target=request, args=(PROMPTS[i % len(PROMPTS)], 48)) for i in range(32)]
+        # long enough that the rounds at a full batch outnumber those of its ramp up and down (a planner near a
+        # tie there would otherwise decide the dominant plan)
+        threads = [threading.Thread(target=request, args=(PROMPTS[i % len(PROMPTS)], 128)) for i in range(32)]
         t0 = time.monotonic()
         for t in threads:
             t.start()
