@@ -218,7 +218,7 @@ class ActorClient:
                 if self._direct is None:
                     self._direct = FrameClient(*self._direct_at, timeout_s=self.timeout_s, poll=self.poll)
                 request = self._request(call)
-                return self._direct.call(request, request.shape())
+                return self._direct.call(request, request.shape() if self.poll else None)
             except TransportError as e:
                 self._drop_direct()
                 raise LevelUnavailable(self.level, str(e)) from e

@@ -194,7 +194,7 @@ class FrameServer:
                         clock.wait(conn, "request", replied)
                     frame = _recv(conn)
                     got = time.perf_counter()
-                    if replied is not None:
+                    if replied is not None and wants_poll:  # the clock is only kept for polling
                         clock.record("request", got - replied)
                     request = pickle.loads(frame)
                     try:
@@ -266,10 +266,11 @@ class FrameClient:
             try:
                 _send(self._sock, payload)
                 t0 = time.perf_counter()
-                if shape is not None and self.poll:
+                timed = shape is not None and self.poll  # the clock is only kept for polling
+                if timed:
                     self.clock.wait(self._sock, shape, t0)
                 reply = _recv(self._sock)
-                if shape is not None:
+                if timed:
                     self.clock.record(shape, time.perf_counter() - t0)
             except OSError as exc:  # closed, reset, timed out
                 raise TransportError(f"{type(exc).__name__}: {exc}") from exc

@@ -91,7 +91,7 @@ class LevelActor:
         if client is None:
             client = self._peers[(at, poll)] = FrameClient(*at, poll=poll)
         try:
-            return client.call(request, request.shape())
+            return client.call(request, request.shape() if poll else None)
         except TransportError:
             self._peers.pop((at, poll), None)
             client.close()
