@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import platform
 import sys
@@ -95,28 +96,43 @@ def sync(device: torch.device) -> None:
 
 class TimedWorker(HFWorker):
     """HFWorker whose every forward is timed with the device synchronised before and after (CUDA launches are
-    asynchronous: without it the time lands wherever the next host read of a tensor happens to wait)."""
+    asynchronous: without it the time lands wherever the next host read of a tensor happens to wait).
+
+    Times are `time.monotonic()`, one clock for every process of the box, so a worker in a Ray actor can hand its
+    spans to the driver: with `trace_path` set, `stats()` appends the forwards since the last call to that file
+    (JSON lines), never inside a timed call."""
 
     calls: list[tuple[int, int, int, float]]  # (rows, query length, tokens fed, seconds)
     fit_calls: list[tuple[int, int, int, float]]
     spans: list[tuple[float, float]]  # (start, end) of each call
+    trace_path: str | None = None
+    _saved = 0
 
     def _forward(self, seqs, inputs, keep, parents=None):  # type: ignore[override]
         sync(self.device)
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         out = super()._forward(seqs, inputs, keep, parents)
         sync(self.device)
-        t1 = time.perf_counter()
+        t1 = time.monotonic()
         self.calls.append((len(seqs), max(len(x) for x in inputs), sum(len(x) for x in inputs), t1 - t0))
         self.spans.append((t0, t1))
         return out
 
+    def stats(self):  # type: ignore[override]
+        if self.trace_path is not None:
+            with open(self.trace_path, "a") as f:
+                for (rows, q, fed, _s), (a, b) in zip(self.calls[self._saved:], self.spans[self._saved:]):
+                    f.write(json.dumps({"rows": rows, "q": q, "fed": fed, "start": a, "end": b}) + "\n")
+            self._saved = len(self.calls)
+        return super().stats()
 
-def worker(shape: str, device: str, seed: int) -> TimedWorker:
+
+def worker(shape: str, device: str, seed: int, trace_path: str | None = None) -> TimedWorker:
     # no prefix caching: the warm-up runs the timed run's prompts, and every timed run should prefill them
     w = TimedWorker(build(shape, device, seed), name=shape, dtype="bfloat16", device=device, max_context=4096,
                     prefix_caching=False)
     w.calls, w.fit_calls, w.spans = [], [], []  # every forward; those of timed runs (no warm-up) for the fit
+    w.trace_path = trace_path
     return w
 
 
@@ -177,29 +193,80 @@ def fit(calls: Sequence[tuple[int, int, int, float]]) -> dict[str, Any]:
             "median_s_by_shape": {k: sorted(v)[len(v) // 2] for k, v in sorted(by_shape.items())}}
 
 
-def run(levels: Sequence[Level], workers: Sequence[TimedWorker], plan: Plan, batch: int, max_tokens: int,
-        vocab: int, device: torch.device, overlap: bool = False) -> dict[str, Any]:
-    engine = CascadeEngine(list(levels), overlap=overlap)
+#: one forward: (rows, query length, tokens fed, start, end)
+Forward = tuple[int, int, int, float, float]
+
+
+class LocalForwards:
+    """The forwards of in-process workers, from their own lists."""
+
+    def __init__(self, workers: Sequence[TimedWorker]) -> None:
+        self.workers = {w.name: w for w in workers}
+        self.fit: dict[str, list[tuple[int, int, int, float]]] = {n: w.fit_calls for n, w in self.workers.items()}
+        self.marks: dict[str, int] = {}
+
+    def mark(self) -> None:
+        self.marks = {n: len(w.calls) for n, w in self.workers.items()}
+
+    def since_mark(self) -> dict[str, list[Forward]]:
+        return {n: [(*c[:3], a, b) for c, (a, b) in zip(w.calls[self.marks[n]:], w.spans[self.marks[n]:])]
+                for n, w in self.workers.items()}
+
+
+class RemoteForwards:
+    """The forwards of workers in level actors, read from the trace files their `stats()` appends to."""
+
+    def __init__(self, workers: dict[str, Any], paths: dict[str, str]) -> None:
+        self.workers, self.paths = workers, paths
+        self.fit: dict[str, list[tuple[int, int, int, float]]] = {n: [] for n in workers}
+        self.offsets = {n: 0 for n in workers}
+
+    def _read(self) -> dict[str, list[Forward]]:
+        out = {}
+        for n, w in self.workers.items():
+            w.stats()  # the actor writes its forwards since the last call
+            with open(self.paths[n]) as f:
+                f.seek(self.offsets[n])
+                text = f.read()
+                self.offsets[n] = f.tell()
+            recs = [json.loads(line) for line in text.splitlines() if line.strip()]
+            out[n] = [(r["rows"], r["q"], r["fed"], r["start"], r["end"]) for r in recs]
+        return out
+
+    def mark(self) -> None:
+        self._read()
+
+    def since_mark(self) -> dict[str, list[Forward]]:
+        return self._read()
+
+
+def run(levels: Sequence[Level], forwards: LocalForwards | RemoteForwards, plan: Plan, batch: int,
+        max_tokens: int, vocab: int, device: torch.device, overlap: bool = False, nesting: Any = None,
+        ) -> dict[str, Any]:
+    """One timed `generate` after an untimed warm-up; the names of `forwards` are the levels whose forwards count."""
+    engine = CascadeEngine(list(levels), overlap=overlap, nesting=nesting)
     ps = prompts(batch, vocab)
     generate(engine, ps, max_tokens=4, ignore_eos=True, plan=plan)  # warm-up: allocator, kernels, cache slots
-    marks = [len(w.calls) for w in workers]
+    forwards.mark()
     sync(device)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     out = generate(engine, ps, max_tokens=max_tokens, ignore_eos=True, plan=plan)
     sync(device)
-    wall = time.perf_counter() - t0
+    wall = time.monotonic() - t0
     pool = getattr(engine, "_ahead_pool", None)
     if pool is not None:
         pool.shutdown(wait=True)
     rounds = max(r.rounds for r in out.results)
+    names = {lv.name for lv in levels}
     per_level, spans = {}, []
-    for w, m in zip(workers, marks):
-        new = w.calls[m:]
-        w.fit_calls += new
-        spans += w.spans[m:]
-        s = sum(c[3] for c in new)
-        per_level[w.name] = {"calls": len(new), "calls_per_round": len(new) / rounds, "forward_s": s,
-                             "decode_calls": sum(c[1] <= MAX_PREFILL_FED for c in new)}
+    for name, new in forwards.since_mark().items():
+        if name not in names:
+            continue
+        forwards.fit[name] += [(rows, q, fed, b - a) for rows, q, fed, a, b in new]
+        spans += [(a, b) for *_, a, b in new]
+        per_level[name] = {"calls": len(new), "calls_per_round": len(new) / rounds,
+                           "forward_s": sum(b - a for *_, a, b in new),
+                           "decode_calls": sum(q <= MAX_PREFILL_FED for _, q, *_ in new)}
     model_s = union(spans)  # with overlap, forwards of two levels may run at once
     tokens = sum(len(r.token_ids) for r in out.results)
     stats = {n: st.as_dict() for n, st in out.stats.items()}
@@ -308,6 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"forwards, greedy, batch {' and '.join(map(str, COUNT_BATCHES))} (a CPU can do it)")
     ap.add_argument("--count-sampled", action="store_true",
                     help="with --count-ops: also count at temperature 1, top_p 0.95 (the general sampling path)")
+    ap.add_argument("--paths", nargs="+", choices=("inproc", "actors"), default=["inproc"],
+                    help="in-process levels, and/or one Ray actor per model level on this node sharing the device "
+                         "(the served layout; needs Ray)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -327,70 +397,137 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
 
     report["transformers"] = transformers.__version__
-    t0 = time.perf_counter()
-    w_small, w_big = worker(small, args.device, 1), worker(big, args.device, 2)
     vocab = SHAPES[big]["vocab_size"]
-    log(f"built {small} and {big} on {report['device']} in {time.perf_counter() - t0:.1f}s")
-    ng = Level("ngram", ngram=NgramConfig(args.k, 1, 3), k=args.k)
-    l_small, l_big = Level(small, worker=w_small, k=args.k), Level(big, worker=w_big)
     k = args.k
-    plans: list[tuple[str, list[Level], list[TimedWorker], Plan]] = [
-        ("plain", [l_big], [w_big], Plan((0,), ())),
-        ("draft", [l_small, l_big], [w_small, w_big], Plan((0, 1), (k,))),
-        ("cascade", [ng, l_small, l_big], [w_small, w_big], Plan((0, 1, 2), (k, k))),
-    ]
+    plan_of = {"plain": Plan((0,), ()), "draft": Plan((0, 1), (k,)), "cascade": Plan((0, 1, 2), (k, k))}
+    if "inproc" in args.paths or args.count_ops:
+        t0 = time.perf_counter()
+        w_small, w_big = worker(small, args.device, 1), worker(big, args.device, 2)
+        log(f"built {small} and {big} on {report['device']} in {time.perf_counter() - t0:.1f}s")
+        ng = Level("ngram", ngram=NgramConfig(k, 1, 3), k=k)
+        l_small, l_big = Level(small, worker=w_small, k=k), Level(big, worker=w_big)
+        local_sets = {"plain": [l_big], "draft": [l_small, l_big], "cascade": [ng, l_small, l_big]}
+    jobs: list[tuple[str, int, int, bool]] = []
+    for i, b in enumerate(args.batches):
+        n = args.tokens[min(i, len(args.tokens) - 1)]
+        jobs += [(name, b, n, False) for name in plan_of]
+        if args.overlap and b == 1:
+            jobs.append(("cascade", b, n, True))
+
+    def run_jobs(path: str, level_sets: dict[str, list[Level]], forwards: LocalForwards | RemoteForwards,
+                 nesting: Any) -> None:
+        for name, b, n, ov in jobs:
+            try:
+                r = run(level_sets[name], forwards, plan_of[name], b, n, vocab, dev, overlap=ov, nesting=nesting)
+            except Exception as e:  # keep what the other runs measured
+                report["errors"].append({"path": path, "plan": name, "batch": b, "error": repr(e),
+                                         "trace": traceback.format_exc()})
+                log(f"{path} {name} b{b}: FAILED {e!r}")
+                save()
+                continue
+            r["plan"], r["path"] = name, path
+            report["runs"].append(r)
+            log(f"{path:7s} {name:8s} b{b:<3d} overlap={ov!s:5s} {r['tokens_per_s']:8.1f} tok/s  rounds "
+                f"{r['rounds']:4d}  overhead {r['overhead_ms_per_round']:6.2f} ms/round  "
+                f"ideal {r['fraction_of_ideal']:.3f}  calls/round "
+                + " ".join(f"{lv} {d['calls_per_round']:.2f}" for lv, d in r["levels"].items()))
+            save()
+
     if args.count_ops:
         for w in (w_small, w_big):
             _mark_forwards(w.model)
         report["schema"] = "specray.bench_gpu.ops/1"
-        counted = [(n, lv, p) for n, lv, _, p in plans]
+        counted = [(n, local_sets[n], plan_of[n]) for n in plan_of]
         report["op_counts"] = count_ops(counted, COUNT_BATCHES, COUNT_TOKENS, vocab, dev, log)
         if args.count_sampled:
             report["op_counts"] += count_ops(counted, COUNT_BATCHES, COUNT_TOKENS, vocab, dev, log,
                                              SamplingParams(temperature=1.0, top_p=0.95, seed=0))
         save()
         return 0
-    report["raw_step_s"] = {}
-    for w in (w_small, w_big):
-        report["raw_step_s"][w.name] = {f"b{b}q{q}": raw_step(w.model, dev, vocab, b, q)
-                                        for b in (1, 64) for q in (1, args.k + 1)}
-        log(f"bare forward {w.name}: " + ", ".join(f"{key} {1000 * v:.2f} ms"
-                                                   for key, v in report["raw_step_s"][w.name].items()))
-    save()
-    if args.profile:
-        profile(w_small, w_big, args.k, vocab, dev, args.profile)
-        log(f"profile tables in {args.profile}")
-    jobs: list[tuple[str, int, int, bool]] = []
-    for i, b in enumerate(args.batches):
-        n = args.tokens[min(i, len(args.tokens) - 1)]
-        jobs += [(name, b, n, False) for name, *_ in plans]
-        if args.overlap and b == 1:
-            jobs.append(("cascade", b, n, True))
-    for name, b, n, ov in jobs:
-        _, levels, workers, plan = next(p for p in plans if p[0] == name)
-        try:
-            r = run(levels, workers, plan, b, n, vocab, dev, overlap=ov)
-        except Exception as e:  # keep what the other runs measured
-            report["errors"].append({"plan": name, "batch": b, "error": repr(e), "trace": traceback.format_exc()})
-            log(f"{name} b{b}: FAILED {e!r}")
-            save()
-            continue
-        r["plan"] = name
-        report["runs"].append(r)
-        log(f"{name:8s} b{b:<3d} overlap={ov!s:5s} {r['tokens_per_s']:8.1f} tok/s  rounds {r['rounds']:4d}  "
-            f"overhead {r['overhead_ms_per_round']:6.2f} ms/round  ideal {r['fraction_of_ideal']:.3f}")
+    if "inproc" in args.paths:
+        report["raw_step_s"] = {}
+        for w in (w_small, w_big):
+            report["raw_step_s"][w.name] = {f"b{b}q{q}": raw_step(w.model, dev, vocab, b, q)
+                                            for b in (1, 64) for q in (1, args.k + 1)}
+            log(f"bare forward {w.name}: " + ", ".join(f"{key} {1000 * v:.2f} ms"
+                                                       for key, v in report["raw_step_s"][w.name].items()))
         save()
-    plain = {r["batch"]: r["outputs"] for r in report["runs"] if r["plan"] == "plain"}
+        if args.profile:
+            profile(w_small, w_big, args.k, vocab, dev, args.profile)
+            log(f"profile tables in {args.profile}")
+        local = LocalForwards([w_small, w_big])
+        run_jobs("inproc", local_sets, local, None)
+        report["fit"] = {name: fit(calls) for name, calls in local.fit.items()}
+        for name, f in report["fit"].items():
+            if "base_s" in f:
+                log(f"fit {name}: base {1000 * f['base_s']:.2f} ms + {1000 * f['per_token_s']:.4f} ms/token "
+                    f"(median error {100 * f['median_rel_error']:.0f}%)")
+        save()
+        del local_sets, l_small, l_big, w_small, w_big, local  # the actors need the device's memory
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if "actors" in args.paths:
+        actors_path(args, small, big, dev, run_jobs, report, log)
+        save()
+    plain = {(r["path"], r["batch"]): r["outputs"] for r in report["runs"] if r["plan"] == "plain"}
+    first = {}  # the first path's plain outputs per batch: every path and plan must give them (greedy)
+    for (_path, b), outs in plain.items():
+        first.setdefault(b, outs)
     for r in report["runs"]:
-        r["greedy_equal_plain"] = r["outputs"] == plain.get(r["batch"])
+        r["greedy_equal_plain"] = r["outputs"] == plain.get((r["path"], r["batch"]))
+        r["greedy_equal_first_path"] = r["outputs"] == first.get(r["batch"])
         del r["outputs"]
-    report["fit"] = {w.name: fit(w.fit_calls) for w in (w_small, w_big)}
-    for name, f in report["fit"].items():
-        if "base_s" in f:
-            log(f"fit {name}: base {1000 * f['base_s']:.2f} ms + {1000 * f['per_token_s']:.4f} ms/token "
-                f"(median error {100 * f['median_rel_error']:.0f}%)")
     save()
     return 1 if report["errors"] else 0
+
+
+def actors_path(args: argparse.Namespace, small: str, big: str, dev: torch.device, run_jobs: Any,
+                report: dict[str, Any], log: Any) -> None:
+    """The same plans with each model level in its own Ray actor on this node (`launch_levels`, the served
+    coordinator's way; direct transport), the n-gram level in this process; the GPU shared by both actors."""
+    import os
+    import tempfile
+
+    import ray
+
+    from specray.config import CascadeConfig, LevelConfig, PlacementConfig
+    from specray.serve.launch import launch_levels
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    gpus = 1 if dev.type == "cuda" else 0
+    ray.init(address="local", num_cpus=8, num_gpus=gpus, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False)
+    launched = None
+    try:
+        trace_dir = tempfile.mkdtemp(prefix="bench-gpu-")
+        paths = {shape: os.path.join(trace_dir, f"{shape}.jsonl") for shape in (small, big)}
+        for p in paths.values():
+            open(p, "w").close()
+        k = args.k
+        cfg = CascadeConfig(levels=[
+            LevelConfig(kind="ngram", name="ngram", num_speculative_tokens=k, prompt_lookup_min=1,
+                        prompt_lookup_max=3),
+            *(LevelConfig(kind="hf", name=shape, model=f"random:{shape}", num_speculative_tokens=k,
+                          verify_method="greedy", num_cpus=1, num_threads=1, num_gpus=0.5 * gpus, device=args.device)
+              for shape in (small, big)),
+        ], placement=PlacementConfig(strategy="PACK"))
+        t0 = time.perf_counter()
+        factories = [None] + [functools.partial(worker, shape, args.device, seed, paths[shape])
+                              for seed, shape in ((1, small), (2, big))]
+        launched = launch_levels(cfg, factories=factories, name_prefix="bench-gpu", start_timeout_s=600)
+        log(f"launched {small} and {big} in Ray actors in {time.perf_counter() - t0:.1f}s")
+        lv = {x.name: x for x in launched.levels}
+        forwards = RemoteForwards({n: launched.workers[n] for n in (small, big)}, paths)
+        run_jobs("actors", {"plain": [lv[big]], "draft": [lv[small], lv[big]],
+                            "cascade": [lv["ngram"], lv[small], lv[big]]}, forwards, launched.nesting)
+        report["fit_actors"] = {name: fit(calls) for name, calls in forwards.fit.items()}
+    except Exception as e:
+        report["errors"].append({"path": "actors", "error": repr(e), "trace": traceback.format_exc()})
+        log(f"actors: FAILED {e!r}")
+    finally:
+        if launched is not None:
+            launched.shutdown()
+        ray.shutdown()
 
 
 if __name__ == "__main__":

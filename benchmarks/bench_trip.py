@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="llama-8b", help="the level's cost preset (specray.testing.sim.PRESETS)")
     ap.add_argument("--calls", type=int, default=120, help="calls per phase (the first 20 are not counted)")
     ap.add_argument("--phases", type=int, default=6, help="phases, alternating polling on / off")
+    ap.add_argument("--batch", type=int, default=1, help="rows per call (each verifying a 4-token draft)")
     ap.add_argument("--idle-ms", type=float, default=8.0, help="the driver's idle time before each call")
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
@@ -94,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
         direct.FrameClient.call = timed_call  # the driver's side of each call, in this process only
-        sp, prompt = SamplingParams(), list(range(1, 17))
-        first = worker.verify(["s"], [[]], None, [sp], VerifyMethod.GREEDY, level=1, sync=[SeqSync(0, tuple(prompt))])
-        held = len(prompt) + len(first.token_ids[0])
+        sp, prompt, b = SamplingParams(), list(range(1, 17)), args.batch
+        seqs = [f"s{i}" for i in range(b)]
+        first = worker.verify(seqs, [[]] * b, None, [sp] * b, VerifyMethod.GREEDY, level=1,
+                              sync=[SeqSync(0, tuple(prompt))] * b)
+        held = [len(prompt) + len(t) for t in first.token_ids]
         ray.get(actor.take.remote())  # not the prefill
         phases: list[dict[str, Any]] = []
         for j in range(args.phases):
@@ -108,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.calls):
                 time.sleep(args.idle_ms / 1000)
                 t0 = time.monotonic()
-                worker.verify(["s"], [[1, 2, 3, 4]], None, [sp], VerifyMethod.GREEDY, level=1,
-                              sync=[SeqSync(held, ())])
+                worker.verify(seqs, [[1, 2, 3, 4]] * b, None, [sp] * b, VerifyMethod.GREEDY, level=1,
+                              sync=[SeqSync(h, ()) for h in held])
                 outer.append((t0, time.monotonic()))
             marks, trace = ray.get(actor.take.remote())
             parts: dict[str, list[float]] = {p: [] for p in PARTS}
