@@ -89,7 +89,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -511,13 +511,17 @@ class TimedPlanner:
 
 
 def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int, max_tokens: int, overlap: bool,
-            k: int = 4, warmup_tokens: int = 8, planner: tuple[int, str] | None = None) -> dict[str, Any]:
+            k: int = 4, warmup_tokens: int = 8, planner: tuple[int, str] | None = None,
+            inner_min_share: float = 0.0) -> dict[str, Any]:
     """One configuration: an untimed warm-up `generate`, then the timed one; the run's numbers (module docstring).
     `planner` = (k_max, how): the live planner chooses each round's plan over the plan's levels, its ranking
     included in the overhead; how: "served" (the app's defaults, a time budget for the ranking), "b<share>" (the
     same with another `rerank_budget`, e.g. b0.005) or N (it ranks one round in N)."""
     names = PLAN_LEVELS[preset][plan]
     levels = [backend.levels[n] for n in names]
+    if inner_min_share:  # the middle levels' tail cut (`Level.inner_min_share`)
+        levels = [replace(lv, inner_min_share=inner_min_share) if 0 < j < len(levels) - 1 else lv
+                  for j, lv in enumerate(levels)]
     engine = CascadeEngine(levels, overlap=overlap, nesting=backend.nesting)
     policy = None
     if planner is not None:
@@ -594,6 +598,7 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
                                                 "per_pos": st["accepted_per_pos"], "drafts": st["num_drafts"]}
     return {
         "path": backend.path, "preset": preset, "plan": plan, "levels": list(names), "overlap": overlap,
+        "inner_min_share": inner_min_share,
         "planner": None if planner is None else {"k_max": planner[0], "rerank": planner[1],
                                                  "held": policy.plan_name(policy.current),
                                                  # its own CPU (thread time) per round, in all and per hook
@@ -635,6 +640,8 @@ def _short(name: str) -> str:
 def config_label(r: dict[str, Any]) -> str:
     pl = r.get("planner")
     tag = "+pl{}".format(pl["rerank"]) if pl else ""
+    if r.get("inner_min_share"):
+        tag += f"/t{r['inner_min_share']:g}"
     return f"{r['plan']}{'+ov' if r['overlap'] else ''}{tag}"
 
 
@@ -812,6 +819,8 @@ class Settings:
     #: each speculative configuration also runs under the live planner once per entry: "served" or rerank_every N
     planners: list[str] = field(default_factory=list)
     planner_k_max: int = 16
+    #: the cascade's middle level runs each of these tail cuts (`Level.inner_min_share`; 0: none)
+    inner_min_shares: list[float] = field(default_factory=lambda: [0.0])
 
     def tokens_for(self, batch: int) -> int:
         return self.max_tokens_large if (self.max_tokens_large and batch >= 64) else self.max_tokens
@@ -846,15 +855,18 @@ def run_path(path: str, s: Settings, trace_dir: str, on_run: Callable[[dict[str,
                     if ov and plan == "plain":
                         continue
                     policies = [None] + ([(s.planner_k_max, n) for n in s.planners] if plan != "plain" else [])
+                    shares = s.inner_min_shares if len(PLAN_LEVELS[s.preset][plan]) > 2 else s.inner_min_shares[:1]
                     for pol in policies:
-                        reps: dict[int, list[dict[str, Any]]] = {j: [] for j in range(len(backends))}
+                        variants = [(j, sh) for sh in shares for j in range(len(backends))]
+                        reps: dict[tuple[int, float], list[dict[str, Any]]] = {v: [] for v in variants}
                         for _ in range(s.repeat):  # transports interleaved: a slow spell of the box hits all
-                            for j, be in enumerate(backends):
-                                reps[j].append(measure(be, client, s.preset, plan, b, s.tokens_for(b), ov, s.k,
-                                                       s.warmup_tokens, pol))
+                            for j, sh in variants:
+                                be = backends[j]
+                                reps[(j, sh)].append(measure(be, client, s.preset, plan, b, s.tokens_for(b), ov,
+                                                             s.k, s.warmup_tokens, pol, sh))
                                 be.rest()
-                        for j in range(len(backends)):
-                            on_run(median_run(reps[j]))
+                        for v in variants:
+                            on_run(median_run(reps[v]))
     finally:
         for be in reversed(backends):
             be.close()
@@ -874,6 +886,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     default=["direct", "flat", "compiled", "call"],
                     help="how the Ray paths reach the level actors (each configuration runs once per transport)")
     ap.add_argument("--k", type=int, default=4, help="tokens each level proposes per round")
+    ap.add_argument("--inner-min-share", type=float, nargs="+", default=[0.0],
+                    help="run the cascade with each of these tail cuts of its middle level's inner rounds "
+                         "(`Level.inner_min_share`: stop once fewer than this share of rows need tokens; 0: off)")
     ap.add_argument("--planner", nargs="+", default=[], metavar="HOW",
                     help="also run each speculative configuration under the live planner, once per value: 'served' "
                          "(the app's defaults: the ranking within a time budget), b<share> (the same with another "
@@ -902,7 +917,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overlaps={"both": [False, True], "on": [True], "off": [False]}[args.overlap], k=args.k,
         transports=list(dict.fromkeys(args.transports)),
         warmup_tokens=args.warmup_tokens, repeat=max(1, args.repeat), planners=list(args.planner),
-        planner_k_max=args.planner_k_max,
+        planner_k_max=args.planner_k_max, inner_min_shares=args.inner_min_share,
     )
     if s.max_tokens_large and any(b >= 64 for b in s.batches):
         notes.append(f"batch >= 64 runs generate {s.max_tokens_large} tokens per row (others {s.max_tokens})")

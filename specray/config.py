@@ -157,6 +157,15 @@ class LevelConfig(_Strict):
         "what is drafted after them is wasted work. 0 (default): always draft K. Exact at any value. hf levels; "
         "vllm levels draft K regardless.",
     )
+    inner_min_share: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="A middle level of a cascade: stop its inner rounds (the level below drafts, this one verifies) "
+        "once fewer than this share of the round's rows still need draft tokens; the others keep the shorter "
+        "drafts they have. An inner round costs both levels a whole step on a GPU however few its rows, so at large "
+        "batches the last rounds for a few rows cost more than they add. Exact at any value. Default: 0.25 on a GPU "
+        "(num_gpus > 0 or a device other than cpu), 0 (every row gets its whole draft) on a CPU, whose step time "
+        "grows with the rows.",
+    )
     native_speculation: dict[str, Any] | None = Field(
         None,
         description="vllm target only: the engine's own speculative decoding (vLLM's `speculative_config`), e.g. "
@@ -285,6 +294,13 @@ class LevelConfig(_Strict):
     def is_lookup(self) -> bool:
         """A lookup proposer (ngram, suffix): runs inside the coordinator, no model, no actor."""
         return self.kind in ("ngram", "suffix")
+
+    @property
+    def tail_cut(self) -> float:
+        """`inner_min_share` with its default resolved (see the field)."""
+        if self.inner_min_share is not None:
+            return self.inner_min_share
+        return 0.25 if self.num_gpus > 0 or self.device != "cpu" else 0.0
 
     @property
     def display_name(self) -> str:

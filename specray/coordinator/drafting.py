@@ -327,7 +327,8 @@ class Drafter:
             return until.rows if until is not None and until.is_set() else None
 
         return inner_rounds(want, r.k(lower), propose, verify, confidence=lvl.confidence, need_probs=need_probs,
-                            vocab=lvl.caps.vocab_size, stop=stop, on_round=lambda log: _record(rows, i, lower, log))
+                            vocab=lvl.caps.vocab_size, stop=stop, on_round=lambda log: _record(rows, i, lower, log),
+                            min_share=lvl.inner_min_share)
 
     def _nested(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], need_probs: bool,
@@ -347,7 +348,7 @@ class Drafter:
             [self.calls.sync(lower, s, t) for s, t in zip(sub, sub_tails)],
             [want[b] for b in idx], r.k(lower), self.calls.method(i, lower, r.override),
             DraftMode.for_method(self.calls.method(i, lower, r.override)), need_probs, lvl.confidence,
-            low.confidence, lvl.caps.vocab_size)
+            low.confidence, lvl.caps.vocab_size, lvl.inner_min_share)
         got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call)
         for s, mh, lh in zip(sub, got.mid_held, got.low_held):
             s.mirror[i].extend(mh)

@@ -86,7 +86,7 @@ def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
     # native_k (a native vLLM target's own K) comes from the worker (`Level.__post_init__`)
     return Level(cfg.display_name, worker=worker or create_worker(cfg), k=cfg.num_speculative_tokens,
                  method=cfg.verify_method, confidence=cfg.draft_confidence,
-                 tree=cfg.tree.shape() if cfg.tree is not None else None)
+                 tree=cfg.tree.shape() if cfg.tree is not None else None, inner_min_share=cfg.tail_cut)
 
 
 def build_levels(cfg: CascadeConfig, on_level: Callable[[Level], None] | None = None) -> list[Level]:

@@ -55,6 +55,7 @@ def inner_rounds(
     want: Sequence[int], k_low: int, propose: Propose, verify: Verify, *, confidence: float = 0.0,
     need_probs: bool = False, vocab: int = 0, stop: Callable[[], Sequence[bool] | None] | None = None,
     on_round: Callable[[InnerLog], None] | None = None, always_propose_first: bool = False,
+    min_share: float = 0.0,
 ) -> DraftProposal:
     """Inner rounds until row b has want[b] tokens or stopped: after a token the middle level gave a
     probability below `confidence` (the row keeps it and stops), or when `stop()` (checked after each inner
@@ -64,7 +65,10 @@ def inner_rounds(
     the level below may be token trees (`DraftProposal.trees`, verified by `verify` as trees): the middle level
     emits the accepted path plus one token, as for a chain.
     `always_propose_first`: the first inner round calls the level below even if no row needs its tokens (its
-    call carries the rows' syncs, see `run_nested`)."""
+    call carries the rows' syncs, see `run_nested`).
+    `min_share`: after the first inner round, stop once fewer than this share of the rows still need tokens (the
+    others keep the shorter drafts they have). On a GPU an inner round costs both levels a whole step whatever
+    its rows, so a round for a few stragglers of a large batch costs more than their extra tokens are worth."""
     n = len(want)
     outs: list[list[int]] = [[] for _ in range(n)]
     prob_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -72,7 +76,7 @@ def inner_rounds(
     first = True
     while True:
         idx = [b for b in range(n) if len(outs[b]) < want[b] and not stopped[b]]
-        if not idx:
+        if not idx or (not first and len(idx) < min_share * n):
             break
         sub_want = [max(0, min(k_low, want[b] - len(outs[b]) - 1)) for b in idx]
         sub_outs = [outs[b] for b in idx]
@@ -137,6 +141,7 @@ class NestedDraft:
     confidence: float
     stop_below: float
     vocab: int
+    min_share: float = 0.0  # `inner_rounds`
 
 
 @dataclass
@@ -223,5 +228,5 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
 
     drafts = inner_rounds(call.want, call.k_low, propose, verify, confidence=call.confidence,
                           need_probs=call.need_probs, vocab=call.vocab, stop=stop, on_round=logs.append,
-                          always_propose_first=True)
+                          always_propose_first=True, min_share=call.min_share)
     return NestedOutcome(drafts, mid_held.held, low_held.held, logs, failed[0] if failed else None)

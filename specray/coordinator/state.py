@@ -33,6 +33,9 @@ class Level:
     tree_width: a suffix level drafts a token tree (at most this many children per node, K nodes in all) instead
     of a chain when > 1, only for a verifier with `WorkerCaps.tree_verify` directly above it (the target of a
     `suffix -> target` plan); otherwise it drafts chains (logged once). 1: chains.
+    inner_min_share: a middle level of a cascade stops its inner rounds once fewer than this share of the round's
+    rows still need draft tokens (after the first inner round; `specray.coordinator.inner.inner_rounds`). 0: every
+    row gets its whole draft. Exact at any value: only draft lengths change.
     tree: a model level drafts a token tree of this shape (`TreeShape`) instead of a chain, under the same rule:
     only as the first level of a plan, directly below a target with `WorkerCaps.tree_verify`, and only if its own
     worker declares `WorkerCaps.tree_propose`. None (or width 1): chains.
@@ -51,12 +54,15 @@ class Level:
     confidence: float = 0.0
     tree_width: int = 1
     tree: TreeShape | None = None
+    inner_min_share: float = 0.0
     #: the worker's declared capabilities (None for an n-gram level), read once here
     caps: WorkerCaps | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.confidence < 1.0:
             raise ValueError(f"level {self.name!r}: confidence must be in [0, 1)")
+        if not 0.0 <= self.inner_min_share <= 1.0:
+            raise ValueError(f"level {self.name!r}: inner_min_share must be in [0, 1]")
         if sum(x is not None for x in (self.worker, self.ngram, self.suffix)) != 1:
             raise ValueError(f"level {self.name!r}: give exactly one of worker, ngram or suffix")
         if self.tree_width < 1 or (self.tree_width > 1 and self.suffix is None):
