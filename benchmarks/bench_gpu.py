@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -375,6 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"forwards, greedy, batch {' and '.join(map(str, COUNT_BATCHES))} (a CPU can do it)")
     ap.add_argument("--count-sampled", action="store_true",
                     help="with --count-ops: also count at temperature 1, top_p 0.95 (the general sampling path)")
+    ap.add_argument("--inner-min-share", type=float, nargs="+", default=None,
+                    help="the n-gram cascade's middle level runs each of these tail cuts at batches > 1 "
+                         "(`LevelConfig.inner_min_share`; default: the config's default on the device)")
     ap.add_argument("--paths", nargs="+", choices=("inproc", "actors"), default=["inproc"],
                     help="in-process levels, and/or one Ray actor per model level on this node sharing the device "
                          "(the served layout; needs Ray)")
@@ -407,27 +411,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         ng = Level("ngram", ngram=NgramConfig(k, 1, 3), k=k)
         l_small, l_big = Level(small, worker=w_small, k=k), Level(big, worker=w_big)
         local_sets = {"plain": [l_big], "draft": [l_small, l_big], "cascade": [ng, l_small, l_big]}
-    jobs: list[tuple[str, int, int, bool]] = []
+    shares = args.inner_min_share or [0.25 if dev.type == "cuda" else 0.0]  # the config's default on the device
+    jobs: list[tuple[str, int, int, bool, float]] = []
     for i, b in enumerate(args.batches):
         n = args.tokens[min(i, len(args.tokens) - 1)]
-        jobs += [(name, b, n, False) for name in plan_of]
+        for name in plan_of:
+            jobs += [(name, b, n, False, sh) for sh in (shares if name == "cascade" and b > 1 else shares[:1])]
         if args.overlap and b == 1:
-            jobs.append(("cascade", b, n, True))
+            jobs.append(("cascade", b, n, True, shares[0]))
 
     def run_jobs(path: str, level_sets: dict[str, list[Level]], forwards: LocalForwards | RemoteForwards,
                  nesting: Any) -> None:
-        for name, b, n, ov in jobs:
+        for name, b, n, ov, share in jobs:
+            levels = level_sets[name]
+            if len(levels) > 2:  # the middle level's tail cut (`Level.inner_min_share`)
+                levels = [levels[0], replace(levels[1], inner_min_share=share), *levels[2:]]
             try:
-                r = run(level_sets[name], forwards, plan_of[name], b, n, vocab, dev, overlap=ov, nesting=nesting)
+                r = run(levels, forwards, plan_of[name], b, n, vocab, dev, overlap=ov, nesting=nesting)
             except Exception as e:  # keep what the other runs measured
                 report["errors"].append({"path": path, "plan": name, "batch": b, "error": repr(e),
                                          "trace": traceback.format_exc()})
                 log(f"{path} {name} b{b}: FAILED {e!r}")
                 save()
                 continue
-            r["plan"], r["path"] = name, path
+            r["plan"], r["path"], r["inner_min_share"] = name, path, share if len(levels) > 2 else None
             report["runs"].append(r)
-            log(f"{path:7s} {name:8s} b{b:<3d} overlap={ov!s:5s} {r['tokens_per_s']:8.1f} tok/s  rounds "
+            cut = f"/t{share:g}" if len(levels) > 2 else ""
+            log(f"{path:7s} {name + cut:13s} b{b:<3d} overlap={ov!s:5s} {r['tokens_per_s']:8.1f} tok/s  rounds "
                 f"{r['rounds']:4d}  overhead {r['overhead_ms_per_round']:6.2f} ms/round  "
                 f"ideal {r['fraction_of_ideal']:.3f}  calls/round "
                 + " ".join(f"{lv} {d['calls_per_round']:.2f}" for lv, d in r["levels"].items()))

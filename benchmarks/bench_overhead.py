@@ -97,7 +97,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from specray.config import PolicyConfig
+from specray.config import LevelConfig, PolicyConfig
 from specray.coordinator.cascade import CascadeEngine, Level
 from specray.coordinator.generate import generate
 from specray.policy.planner import Planner
@@ -116,6 +116,8 @@ MODEL_KINDS = ("propose", "verify")
 #: the issue's targets: overhead per round (ms) by (path kind, batch)
 OVERHEAD_TARGET_MS = {("inproc", 1): 1.0, ("inproc", 64): 3.0, ("actors", 1): 2.0, ("actors", 64): 5.0}
 FRACTION_TARGET = 0.95
+#: the tail cut a middle level on a GPU gets by default (`LevelConfig.tail_cut`)
+GPU_TAIL_CUT = LevelConfig(kind="hf", model="gpu", num_gpus=1).tail_cut
 #: a one-minute load average above this before a run is flagged in its row (other work shares the cores)
 BUSY_LOAD = 1.5
 TARGETS_TEXT = ("targets (issue): overhead per round <= 1 ms (batch 1) / <= 3 ms (batch 64) in-process, <= 2 ms / "
@@ -886,9 +888,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     default=["direct", "flat", "compiled", "call"],
                     help="how the Ray paths reach the level actors (each configuration runs once per transport)")
     ap.add_argument("--k", type=int, default=4, help="tokens each level proposes per round")
-    ap.add_argument("--inner-min-share", type=float, nargs="+", default=[0.0],
+    ap.add_argument("--inner-min-share", type=float, nargs="+", default=None,
                     help="run the cascade with each of these tail cuts of its middle level's inner rounds "
-                         "(`Level.inner_min_share`: stop once fewer than this share of rows need tokens; 0: off)")
+                         "(`Level.inner_min_share`: stop once fewer than this share of rows need tokens; 0: off). "
+                         "Default: what a level's config gives it on its device: 0.25 for the GPU presets, 0 for "
+                         "qwen-cpu")
     ap.add_argument("--planner", nargs="+", default=[], metavar="HOW",
                     help="also run each speculative configuration under the live planner, once per value: 'served' "
                          "(the app's defaults: the ranking within a time budget), b<share> (the same with another "
@@ -917,7 +921,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overlaps={"both": [False, True], "on": [True], "off": [False]}[args.overlap], k=args.k,
         transports=list(dict.fromkeys(args.transports)),
         warmup_tokens=args.warmup_tokens, repeat=max(1, args.repeat), planners=list(args.planner),
-        planner_k_max=args.planner_k_max, inner_min_shares=args.inner_min_share,
+        planner_k_max=args.planner_k_max,
+        inner_min_shares=args.inner_min_share or [0.0 if qwen else GPU_TAIL_CUT],
     )
     if s.max_tokens_large and any(b >= 64 for b in s.batches):
         notes.append(f"batch >= 64 runs generate {s.max_tokens_large} tokens per row (others {s.max_tokens})")
