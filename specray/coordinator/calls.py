@@ -141,13 +141,21 @@ class LevelCalls:
 
     def sync(self, i: int, s: Seq, tail: Sequence[int]) -> SeqSync:
         """What level `i` must do to hold `s.tokens + tail`; updates the mirror of what it holds."""
+        return self._sync(i, self.failover.epoch[i], s, tail)
+
+    def lookup_sync(self, mid: int, s: Seq, tail: Sequence[int]) -> SeqSync:
+        """`sync` for the n-gram text held beside middle level `mid` (`LookupHolder`, nested drafting): mirrored
+        under the key -1 - mid, and started again whenever that level is (its epoch)."""
+        return self._sync(-1 - mid, self.failover.epoch[mid], s, tail)
+
+    def _sync(self, i: int, epoch: int, s: Seq, tail: Sequence[int]) -> SeqSync:
         mirror = s.mirror.get(i)
-        if mirror is None or s.epoch.get(i) != self.failover.epoch[i]:
+        if mirror is None or s.epoch.get(i) != epoch:
             # new to the level, or the level failed since (it may or may not still hold the sequence): keep 0
             # (`SeqSync.start`) makes the call itself (re)start the sequence with its whole text
             mirror = s.mirror[i] = []
             s.agreed[i] = 0
-            s.epoch[i] = self.failover.epoch[i]
+            s.epoch[i] = epoch
         base = s.tokens
         n, m = len(base), len(mirror)
         keep, lim = s.agreed.get(i, 0), min(m, n)
@@ -182,7 +190,7 @@ class LevelCalls:
             if lvl.suffix is not None:
                 lvl.suffix.release(s.seq_id, s.tokens, s.prompt_len)
         for i in list(s.mirror):
-            worker = self.levels[i].worker
+            worker = self.levels[i].worker if i >= 0 else None  # < 0: a lookup's text, freed with its level
             if worker is not None:
                 _free_quietly(worker, s.seq_id)
             del s.mirror[i]

@@ -308,7 +308,10 @@ class Drafter:
         lvl = self.levels[i]
         need_probs = self.calls.method(r.chain[ci + 1], i, r.override) is VerifyMethod.REJECTION
         bounded = until is not None and any(until.rows)
-        if self.nesting is not None and not bounded and self.nesting.reaches(lvl.worker, self.levels[lower].worker):
+        low = self.levels[lower]
+        nestable = low.worker is not None or (low.ngram is not None and self.tree_width(r, ci - 1) == 1)
+        if (self.nesting is not None and not bounded and nestable
+                and self.nesting.reaches(lvl.worker, low.worker)):
             return self._nested(r, ci, rows, tails, want, need_probs)
 
         def propose(idx: list[int], outs: list[list[int]], k: list[int]) -> Drafts:
@@ -342,20 +345,23 @@ class Drafter:
         if not idx:
             return out
         sub, sub_tails = [rows[b] for b in idx], [tails[b] for b in idx]
+        # an n-gram level below runs beside the middle level's model, on its own copy of each row's text
+        low_key = lower if low.ngram is None else -1 - i
+        low_sync = self.calls.sync if low.ngram is None else lambda _, s, t: self.calls.lookup_sync(i, s, t)
         call = NestedDraft(
             i, lower, [s.seq_id for s in sub], [s.sampling for s in sub],
             [self.calls.sync(i, s, t) for s, t in zip(sub, sub_tails)],
-            [self.calls.sync(lower, s, t) for s, t in zip(sub, sub_tails)],
+            [low_sync(lower, s, t) for s, t in zip(sub, sub_tails)],
             [want[b] for b in idx], r.k(lower), self.calls.method(i, lower, r.override),
             DraftMode.for_method(self.calls.method(i, lower, r.override)), need_probs, lvl.confidence,
-            low.confidence, lvl.caps.vocab_size, lvl.inner_min_share)
+            low.confidence, lvl.caps.vocab_size, lvl.inner_min_share, low.ngram)
         got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call)
         for s, mh, lh in zip(sub, got.mid_held, got.low_held):
             s.mirror[i].extend(mh)
-            s.mirror[lower].extend(lh)
+            s.mirror[low_key].extend(lh)
         width = self.tree_width(r, ci - 1)
         for log in got.logs:
-            if log.steps:
+            if log.steps and low.ngram is None:  # lookups are not timed (as when drafted from here)
                 self.calls.feed.proposed(lower, len(log.idx), log.steps, log.propose_s)
             if log.trees is not None:
                 self.calls.feed.verified(Verified(i, lower, [longest_path(t) for t in log.trees], log.result,

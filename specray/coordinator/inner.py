@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult
+from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from specray.engine.protocol import Worker
     from specray.spec.tree import DraftTree
 
-__all__ = ["InnerLog", "NestedDraft", "NestedOutcome", "Nesting", "inner_rounds", "run_nested"]
+__all__ = ["InnerLog", "LookupHolder", "NestedDraft", "NestedOutcome", "Nesting", "inner_rounds", "run_nested"]
 
 #: (rows of this inner round, each row's draft so far, tokens asked of the level below per row) -> its drafts
 Propose = Callable[[list[int], list[list[int]], list[int]], DraftProposal]
@@ -142,6 +143,9 @@ class NestedDraft:
     stop_below: float
     vocab: int
     min_share: float = 0.0  # `inner_rounds`
+    #: the level below is this n-gram lookup, run beside the middle level's model (`LookupHolder`); `low_syncs`
+    #: then bring the holder's copy of each row in line with its context
+    lookup: NgramConfig | None = None
 
 
 @dataclass
@@ -159,13 +163,53 @@ class NestedOutcome:
 
 
 class Nesting(Protocol):
-    """A transport that lets a middle level run its inner rounds beside its model (`run_nested`)."""
+    """A transport that lets a middle level run its inner rounds beside its model (`run_nested`). `low` None: the
+    level below is an n-gram lookup (`NestedDraft.lookup`), which the middle level runs itself (`LookupHolder`)."""
 
-    def reaches(self, mid: Worker, low: Worker) -> bool:
-        """Can the middle level's worker call the lower level's directly?"""
+    def reaches(self, mid: Worker, low: Worker | None) -> bool:
+        """Can the middle level's worker call the lower level's directly (or run the n-gram lookup itself)?"""
 
-    def draft(self, mid: Worker, low: Worker, call: NestedDraft) -> NestedOutcome:
+    def draft(self, mid: Worker, low: Worker | None, call: NestedDraft) -> NestedOutcome:
         """Run `call` at the middle level; raises if the middle level itself fails."""
+
+
+class LookupHolder:
+    """The n-gram level of a cascade, held beside a middle level's model for nested drafting: it keeps each row's
+    text, brought in line by the same `SeqSync`s a worker takes (the coordinator mirrors it), so a round sends
+    only what is new instead of every row's whole context, and the n-gram drafts from it (`proposer`). One holder
+    per middle level: its rows go when the level frees them."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, list[int]] = {}
+
+    def free(self, seq_id: str) -> None:
+        self.texts.pop(seq_id, None)
+
+    def proposer(self, config: NgramConfig) -> Callable[..., DraftProposal]:
+        """`propose` with this n-gram configuration (a worker's `propose` signature, for `run_nested`)."""
+
+        def propose(seq_ids: list[str], k: list[int], sampling: list, *, mode: str, level: int,
+                    sync: list[SeqSync], stop_below: float) -> DraftProposal:
+            return self.propose(config, seq_ids, k, sync)
+
+        return propose
+
+    def propose(self, config: NgramConfig, seq_ids: list[str], k: list[int], sync: list[SeqSync]) -> DraftProposal:
+        out = []
+        for sid, kk, y in zip(seq_ids, k, sync):
+            if y.keep == 0:
+                text = self.texts[sid] = list(y.append)
+            else:
+                try:
+                    text = self.texts[sid]
+                except KeyError:
+                    raise KeyError(f"unknown sequence {sid!r} (the n-gram text beside this level)") from None
+                del text[y.keep:]
+                text.extend(y.append)
+            draft = config.propose(text, kk) if kk > 0 else []
+            text.extend(draft)  # held like a model drafter's own draft (`run_nested` syncs against it)
+            out.append(draft)
+        return DraftProposal(out)
 
 
 class _Held:
@@ -207,6 +251,8 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
             d = propose_low([call.seq_ids[b] for b in idx], k, [call.sampling[b] for b in idx], mode=call.mode,
                             level=call.low, sync=syncs, stop_below=call.stop_below)
         except Exception as exc:  # the level below failed: stop drafting, report it with what was made
+            if call.lookup is not None:  # a lookup beside this level cannot fail alone: this level lost its rows
+                raise
             failed.append(exc)
             return DraftProposal([[] for _ in idx])
         for b, o, toks in zip(idx, outs, d.token_ids):

@@ -168,7 +168,8 @@ class Seq:
     stats: dict[StatsKey, LevelStats] = field(default_factory=dict)
     rounds: int = 0
     #: per level: mirror of the worker's tokens, a length known to agree with `tokens`, and the level's failover
-    #: epoch when the mirror was made (a newer epoch: the level may have lost the sequence, re-add it)
+    #: epoch when the mirror was made (a newer epoch: the level may have lost the sequence, re-add it); key -1 - i:
+    #: the n-gram text held beside middle level i (`LevelCalls.lookup_sync`)
     mirror: dict[int, list[int]] = field(default_factory=dict)
     agreed: dict[int, int] = field(default_factory=dict)
     epoch: dict[int, int] = field(default_factory=dict)

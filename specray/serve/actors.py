@@ -143,13 +143,16 @@ class ActorWorker(ActorClient):
         return self._send(TreeVerifyCall(ids, wire_trees(trees), draft_probs, sp, method, level, sy, return_probs,
                                          confidence))
 
-    def nested(self, draft: NestedDraft, low: ActorWorker) -> NestedOutcome:
+    def nested(self, draft: NestedDraft, low: ActorWorker | None) -> NestedOutcome:
         """This (middle) level runs `draft`'s inner rounds beside its model, calling `low`'s actor directly
-        (`specray.coordinator.inner`); direct transport only. A failure of `low` comes back as
-        `NestedOutcome.low_error` (`LevelUnavailable` or `LevelRestarted`), one of this level raises."""
-        if self.transport != "direct" or low.transport != "direct":
+        (`specray.coordinator.inner`), or with `low` None drafting with the n-gram lookup `draft.lookup` itself;
+        direct transport only. A failure of `low` comes back as `NestedOutcome.low_error` (`LevelUnavailable` or
+        `LevelRestarted`), one of this level raises."""
+        if self.transport != "direct" or (low is not None and low.transport != "direct"):
             raise ValueError("nested drafting needs the direct transport on both levels")
         mid_sp, _ = self._wire(draft.seq_ids, draft.sampling, draft.mid_syncs)
+        if low is None:
+            return self._send_direct(NestedCall(replace(draft, sampling=[]), mid_sp, [], None, (), poll=self.poll))
         low_sp, _ = low._wire(draft.seq_ids, draft.sampling, draft.low_syncs)
         with low._frees_lock:
             frees, low._frees = tuple(low._frees), []
@@ -220,10 +223,10 @@ class RemoteNesting:
     """`Nesting` over level actors: a middle level reaches the level below it directly when both are actors on
     the direct transport (`ActorWorker.nested`)."""
 
-    def reaches(self, mid: Worker, low: Worker) -> bool:
-        return (isinstance(mid, ActorWorker) and isinstance(low, ActorWorker)
-                and mid.transport == "direct" and low.transport == "direct")
+    def reaches(self, mid: Worker, low: Worker | None) -> bool:
+        return (isinstance(mid, ActorWorker) and mid.transport == "direct"
+                and (low is None or (isinstance(low, ActorWorker) and low.transport == "direct")))
 
-    def draft(self, mid: Worker, low: Worker, call: NestedDraft) -> NestedOutcome:
-        assert isinstance(mid, ActorWorker) and isinstance(low, ActorWorker)
+    def draft(self, mid: Worker, low: Worker | None, call: NestedDraft) -> NestedOutcome:
+        assert isinstance(mid, ActorWorker) and (low is None or isinstance(low, ActorWorker))
         return mid.nested(call, low)

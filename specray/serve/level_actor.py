@@ -82,7 +82,7 @@ class LevelActor:
         with self._lock:
             for seq_id in request.frees:
                 self.worker.free(seq_id)
-                self._samplings.by_seq.pop(seq_id, None)
+                self._samplings.forget(seq_id)
             return request.call.run(self.worker, self._samplings, self._peer_call)
 
     def _peer_call(self, at: Endpoint, request: LevelRequest, poll: bool = False) -> Any:
@@ -106,7 +106,7 @@ class LevelActor:
         with self._lock:
             for s in seq_ids:
                 self.worker.free(s)
-                self._samplings.by_seq.pop(s, None)
+                self._samplings.forget(s)
 
     def stats(self) -> WorkerStats:
         with self._lock:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from specray.coordinator.inner import NestedDraft, NestedOutcome, run_nested
+from specray.coordinator.inner import LookupHolder, NestedDraft, NestedOutcome, run_nested
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult, Worker
 from specray.engine.tree_rows import TokenTree
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -34,10 +34,17 @@ PeerCall = Callable[[Endpoint, "LevelRequest", bool], Any]
 
 
 class Samplings:
-    """The actor's copy of each sequence's sampling parameters."""
+    """The actor's copy of each sequence's sampling parameters, and the n-gram text it holds for nested drafting
+    with an n-gram level below it (`LookupHolder`)."""
 
     def __init__(self) -> None:
         self.by_seq: dict[str, SamplingParams] = {}
+        self.lookups = LookupHolder()
+
+    def forget(self, seq_id: str) -> None:
+        """The sequence was freed at this level."""
+        self.by_seq.pop(seq_id, None)
+        self.lookups.free(seq_id)
 
     def resolve(self, seq_ids: list[str], sampling: list[WireSampling]) -> list[SamplingParams]:
         out = []
@@ -152,20 +159,25 @@ class TreeVerifyCall:
 @dataclass(frozen=True)
 class NestedCall:
     """A middle level runs its inner rounds itself (`specray.coordinator.inner.run_nested`), calling the level
-    below at `low_at` directly. Sampling parameters in wire form for each level (`draft.sampling` is empty);
-    `low_frees`: sequences the coordinator finished, freed at the level below with the first call to it."""
+    below at `low_at` directly, or (`low_at` None) drafting with the n-gram lookup `draft.lookup` it holds beside
+    its model. Sampling parameters in wire form for each level (`draft.sampling` is empty); `low_frees`: sequences
+    the coordinator finished, freed at the level below with the first call to it."""
 
     draft: NestedDraft
     mid_sampling: list[WireSampling]
     low_sampling: list[WireSampling]
-    low_at: Endpoint
+    low_at: Endpoint | None
     low_frees: tuple[str, ...]
     poll: bool = False  # the connection to the level below polls for replies (the coordinator's own choice)
 
     def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> NestedOutcome:
+        draft = replace(self.draft, sampling=samplings.resolve(self.draft.seq_ids, self.mid_sampling))
+        if self.low_at is None:
+            if draft.lookup is None:
+                raise ValueError("a nested draft without a level below to call needs an n-gram lookup")
+            return run_nested(draft, worker, samplings.lookups.proposer(draft.lookup))
         if peer is None:
             raise ValueError("a nested draft needs the direct transport to reach the level below")
-        draft = replace(self.draft, sampling=samplings.resolve(self.draft.seq_ids, self.mid_sampling))
         first = [True]
 
         def propose_low(seq_ids: list[str], k: list[int], sampling: list, *, mode: str, level: int,

@@ -279,9 +279,11 @@ def test_a_middle_level_actor_verifies_trees_and_equals_in_process(fakes):
     assert any(t is not None and t.num_nodes and not t.is_chain for t in trees)
 
 
-def test_nested_drafting_over_actors_equals_in_process(fakes):
-    """The middle level runs its inner rounds in its actor, calling the level below's actor directly: the same
-    tokens and per-level statistics as the in-process loop, one coordinator call to it per round."""
+@pytest.mark.parametrize("setup", ["models3", "cascade3"])
+def test_nested_drafting_over_actors_equals_in_process(fakes, setup):
+    """The middle level runs its inner rounds in its actor, calling the level below's actor directly (models3:
+    d1 -> d2 -> target), or drafting with the n-gram level below itself (cascade3: n-gram -> d2 -> target): the
+    same tokens and per-level statistics as the in-process loop, one coordinator call to it per round."""
     from specray.coordinator.cascade import CascadeEngine
 
     assert fakes.nesting is not None  # cascade.nested is on by default
@@ -297,10 +299,10 @@ def test_nested_drafting_over_actors_equals_in_process(fakes):
     mid.nested = counted
     try:
         for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.REJECTION, sp), (VerifyMethod.COUPLED, sp)]:
-            want = generate(fake_cascade("models3", method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
+            want = generate(fake_cascade(setup, method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
                             ignore_eos=True)
             calls["n"] = 0
-            eng = CascadeEngine(fake_cascade("models3", method, fakes.workers), nesting=fakes.nesting)
+            eng = CascadeEngine(fake_cascade(setup, method, fakes.workers), nesting=fakes.nesting)
             got = generate(eng, PROMPTS, max_tokens=20, sampling=sampling, ignore_eos=True)
             assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], method
             assert {n: st.as_dict() for n, st in got.stats.items()} == {n: st.as_dict() for n, st in want.stats.items()}
@@ -367,6 +369,41 @@ def test_a_level_killed_during_nested_drafting_fails_over_exactly(victim):
         assert eng.level_status()[victim] == "up" and mid is not None and mid.draft_tokens > 0
         assert [x.token_ids for x in got.results] == [x.token_ids[:12] for x in want.results[:2]]
         assert lc.workers[victim].info()["pid"] != pid
+        assert all(w.stats().live_sequences == 0 for w in lc.workers.values())
+
+
+def test_a_middle_level_killed_while_drafting_with_the_ngram_beside_it_fails_over_exactly():
+    """n-gram -> d2 -> target, d2 drafting nested with the n-gram text it holds: killing d2 loses that text with
+    it; every row finishes with the plain target's tokens, and once Ray restarts d2 the cascade takes it back and
+    the n-gram texts start again from the rows' whole contexts (exact again, d2 verifying the n-gram's drafts)."""
+    from specray.coordinator.cascade import CascadeEngine
+
+    cfg = CascadeConfig(levels=[level("d2", num_speculative_tokens=5), level("target")])
+    with launch_levels(cfg, [fake(n, *FAKES[n]) for n in ("d2", "target")], name_prefix="nkng") as lc:
+        levels = [Level("ngram", ngram=NgramConfig(3, 1, 3), k=3), *lc.levels]
+        eng = CascadeEngine(levels, nesting=lc.nesting)
+        eng.retry_after_s = 0.0
+        seqs = [eng.new_sequence(p, SamplingParams(), 60) for p in PROMPTS]
+        pid, r = lc.info["d2"]["pid"], 0
+        while any(not s.finished for s in seqs):
+            if r == 3:
+                os.kill(pid, signal.SIGKILL)
+            eng.step(seqs)
+            r += 1
+        assert eng.failover.epoch[1] > 0, "the killed level was never dropped"
+        want = generate([Level("target", worker=in_process()["target"])], PROMPTS, max_tokens=60, ignore_eos=True)
+        assert [s.output for s in seqs] == [x.token_ids for x in want.results]
+        for s in seqs:
+            eng.release(s)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            got = generate(eng, PROMPTS, max_tokens=24, ignore_eos=True)
+            mid = got.stats.get("d2")  # d2 verified the n-gram's drafts
+            if eng.level_status()["d2"] == "up" and mid is not None and mid.draft_tokens > 0:
+                break
+            time.sleep(0.2)
+        assert eng.level_status()["d2"] == "up" and mid is not None and mid.draft_tokens > 0
+        assert [x.token_ids for x in got.results] == [x.token_ids[:24] for x in want.results]
         assert all(w.stats().live_sequences == 0 for w in lc.workers.values())
 
 

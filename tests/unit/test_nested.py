@@ -8,8 +8,9 @@ import pytest
 
 from specray.coordinator.cascade import CascadeEngine, Level
 from specray.coordinator.generate import generate
-from specray.coordinator.inner import NestedDraft, NestedOutcome, run_nested
-from specray.engine.protocol import Worker
+from specray.coordinator.inner import LookupHolder, NestedDraft, NestedOutcome, run_nested
+from specray.engine.protocol import SeqSync, Worker
+from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.testing.fake import FakeWorker
 
@@ -22,14 +23,18 @@ class LocalNesting:
     def __init__(self) -> None:
         self.calls: list[NestedDraft] = []
         self.mid_verifies = 0  # the middle level's verifications made inside nested calls
+        self.holders: dict[int, LookupHolder] = {}
 
     def reaches(self, mid: Worker, low: Worker) -> bool:
         return True
 
-    def draft(self, mid: Worker, low: Worker, call: NestedDraft) -> NestedOutcome:
+    def draft(self, mid: Worker, low: Worker | None, call: NestedDraft) -> NestedOutcome:
         self.calls.append(call)
         before = mid.verifies
         try:
+            if low is None:  # an n-gram level below: the middle level's holder drafts (one per middle level)
+                holder = self.holders.setdefault(id(mid), LookupHolder())
+                return run_nested(call, mid, holder.proposer(call.lookup))
             return run_nested(call, mid, low.propose)
         finally:
             self.mid_verifies += mid.verifies - before
@@ -131,3 +136,68 @@ def test_a_failing_lower_level_inside_a_nested_call_is_dropped_and_taken_back():
     for s in seqs:
         eng.release(s)
     assert all(x.worker.stats().live_sequences == 0 for x in lv)
+
+
+def ngram_levels(method: VerifyMethod) -> list[Level]:
+    def mk(name: str, noise: float, seed: int) -> Counting:
+        return Counting(name, vocab=16, order=2, table_seed=0, noise=noise, noise_seed=seed)
+
+    return [Level("ngram", ngram=NgramConfig(3, 1, 3), k=3),
+            Level("d2", worker=mk("d2", 0.4, 4), k=5, method=method),
+            Level("t", worker=mk("t", 0.0, 0), method=method)]
+
+
+@pytest.mark.parametrize("method,sampling", [
+    (VerifyMethod.GREEDY, None),
+    (VerifyMethod.REJECTION, SAMPLED),
+    (VerifyMethod.COUPLED, SAMPLED),
+])
+@pytest.mark.parametrize("overlap", ["off", "unbounded"])
+def test_an_ngram_level_below_runs_beside_the_middle_level(method, sampling, overlap):
+    """n-gram -> d2 -> t: with nesting, d2 drafts with the n-gram itself (on its own copy of each row's text,
+    kept in line by syncs): the same tokens and statistics as the coordinator running the lookups, and at most one
+    coordinator call to d2 per round for its drafts."""
+    out, mids = [], []
+    for nesting in (None, LocalNesting()):
+        lv = ngram_levels(method)
+        eng = CascadeEngine(lv, overlap=overlap != "off", nesting=nesting)
+        eng.ahead_bounded = False
+        out.append(generate(eng, PROMPTS, max_tokens=30, sampling=sampling, ignore_eos=True))
+        mids.append((nesting, lv[1].worker.verifies))
+        assert all(x.worker.stats().live_sequences == 0 for x in lv[1:])
+    flat, nested = out
+    assert [r.token_ids for r in nested.results] == [r.token_ids for r in flat.results]
+    nest, verifies = mids[1]
+    assert nest.calls and all(c.lookup is not None for c in nest.calls)
+    if overlap != "off":  # how far the look-ahead got depends on timing: only the tokens are the same
+        return
+    assert {n: s.as_dict() for n, s in nested.stats.items()} == {n: s.as_dict() for n, s in flat.stats.items()}
+    assert verifies == nest.mid_verifies > len(nest.calls)  # every inner round ran beside d2
+    assert len(nest.calls) <= max(r.rounds for r in nested.results)
+    assert nested.stats["d2"].accepted_tokens > 0  # the n-gram's drafts were taken
+
+
+def test_the_lookup_holder_drafts_from_the_synced_text():
+    ng = NgramConfig(4, 1, 3)
+    h = LookupHolder()
+    text = [1, 2, 3, 4, 1, 2]
+    d = h.propose(ng, ["a"], [4], [SeqSync(0, tuple(text))])
+    assert d.token_ids == [ng.propose(text, 4)] == [[3, 4, 1, 2]]
+    assert h.texts["a"] == text + [3, 4, 1, 2]  # held like a model drafter's own draft
+    d = h.propose(ng, ["a"], [2], [SeqSync(7, (9,))])  # keep 7 (the draft's first token accepted), append 9
+    assert h.texts["a"] == [*text, 3, 9, *ng.propose([*text, 3, 9], 2)]
+    with pytest.raises(KeyError, match="unknown sequence"):
+        h.propose(ng, ["b"], [2], [SeqSync(3, ())])
+    h.free("a")
+    assert "a" not in h.texts
+
+
+def test_a_restart_of_the_middle_level_restarts_the_lookup_text():
+    eng = CascadeEngine(ngram_levels(VerifyMethod.GREEDY))
+    s = eng.new_sequence([1, 2, 3], SamplingParams(), 10)
+    calls = eng.calls
+    assert calls.lookup_sync(1, s, [4]) == SeqSync(0, (1, 2, 3, 4))
+    assert calls.lookup_sync(1, s, [4, 5]) == SeqSync(4, (5,))
+    eng.failover.epoch[1] += 1  # the middle level failed: it (and the text beside it) may have lost the row
+    assert calls.lookup_sync(1, s, [4]) == SeqSync(0, (1, 2, 3, 4))
+    assert calls.sync(0, s, []) == SeqSync(0, (1, 2, 3))  # the n-gram level's own key is another mirror
