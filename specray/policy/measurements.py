@@ -1,26 +1,25 @@
 """The planner's live measurements: what it prices plans from, and the hooks that update them.
 
-`Measurements` (a mixin of `specray.policy.planner.Planner`) holds each model level's step-cost fit (`StepCost`),
-the acceptance of each (verifier, drafter) pair (`Acceptance`), a lookup level's match rate and the acceptance of
-its matches (hybrid plans), the token trees' acceptance and nodes fed, the native target's own speculation, and
-the clock of each item's latest measurement, which exploration reads to find the stalest. The engine feeds them
-through its observer hooks (`on_call`, `on_verify`, `on_native`, `on_tree`, `on_propose_tree`: the typed events of
-`specray.coordinator.feed`); every measurement clears the memoised predictions.
+`Measurements` (a part of `specray.policy.planner.Planner`, read by its `Pricing` and `Ranking`) holds each model
+level's step-cost fit (`StepCost`), the acceptance of each (verifier, drafter) pair (`Acceptance`), a lookup level's
+match rate and the acceptance of its matches (hybrid plans), the token trees' acceptance and nodes fed, the native
+target's own speculation, and the clock of each item's latest measurement, which exploration reads to find the
+stalest. The engine feeds them through its observer hooks (`on_call`, `on_verify`, `on_native`, `on_tree`,
+`on_propose_tree`: the typed events of `specray.coordinator.feed`, through the planner's hooks of the same names);
+every measurement clears `memo`, the predictions derived from them.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specray.policy.cost import Acceptance, StepCost
-from specray.policy.pricing import Pricing
 from specray.spec.params import tree_feeds
 
 if TYPE_CHECKING:
-    import threading
-
     from specray.coordinator.feed import TreeWalk
     from specray.coordinator.state import Level
     from specray.spec.params import TreeShape
@@ -33,16 +32,15 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, int(batch) - 1).bit_length()
 
 
-class Measurements(Pricing):
-    """Mixin of `Planner`: the measured state (`_init_measurements`, once, from the levels and the priors) and the
-    engine's observer hooks. Uses the planner's levels (`top`, `is_ngram`), `k_choices` and `_lock`."""
+class Measurements:
+    """The measured state, each item at its prior until measured (the `Planner` arguments of the same names), and
+    the engine's observer hooks. `lock` guards it: the hooks take it, and so must every reader that needs a
+    consistent view (the planner does); `memo` holds what readers derive from it (predictions, rankings)."""
 
-    k_choices: tuple[int, ...]
-    _lock: threading.RLock
-
-    def _init_measurements(
+    def __init__(
         self,
         levels: Sequence[Level],
+        k_choices: tuple[int, ...],
         decay: float,
         prior_alpha_model: float,
         prior_alpha_ngram: float,
@@ -51,7 +49,11 @@ class Measurements(Pricing):
         prior_cost_ratio: float,
         prior_target: tuple[float, float, float],
     ) -> None:
-        """Every measurement at its prior (the `Planner` arguments of the same names)."""
+        self.top = len(levels) - 1
+        self.is_ngram = [lvl.is_ngram for lvl in levels]
+        self.k_choices = k_choices
+        self.lock = threading.RLock()
+        self.memo: dict[tuple, Any] = {}  # predictions (and rankings) derived from these, cleared by every measurement
         #: K of the target's own (native vLLM) speculation on plain rounds; 0: plain decoding is one token
         self.native_k = int(levels[-1].native_k or 0)
         self.native_q = float(self.native_k + 1)  # decayed mean tokens fed per row in a native step
@@ -76,7 +78,7 @@ class Measurements(Pricing):
             (up, 0): Acceptance(prior_alpha_match, decay=decay, k_max=max(32, max(self.k_choices) + 1))
             for up in range(1, self.top + 1)} if self.is_ngram[0] else {}
         self.prior_match = prior_match
-        self._match = [0.0, 0.0]  # decayed (rows matched, rows looked up)
+        self.match = [0.0, 0.0]  # decayed (rows matched, rows looked up)
         #: the target verifies drafts of up to this many tokens inside its engine, on its decode path
         self.engine_verify = int(levels[-1].engine_verify or 0)
         #: token trees: a suffix level 0 with `tree_width` w > 1 drafts trees for the levels above it that verify
@@ -94,7 +96,7 @@ class Measurements(Pricing):
             (up, 0, self.tree_width): Acceptance(prior_alpha_ngram, decay=decay, k_max=k_acc)
             for up in range(1, self.top + 1)
             if self.tree_width > 1 and levels[up].caps is not None and levels[up].caps.tree_verify}
-        self._suffix_trees = bool(self.tree_acceptance)
+        self.suffix_trees = bool(self.tree_acceptance)
         top_caps = levels[-1].caps
         self.tree_shapes: dict[int, TreeShape] = {
             i: lvl.tree for i, lvl in enumerate(levels[:-1])
@@ -103,7 +105,7 @@ class Measurements(Pricing):
         for i, shape in self.tree_shapes.items():
             self.tree_acceptance[(self.top, i, shape.width)] = Acceptance(prior_alpha_model, decay=decay, k_max=k_acc)
         #: the configured tree width of each level that drafts trees
-        self.tree_widths: dict[int, int] = {**({0: self.tree_width} if self._suffix_trees else {}),
+        self.tree_widths: dict[int, int] = {**({0: self.tree_width} if self.suffix_trees else {}),
                                             **{i: shape.width for i, shape in self.tree_shapes.items()}}
         self.tree_nodes: dict[tuple[int, int, int], float] = {}
         self.decay_nodes = decay
@@ -113,67 +115,72 @@ class Measurements(Pricing):
                                                                k_max=max(32, self.native_k + 1))
         if self.native_k or self.engine_verify or levels[-1].live_decode:
             self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
-        self._clock = 0  # target verify calls seen (~ engine rounds)
-        self._measured: dict[tuple[int, ...] | str, int] = {}  # pair, tree key or "plain" -> clock of last measurement
-        self._plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
+        self.clock = 0  # target verify calls seen (~ engine rounds)
+        #: pair, tree key or "plain" -> clock of its latest measurement
+        self.measured_at: dict[tuple[int, ...] | str, int] = {}
+        self.plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
 
     def _scaled_prior(self, ratio: float):
         target = self.costs[self.top]
         return lambda: tuple(ratio * c for c in target.coefficients)
 
+    def chain_fed(self, level: int, lower: int) -> bool:
+        """Whether `lower`'s chains for `level` are priced at the tokens they fed: a suffix level that also drafts
+        trees for it (its chains are often shorter than K)."""
+        return self.is_ngram[lower] and (level, lower, self.tree_width) in self.tree_acceptance
+
     # ----- engine observer hooks ------------------------------------------------------------------
     def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None:
         """A timed worker call: kind 'propose' (tokens = sequential steps) or 'verify' (tokens = q)."""
-        with self._lock:
+        with self.lock:
             cost = self.costs.get(level)
             if cost is None or tokens <= 0 or batch <= 0:
                 return
-            self._memo.clear()
+            self.memo.clear()
             if kind == "propose":
                 cost.observe(batch, 1, seconds / tokens, weight=float(tokens))
             elif kind == "native":
                 if self.native_cost is not None and level == self.top:
                     self.native_cost.observe(batch, tokens, seconds)
-                    self._clock += 1
-                    self._plain_at[batch_bucket(batch)] = self._clock
+                    self.clock += 1
+                    self.plain_at[batch_bucket(batch)] = self.clock
                     if not self.native_k:  # plain decoding on the live path (no on_native follows)
-                        self._measured["plain"] = self._clock
+                        self.measured_at["plain"] = self.clock
             else:
                 cost.observe(batch, tokens, seconds)
                 if level == self.top:
-                    self._clock += 1
+                    self.clock += 1
                     if tokens == 1:
-                        self._measured["plain"] = self._clock
-                        self._plain_at[batch_bucket(batch)] = self._clock
-
+                        self.measured_at["plain"] = self.clock
+                        self.plain_at[batch_bucket(batch)] = self.clock
 
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
         """Acceptance of the native target's own speculation on rows it decoded without a specray draft (one
         entry per such row: vLLM's draft length and accepted count). A row drafted short (no n-gram match, or a
         fresh request) counts a failure at the next position, since its step ended there too."""
-        with self._lock:
+        with self.lock:
             acc = self.acceptance.get((level, level))
             if acc is None or level != self.top:
                 return
-            last = self._measured.get("plain")
+            last = self.measured_at.get("plain")
             # the clock already advanced for this call (on_call comes first): the gap is to the call before it
-            gap = 1.0 if last is None or last >= self._clock else float(self._clock - last)
+            gap = 1.0 if last is None or last >= self.clock else float(self.clock - last)
             acc.observe(draft_lens, accepted, gap=gap, proposed=self.native_k)
             q = max(draft_lens, default=0) + 1
             self.native_q = self._native_decay * self.native_q + (1.0 - self._native_decay) * q
-            self._measured["plain"] = self._clock
-            self._memo.clear()
+            self.measured_at["plain"] = self.clock
+            self.memo.clear()
 
     def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
                   asked: int | None = None) -> None:
         """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call. `asked`: the tokens each
         row was asked for, where known (a lookup level: else the call's longest draft)."""
-        with self._lock:
+        with self.lock:
             acc = self.acceptance.get((level, lower))
             if acc is None:
                 return
-            last = self._measured.get((level, lower))
-            gap = 1.0 if last is None else float(self._clock - last)
+            last = self.measured_at.get((level, lower))
+            gap = 1.0 if last is None else float(self.clock - last)
             # an n-gram drafts less than asked where it finds no match: the longest draft in the call
             # is the best lower bound on what was asked (model drafters always fill their K); at least 1, so that a
             # call in which no row matched (always the case at batch 1 without a match) counts a failure at the
@@ -181,19 +188,19 @@ class Measurements(Pricing):
             # include them (else it is overrated at batch 1 against plain decoding and hybrid plans)
             proposed = (asked or max(max(draft_lens, default=0), 1)) if self.is_ngram[lower] else None
             acc.observe(draft_lens, accepted, gap=gap, proposed=proposed)
-            if asked is None and self._chain_fed(level, lower) and draft_lens:
+            if asked is None and self.chain_fed(level, lower) and draft_lens:
                 # a chain round of a pair that also drafts trees: its tokens fed, priced like a tree's nodes
                 self._fed_nodes((level, lower, 1), max(max(draft_lens), 1))
             if self.is_ngram[lower] and draft_lens:
                 # the rows it matched on: the match rate, and the acceptance of a match (a hybrid plan's price)
                 hit = [j for j, n in enumerate(draft_lens) if n > 0]
                 f = self.decay_match
-                self._match = [f * self._match[0] + len(hit), f * self._match[1] + len(draft_lens)]
+                self.match = [f * self.match[0] + len(hit), f * self.match[1] + len(draft_lens)]
                 if hit and (level, lower) in self.matched:
                     self.matched[(level, lower)].observe([draft_lens[j] for j in hit], [accepted[j] for j in hit],
                                                          gap=gap, proposed=proposed)
-            self._memo.clear()
-            self._measured[(level, lower)] = self._clock
+            self.memo.clear()
+            self.measured_at[(level, lower)] = self.clock
 
     def _fed_nodes(self, key: tuple[int, int, int], nodes: int) -> None:
         """The decayed mean of the largest draft (tree nodes, or a chain's tokens: width 1) per call of `key`."""
@@ -207,12 +214,12 @@ class Measurements(Pricing):
         the level's step cost at those sizes -- as `depth` forwards of their mean size, exact for the linear cost
         model -- so a tree's proposal is priced from what tree proposals took, and its chain steps (one token each)
         are not priced at a tree's cost."""
-        with self._lock:
+        with self.lock:
             cost = self.costs.get(level)
             feeds = tree_feeds(depth, width, nodes)
             if cost is None or not feeds or batch <= 0:
                 return
-            self._memo.clear()
+            self.memo.clear()
             cost.observe(batch, max(1, round(sum(feeds) / len(feeds))), seconds / len(feeds), weight=float(len(feeds)))
 
     def on_tree(self, level: int, lower: int, width: int, walks: Sequence[TreeWalk]) -> None:
@@ -222,17 +229,17 @@ class Measurements(Pricing):
         before the tree's depth -- counts a failure after it, since the round ends there too) and the nodes fed;
         the chain along the first children feeds the pair's chain acceptance (`on_verify`), so running trees keeps
         the chain's price measured."""
-        with self._lock:
+        with self.lock:
             key = (level, lower, width)
             acc = self.tree_acceptance.get(key)
             if acc is not None and walks:
-                last = self._measured.get(key)
-                gap = 1.0 if last is None else float(self._clock - last)
+                last = self.measured_at.get(key)
+                gap = 1.0 if last is None else float(self.clock - last)
                 budget = max(max(w.nodes for w in walks), 1)
                 bound = budget if self.is_ngram[lower] else max(max(w.depth for w in walks), 1)
                 acc.observe([w.reach for w in walks], [w.accepted for w in walks], gap=gap, proposed=bound)
                 self._fed_nodes(key, budget)
-                self._measured[key] = self._clock
+                self.measured_at[key] = self.clock
             # a spine ends where the tree's node budget went to siblings, not where a chain would end: a spine
             # accepted whole is cut short (no failure after it); a row without a tree is the lookup's miss
             self.on_verify(level, lower, [w.spine for w in walks], [w.spine_accepted for w in walks], asked=1)

@@ -1,10 +1,12 @@
 """Choose the speculation plan (which levels run, and K for each) per round from live measurements.
 
-`Planner` is made of three parts: what it has measured (`specray.policy.measurements`: the engine's observer hooks
-and the step-cost fits and acceptances they update), the candidate plans ranked by predicted goodput
-(`specray.policy.ranking`; each candidate priced by `specray.policy.pricing`: E[L] * B / T_round of plain decoding,
-one drafter, cascades, a native vLLM target, overlapped rounds), and, in this module, the choice among them: a
-static table, hysteresis, exploration of stale pairs, plain probes at new batch sizes, each within its time budget.
+`Planner` holds three parts: what it has measured (`measurements`, a `specray.policy.measurements.Measurements`: the
+engine's observer hooks and the step-cost fits and acceptances they update), the price of a plan (`pricing`, a
+`specray.policy.pricing.Pricing` over them: E[L] * B / T_round of plain decoding, one drafter, cascades, a native
+vLLM target, overlapped rounds) and the candidate plans ranked by it (`ranking`, a `specray.policy.ranking.Ranking`);
+this module makes the choice among them: a static table, hysteresis, exploration of stale pairs, plain probes at
+new batch sizes, each within its time budget. The planner's own API forwards to its parts (what callers and tests
+read: `on_call`, `goodput`, `explain`, `costs`, ...).
 
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
@@ -23,29 +25,31 @@ timed tree proposals (`on_propose_tree`).
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from specray.coordinator.state import Plan
 from specray.policy.measurements import Measurements, batch_bucket
-from specray.policy.pricing import _effective
+from specray.policy.pricing import Pricing, _effective
 from specray.policy.ranking import REGIMES, Ranking, regime_of
 from specray.spec.params import VerifyMethod
 
 if TYPE_CHECKING:
     from specray.coordinator.cascade import CascadeEngine
+    from specray.coordinator.feed import TreeWalk
     from specray.coordinator.state import Level
+    from specray.policy.cost import Acceptance, StepCost
 
 __all__ = ["Planner", "regime_of"]
 
 
-class Planner(Measurements, Ranking):
+class Planner:
     """Picks a `Plan` per round for the best expected goodput; `planner(batch_size) -> Plan`.
 
     Only the levels' names, `is_ngram` and `k` (the default plan) are used. `attach(engine)` subscribes
-    to the engine's measurements (`on_call`, `on_verify`); tests may call those hooks directly.
+    to the engine's measurements (`on_call`, `on_verify`, ...: its `measurements` take them); tests may call those
+    hooks directly.
 
     Stability: the current plan is kept unless another beats it by more than `hysteresis` (relative) on
     `patience` consecutive calls, so noise cannot make it flap (one call suffices to fall back to plain
@@ -96,18 +100,12 @@ class Planner(Measurements, Ranking):
         if self.is_ngram[-1] or any(self.is_ngram[1:]):
             raise ValueError("only level 0 may be an n-gram, and the target must be a model")
         self.top = len(levels) - 1
-        #: the engine drafts the next round while the target verifies (set by attach; round_time prices it), its
-        #: look-ahead stops once the target has verified (`bounded`), a first model level stopping every
-        #: `ahead_chunk` steps (CascadeEngine.ahead_bounded / ahead_chunk)
-        self.overlap = False
-        self.bounded = False
-        self.ahead_chunk = 2
-        self._rejection_top = levels[-1].method == VerifyMethod.REJECTION
+        rejection_top = levels[-1].method == VerifyMethod.REJECTION
         self.k_choices = tuple(sorted(set(k_choices))) if k_choices else tuple(range(1, k_max + 1))
         if any(k < 1 for k in self.k_choices):
             raise ValueError("k_choices must be >= 1 (plain decoding is always a candidate)")
         self.hysteresis, self.patience, self.explore_every = hysteresis, patience, explore_every
-        self.overhead, self.ngram_cost, self.warmup = overhead, ngram_cost, warmup
+        self.warmup = warmup
         self.probe_batch = max(1, probe_batch)
         self.decisive = decisive
         if rerank_every < 1:
@@ -150,15 +148,17 @@ class Planner(Measurements, Ranking):
         self.answers = 0  # plan() calls so far (a caller tells a round the planner chose for from one it did not)
         self.default_plan = Plan(tuple(range(len(levels))), tuple(max(0, lvl.k) for lvl in levels[:-1]))
         self.plain = Plan((self.top,), ())
-        self._init_measurements(levels, decay, prior_alpha_model, prior_alpha_ngram, prior_alpha_match, prior_match,
-                                prior_cost_ratio, prior_target)
-        if self._width(self.default_plan, 0) > 1:  # the configured plan drafts trees: name its width
+        self.measurements = Measurements(levels, self.k_choices, decay, prior_alpha_model, prior_alpha_ngram,
+                                         prior_alpha_match, prior_match, prior_cost_ratio, prior_target)
+        self.pricing = Pricing(self.measurements, overhead=overhead, ngram_cost=ngram_cost,
+                               rejection_top=rejection_top)
+        if self.pricing.width(self.default_plan, 0) > 1:  # the configured plan drafts trees: name its width
             self.default_plan = Plan(self.default_plan.levels, self.default_plan.k,
-                                     tree=self.tree_widths[self.default_plan.levels[0]])
-        self._init_candidates()
+                                     tree=self.measurements.tree_widths[self.default_plan.levels[0]])
+        self.ranking = Ranking(self.pricing, self.names, self.plain, self.default_plan)
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
 
-        self._lock = threading.RLock()
+        self._lock = self.measurements.lock  # the measurements' hooks and the choice see one state
         self._current = self.default_plan
         self._streak = 0
         self._calls = 0  # plan() answers past the table (rounds), whether ranked or held
@@ -166,7 +166,6 @@ class Planner(Measurements, Ranking):
         self._plain_probed: set[int] = set()  # buckets given their first plain probe
         self._last_bucket, self._bucket_run = 0, 0  # bucket of the latest plan() call, consecutive calls there
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
-        self._memo: dict[tuple, Any] = {}  # predictions (and rankings), cleared by every measurement
         for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
             plan = None if spec in (*REGIMES, "hybrid") else self._parse(spec, lo)
             if plan is not None and (plan.levels[-1] != self.top or max(plan.levels) > self.top):
@@ -179,10 +178,10 @@ class Planner(Measurements, Ranking):
             raise ValueError("the engine's levels differ from the planner's")
         if self not in engine.observers:
             engine.observers.append(self)
-        self.overlap = engine.overlap
-        self.bounded = engine.ahead_bounded
-        self.ahead_chunk = max(1, engine.ahead_chunk)
-        self._memo.clear()
+        self.pricing.overlap = engine.overlap
+        self.pricing.bounded = engine.ahead_bounded
+        self.pricing.ahead_chunk = max(1, engine.ahead_chunk)
+        self.measurements.memo.clear()
         return self
 
     def on_round(self, batch: int, seconds: float) -> None:
@@ -211,7 +210,7 @@ class Planner(Measurements, Ranking):
         """What a round of `plan` measures: its pairs, and (verifier, 0, width) where its suffix level drafts trees
         (a tree round measures its chain pair too: `on_tree`)."""
         items: list[tuple[int, ...]] = list(self._pairs(plan))
-        width = self._width(plan, 0)
+        width = self.pricing.width(plan, 0)
         if width > 1:
             items.append((plan.levels[1], plan.levels[0], width))
         return items
@@ -221,14 +220,15 @@ class Planner(Measurements, Ranking):
         decoding's staleness is counted at the batch's bucket: its cost is what the choice "stop speculating"
         rests on, and on a CPU it changes with the batch far more than a fitted curve says."""
         current = set(self._items(self._current)) | ({"plain"} if not self._pairs(self._current) else set())
-        items: list[tuple[int, ...] | str] = ["plain", *(pair for pair in self.acceptance if pair[0] != pair[1]),
-                                              *self.tree_acceptance]
+        m = self.measurements
+        items: list[tuple[int, ...] | str] = ["plain", *(pair for pair in m.acceptance if pair[0] != pair[1]),
+                                              *m.tree_acceptance]
         stale = []
         for item in items:
             if item in current:
                 continue
-            last = self._plain_at.get(batch_bucket(batch)) if item == "plain" else self._measured.get(item)
-            age = math.inf if last is None else self._clock - last
+            last = m.plain_at.get(batch_bucket(batch)) if item == "plain" else m.measured_at.get(item)
+            age = math.inf if last is None else m.clock - last
             if age >= self.explore_every // 2:  # measured anyway (e.g. by overridden requests): skip
                 stale.append((age, item))
         if not stale:
@@ -242,7 +242,7 @@ class Planner(Measurements, Ranking):
 
     def _score(self, plan: Plan, batch: int) -> float:
         """Goodput as the choice weighs it: a speculative plan's discounted by `margin`."""
-        gp = self._goodput(plan, batch)
+        gp = self.ranking.goodput(plan, batch, self._current)
         return gp / (1.0 + self.margin) if self.margin and self._pairs(plan) else gp
 
     def _affordable(self, probe: Plan, batch: int) -> bool:
@@ -255,17 +255,17 @@ class Planner(Measurements, Ranking):
         if self.explore_budget is None:
             return True
         if self._pairs(probe):
-            extra = max(self.round_time(probe, min(batch, self.probe_batch)),
+            extra = max(self.pricing.round_time(probe, min(batch, self.probe_batch)),
                         *(self._explore_cost.get(pair, 0.0) for pair in self._pairs(probe)))
         else:
-            extra = max(0.0, self.round_time(probe, batch) - self.round_time(self._current, batch))
+            extra = max(0.0, self.pricing.round_time(probe, batch) - self.pricing.round_time(self._current, batch))
         return extra <= self.explore_budget * self._served.get(batch_bucket(batch), 0.0)
 
     def _hold(self, batch: int) -> bool:
         """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;
         otherwise until `rerank_every` rounds have passed and, with a `rerank_budget`, until the time since the
         last ranking is at least its cost over the budget."""
-        if self._calls <= 1 or self._clock < self.warmup or batch_bucket(batch) != self._last_bucket:
+        if self._calls <= 1 or self.measurements.clock < self.warmup or batch_bucket(batch) != self._last_bucket:
             return False
         if self._unranked + 1 < self.rerank_every:
             return True
@@ -298,7 +298,7 @@ class Planner(Measurements, Ranking):
                 best_gp = self._score(best, batch)
                 if plain_gp >= best_gp:
                     best, best_gp = self.plain, plain_gp
-            if self._clock < self.warmup:
+            if self.measurements.clock < self.warmup:
                 # nothing measured yet: run the configured plan unless even the priors say it loses
                 start = self.default_plan if self._score(self.default_plan, batch) >= self._score(
                     self.plain, batch) else best
@@ -308,13 +308,13 @@ class Planner(Measurements, Ranking):
             bucket, grew = batch_bucket(batch), 0 < self._last_bucket < batch_bucket(batch)
             self._bucket_run = self._bucket_run + 1 if bucket == self._last_bucket else 1
             self._last_bucket = bucket
-            if grew and best == self.plain != self._current and bucket in self._plain_at:
+            if grew and best == self.plain != self._current and bucket in self.measurements.plain_at:
                 # the batch grew into a larger bucket where plain decoding is measured and predicted to win: patience
                 # guards against noise at one batch size, but the held plan was chosen for a smaller one, and holding
                 # it here for `patience` rounds is what makes a drafter catch up on the rows that grew the batch (a
                 # whole prefill of each, which no step measurement prices) for rounds that lose anyway
                 self._current, self._streak = best, 0
-            if (self.explore_every and self._bucket_run >= 2 and bucket not in self._plain_at
+            if (self.explore_every and self._bucket_run >= 2 and bucket not in self.measurements.plain_at
                     and bucket not in self._plain_probed and self._pairs(self._current)):
                 # second round at a new batch size while speculating (the first one carries the prefills of
                 # the requests that grew the batch): measure plain decoding here, once
@@ -332,7 +332,7 @@ class Planner(Measurements, Ranking):
                     self._last = (batch, self._current)  # regime() reports the held plan, not the probe
                     self.last_reason = "explore"
                     if self._pairs(probe):  # a level's probe: what it costs beyond the held round is measured
-                        self._explore_pending = (self.round_time(self._current, batch), self._pairs(probe))
+                        self._explore_pending = (self.pricing.round_time(self._current, batch), self._pairs(probe))
                     else:
                         self._served.clear()
                     self._probe_round = True
@@ -384,6 +384,126 @@ class Planner(Measurements, Ranking):
         batch = max(1, int(batch_size))
         with self._lock:
             if self._last is not None and self._last[0] == batch:
-                return self.regime_of(self._last[1])
+                return self.ranking.regime_of(self._last[1])
             forced = self._override(batch)
-            return self.regime_of(forced if forced is not None else self.explain(batch)[0][0])
+            return self.ranking.regime_of(forced if forced is not None else self.explain(batch)[0][0])
+
+    def _parse(self, spec: Any, batch: int) -> Plan | None:
+        """A table entry's plan at `batch` (None: no override; `Ranking.parse`)."""
+        with self._lock:  # a regime entry ranks the candidates
+            return self.ranking.parse(spec, batch, self._current)
+
+    def _override(self, batch: int) -> Plan | None:
+        for lo, hi, spec in self.table:
+            if lo <= batch <= hi:
+                return self._parse(spec, batch)
+        return None
+
+    # ----- its parts' API, as the planner's: the engine's observer hooks (measurements), prices, the ranking --------
+    def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None:
+        self.measurements.on_call(level, kind, batch, tokens, seconds)
+
+    def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
+                  asked: int | None = None) -> None:
+        self.measurements.on_verify(level, lower, draft_lens, accepted, asked)
+
+    def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
+        self.measurements.on_native(level, draft_lens, accepted)
+
+    def on_tree(self, level: int, lower: int, width: int, walks: Sequence[TreeWalk]) -> None:
+        self.measurements.on_tree(level, lower, width, walks)
+
+    def on_propose_tree(self, level: int, batch: int, depth: int, width: int, nodes: int, seconds: float) -> None:
+        self.measurements.on_propose_tree(level, batch, depth, width, nodes, seconds)
+
+    @property
+    def costs(self) -> dict[int, StepCost]:
+        return self.measurements.costs
+
+    @property
+    def acceptance(self) -> dict[tuple[int, int], Acceptance]:
+        return self.measurements.acceptance
+
+    @property
+    def matched(self) -> dict[tuple[int, int], Acceptance]:
+        return self.measurements.matched
+
+    @property
+    def tree_acceptance(self) -> dict[tuple[int, int, int], Acceptance]:
+        return self.measurements.tree_acceptance
+
+    @property
+    def tree_nodes(self) -> dict[tuple[int, int, int], float]:
+        return self.measurements.tree_nodes
+
+    @property
+    def native_cost(self) -> StepCost | None:
+        return self.measurements.native_cost
+
+    @property
+    def native_q(self) -> float:
+        return self.measurements.native_q
+
+    @property
+    def native_k(self) -> int:
+        return self.measurements.native_k
+
+    @property
+    def engine_verify(self) -> int:
+        return self.measurements.engine_verify
+
+    @property
+    def overlap(self) -> bool:
+        return self.pricing.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.pricing.overlap = on
+
+    @property
+    def bounded(self) -> bool:
+        return self.pricing.bounded
+
+    @bounded.setter
+    def bounded(self, on: bool) -> None:
+        self.pricing.bounded = on
+
+    @property
+    def ahead_chunk(self) -> int:
+        return self.pricing.ahead_chunk
+
+    @property
+    def candidates(self) -> list[Plan]:
+        return self.ranking.candidates
+
+    def step_time(self, level: int, batch: int, tokens: int) -> float:
+        return self.pricing.step_time(level, batch, tokens)
+
+    def alphas(self, level: int, lower: int, k: int) -> list[float]:
+        return self.pricing.alphas(level, lower, k)
+
+    def match_rate(self) -> float:
+        return self.pricing.match_rate()
+
+    def round_time(self, plan: Plan, batch: int) -> float:
+        return self.pricing.round_time(plan, batch)
+
+    def expected_length(self, plan: Plan, batch: int = 1) -> float:
+        return self.pricing.expected_length(plan, batch)
+
+    def goodput(self, plan: Plan, batch: int) -> float:
+        return self.pricing.goodput(plan, batch)
+
+    def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
+        with self._lock:
+            return self.ranking.explain(batch_size, self._current)
+
+    def describe(self, batch_size: int, top: int = 5) -> dict[str, Any]:
+        with self._lock:
+            return self.ranking.describe(batch_size, self._current, top)
+
+    def regime_of(self, plan: Plan) -> str:
+        return self.ranking.regime_of(plan)
+
+    def plan_name(self, plan: Plan) -> str:
+        return self.ranking.plan_name(plan)

@@ -1,5 +1,5 @@
 """The planner's price of a plan: expected committed tokens per sequence and seconds per round, from live
-measurements (`Pricing`, a mixin of `specray.policy.planner.Planner`).
+measurements (`Pricing`, a part of `specray.policy.planner.Planner` that reads its `Measurements`).
 
 Goodput of a plan at batch B is E[L] * B / T_round, extended to cascades:
 
@@ -67,8 +67,7 @@ from specray.coordinator.state import Plan
 from specray.spec.params import tree_feeds
 
 if TYPE_CHECKING:
-    from specray.policy.cost import Acceptance, StepCost
-    from specray.spec.params import TreeShape
+    from specray.policy.measurements import Measurements
 
 __all__ = ["Pricing"]
 
@@ -84,136 +83,129 @@ def _effective(plan: Plan) -> list[int]:
 
 
 class Pricing:
-    """Mixin of `Planner`: the goodput model. Uses the planner's live measurements (`costs`, `acceptance`,
-    `native_cost`, `native_q`, `native_k`), its levels (`top`, `is_ngram`), the engine's overlap settings
-    (`overlap`, `bounded`, `ahead_chunk`) and `_memo`, the predictions cleared by every measurement."""
+    """The goodput model over `measured` (the planner's live measurements: step-cost fits, acceptances, trees, the
+    native target; `measured.memo` holds the predictions, cleared by every measurement), with the round's fixed
+    costs (`overhead`, `ngram_cost`) and the engine's overlap settings (`overlap`, `bounded`, `ahead_chunk`: set by
+    `Planner.attach`)."""
 
-    top: int
-    is_ngram: list[bool]
-    costs: dict[int, StepCost]
-    acceptance: dict[tuple[int, int], Acceptance]
-    native_cost: StepCost | None
-    native_q: float
-    native_k: int
-    engine_verify: int
-    overhead: float
-    ngram_cost: float
-    overlap: bool
-    bounded: bool
-    ahead_chunk: int
-    _rejection_top: bool
-    tree_width: int
-    tree_widths: dict[int, int]
-    tree_shapes: dict[int, TreeShape]
-    _suffix_trees: bool
-    tree_acceptance: dict[tuple[int, int, int], Acceptance]
-    tree_nodes: dict[tuple[int, int, int], float]
-    _memo: dict[tuple, float]
-    matched: dict[tuple[int, int], Acceptance]
-    prior_match: float
-    _match: list[float]
+    def __init__(self, measured: Measurements, *, overhead: float, ngram_cost: float, rejection_top: bool) -> None:
+        self.measured = measured
+        self.overhead, self.ngram_cost = overhead, ngram_cost
+        #: the target verifies by rejection sampling: the engine does not overlap its rounds (lookahead.py)
+        self.rejection_top = rejection_top
+        #: the engine drafts the next round while the target verifies (round_time prices it), its look-ahead stops
+        #: once the target has verified (`bounded`), a first model level stopping every `ahead_chunk` steps
+        #: (CascadeEngine.ahead_bounded / ahead_chunk)
+        self.overlap = False
+        self.bounded = False
+        self.ahead_chunk = 2
 
     def step_time(self, level: int, batch: int, tokens: int) -> float:
         """Predicted seconds of one forward of `level` (memoised until the next measurement)."""
-        if self.is_ngram[level]:
+        m = self.measured
+        if m.is_ngram[level]:
             return self.ngram_cost
         key = ("t", level, batch, tokens)
-        t = self._memo.get(key)
+        t = m.memo.get(key)
         if t is None:
-            t = self._memo[key] = self.costs[level].predict(batch, tokens)
+            t = m.memo[key] = m.costs[level].predict(batch, tokens)
         return t
 
     def _elen(self, level: int, lower: int, k: int, width: int = 1) -> float:
         """E[L] of `level` verifying k drafted tokens from `lower` (width > 1: a tree of k nodes at most from a suffix
         level, of `_tree_depth` levels from a model level)."""
+        m = self.measured
         key = ("e", level, lower, k, width)
-        e = self._memo.get(key)
+        e = m.memo.get(key)
         if e is None:
             if width > 1:
-                e = self.tree_acceptance[(level, lower, width)].expected_length(self._tree_depth(lower, k))
+                e = m.tree_acceptance[(level, lower, width)].expected_length(self._tree_depth(lower, k))
             else:
-                e = self.acceptance[(level, lower)].expected_length(k)
-            self._memo[key] = e
+                e = m.acceptance[(level, lower)].expected_length(k)
+            m.memo[key] = e
         return e
 
-    def _width(self, plan: Plan, i: int) -> int:
+    def width(self, plan: Plan, i: int) -> int:
         """Children per node of what plan.levels[i] drafts: > 1 only for a first level that drafts token trees (a
         suffix level 0, or a model level with a tree shape) for the level above it, which verifies them
         (`Plan.tree`, 0: the level's configured width)."""
+        m = self.measured
         if i != 0 or plan.hybrid or len(plan.levels) < 2:
             return 1
         first = plan.levels[0]
-        configured = self.tree_widths.get(first, 1)
+        configured = m.tree_widths.get(first, 1)
         if configured <= 1:
             return 1
         width = plan.tree or configured
-        return width if width > 1 and (plan.levels[1], first, width) in self.tree_acceptance else 1
+        return width if width > 1 and (plan.levels[1], first, width) in m.tree_acceptance else 1
 
     def _tree_depth(self, lower: int, k: int) -> int:
         """Levels of a tree `lower` drafts in a plan giving it K = k: its shape's depth (else k) for a model level;
         a suffix level's trees are bounded by their k nodes only."""
-        shape = self.tree_shapes.get(lower)
+        m = self.measured
+        shape = m.tree_shapes.get(lower)
         return k if shape is None else shape.depth_for(k)
 
     def _tree_budget(self, lower: int, k: int, width: int) -> int:
         """Node budget of a tree of width `width` that `lower` drafts with K = k (`Drafter.tree_shape`)."""
-        shape = self.tree_shapes.get(lower)
+        m = self.measured
+        shape = m.tree_shapes.get(lower)
         if shape is None:
             return k
         depth = shape.depth_for(k)
         return shape.nodes_for(depth) if width == shape.width else width * depth
 
-    def _chain_fed(self, level: int, lower: int) -> bool:
-        """Whether `lower`'s chains for `level` are priced at the tokens they fed: a suffix level that also drafts
-        trees for it (its chains are often shorter than K)."""
-        return self.is_ngram[lower] and (level, lower, self.tree_width) in self.tree_acceptance
-
     def _tree_priced(self, plan: Plan) -> bool:
         """Whether a plan's price reads token-tree measurements (a suffix level 0 that drafts trees, anywhere in the
         plan; a model level's trees): priced on the scalar path, not by `specray.policy.chains`."""
-        return (self._suffix_trees and plan.levels[0] == 0) or self._width(plan, 0) > 1
+        m = self.measured
+        return (m.suffix_trees and plan.levels[0] == 0) or self.width(plan, 0) > 1
 
     def _fed(self, level: int, lower: int, k: int, width: int) -> int:
         """Tokens per row of `level`'s forward verifying a k-token draft of `lower`: k + 1 for a chain; for a tree
         its nodes + 1, the nodes being the decayed mean of the largest tree per call (the node budget until
         measured). A suffix level's chain of a pair that also drafts trees is priced the same way (what its chain
         rounds fed), so that the two compare at what each feeds."""
-        if width <= 1 and not self._chain_fed(level, lower):
+        m = self.measured
+        if width <= 1 and not m.chain_fed(level, lower):
             return k + 1
         cap = self._tree_budget(lower, k, width) if width > 1 else k
-        nodes = self.tree_nodes.get((level, lower, max(width, 1)))
+        nodes = m.tree_nodes.get((level, lower, max(width, 1)))
         return (cap if nodes is None else max(1, min(cap, round(nodes)))) + 1
 
     def _propose_tree(self, level: int, batch: int, k: int, width: int) -> float:
         """Seconds for model level `level` to draft a tree of width `width` with K = k: a forward per depth, each
         feeding the paths to the nodes it expands (`tree_feeds`)."""
+        m = self.measured
         key = ("pt", level, batch, k, width)
-        t = self._memo.get(key)
+        t = m.memo.get(key)
         if t is None:
             feeds = tree_feeds(self._tree_depth(level, k), width, self._tree_budget(level, k, width))
-            t = self._memo[key] = sum(self.step_time(level, batch, q) for q in feeds)
+            t = m.memo[key] = sum(self.step_time(level, batch, q) for q in feeds)
         return t
 
     def alphas(self, level: int, lower: int, k: int) -> list[float]:
         """Current per-position acceptance estimates of `lower`'s drafts by `level` (memoised like the rest: many
         candidate plans share a pair and K; callers must not modify the list)."""
+        m = self.measured
         key = ("a", level, lower, k)
-        a = self._memo.get(key)
+        a = m.memo.get(key)
         if a is None:
-            a = self._memo[key] = self.acceptance[(level, lower)].alphas(k)
+            a = m.memo[key] = m.acceptance[(level, lower)].alphas(k)
         return a
 
     def _produce(self, plan: Plan, i: int, batch: int, want: int) -> float:
         """Expected seconds for plan.levels[i] to produce `want` tokens for the level above it."""
+        m = self.measured
         if want <= 0:
             return 0.0
         lvl = plan.levels[i]
         if i == 0:
-            if self.is_ngram[lvl]:
+            if m.is_ngram[lvl]:
                 return self.ngram_cost
-            width = self._width(plan, 0)
+            width = self.width(plan, 0)
             return self._propose_tree(lvl, batch, want, width) if width > 1 else want * self.step_time(lvl, batch, 1)
-        k_low, low, width = plan.k[i - 1], plan.levels[i - 1], self._width(plan, i - 1)
+        k_low, low, width = plan.k[i - 1], plan.levels[i - 1], self.width(plan, i - 1)
         e = self._elen(lvl, low, k_low, width)
         inner = math.ceil(want / e - 1e-9)
         return inner * (self._produce(plan, i - 1, batch, k_low) +
@@ -222,43 +214,46 @@ class Pricing:
     def match_rate(self) -> float:
         """The share of rows on which the lookup level (level 0) finds a match: decayed counts over the rounds
         in which it drafted, with `prior_match` as two pseudo-rows."""
-        hits, rows = self._match
-        return (hits + 2.0 * self.prior_match) / (rows + 2.0)
+        m = self.measured
+        hits, rows = m.match
+        return (hits + 2.0 * m.prior_match) / (rows + 2.0)
 
     def _hybrid(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(E[L], T) of a round of a hybrid plan (module docstring)."""
+        memo = self.measured.memo
         key = ("h", plan, batch)
-        got = self._memo.get(key)
+        got = memo.get(key)
         if got is not None:
             return got
         (look, model, top), (k_l, k_d) = plan.levels, plan.k
         m = min(max(self.match_rate(), 0.0), 1.0)
-        e_match = self._memo.get(("em", top, look, k_l))
+        e_match = memo.get(("em", top, look, k_l))
         if e_match is None:
-            acc = self.matched.get((top, look))
-            e_match = self._memo[("em", top, look, k_l)] = acc.expected_length(k_l) if acc is not None else 1.0
+            acc = self.measured.matched.get((top, look))
+            e_match = memo[("em", top, look, k_l)] = acc.expected_length(k_l) if acc is not None else 1.0
         elen = m * e_match + (1.0 - m) * self._elen(top, model, k_d)
         all_matched = m**batch
         unmatched = max(1, math.ceil((1.0 - m) * batch - 1e-9))
         propose = k_d * self.step_time(model, unmatched, 1)
         verify = all_matched * self._verify_time(batch, k_l) + (1.0 - all_matched) * self._verify_time(
             batch, max(k_l, k_d))
-        got = self._memo[key] = (elen, self.ngram_cost + (1.0 - all_matched) * propose + verify + self.overhead)
+        got = memo[key] = (elen, self.ngram_cost + (1.0 - all_matched) * propose + verify + self.overhead)
         return got
 
     def round_time(self, plan: Plan, batch: int) -> float:
         """Expected seconds of one round of `plan` over `batch` sequences (module docstring)."""
+        m = self.measured
         if plan.hybrid:
             return self._hybrid(plan, batch)[1]
         if len(plan.levels) == 1 or plan.k[-1] == 0:
-            if self.native_cost is not None:
-                q = max(1, round(self.native_q))
+            if m.native_cost is not None:
+                q = max(1, round(m.native_q))
                 key = ("n", batch, q)
-                t = self._memo.get(key)
+                t = m.memo.get(key)
                 if t is None:
-                    t = self._memo[key] = self.native_cost.predict(batch, q)
+                    t = m.memo[key] = m.native_cost.predict(batch, q)
                 return t + self.overhead
-            return self.step_time(self.top, batch, 1) + self.overhead
+            return self.step_time(m.top, batch, 1) + self.overhead
         k = plan.k[-1]
         if self._overlapped(plan):
             if self.bounded:
@@ -268,21 +263,22 @@ class Pricing:
             produce = self._produce(plan, len(plan.levels) - 2, batch, k)
             verify = self._verify_time(batch, k)
             ahead = self._produce(plan, len(plan.levels) - 2, batch, k + 1)
-            hit = math.prod(self.alphas(self.top, plan.levels[-2], k + 1))
+            hit = math.prod(self.alphas(m.top, plan.levels[-2], k + 1))
             return (1.0 - hit) * produce + max(verify, ahead) + self.overhead
-        width, lower = self._width(plan, len(plan.levels) - 2), plan.levels[-2]
-        if width > 1 or self._chain_fed(self.top, lower):  # priced at what it feeds
-            verify = self.step_time(self.top, batch, self._fed(self.top, lower, k, width))
+        width, lower = self.width(plan, len(plan.levels) - 2), plan.levels[-2]
+        if width > 1 or m.chain_fed(m.top, lower):  # priced at what it feeds
+            verify = self.step_time(m.top, batch, self._fed(m.top, lower, k, width))
         else:
             verify = self._verify_time(batch, k)
         return self._produce(plan, len(plan.levels) - 2, batch, k) + verify + self.overhead
 
     def _overlapped(self, plan: Plan) -> bool:
         """Whether the engine drafts this plan's next round while the target verifies (lookahead.py)."""
+        m = self.measured
         eff = _effective(plan)
-        return (self.overlap and not self._rejection_top and len(eff) > 1 and not plan.hybrid
-                and any(not self.is_ngram[plan.levels[j]] for j in eff[:-1])
-                and self._width(plan, len(plan.levels) - 2) <= 1)  # a target's tree round drafts first
+        return (self.overlap and not self.rejection_top and len(eff) > 1 and not plan.hybrid
+                and any(not m.is_ngram[plan.levels[j]] for j in eff[:-1])
+                and self.width(plan, len(plan.levels) - 2) <= 1)  # a target's tree round drafts first
 
     def _bounded(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(E[L], T) per round of an overlapped plan whose look-ahead stops once the target has verified.
@@ -299,18 +295,19 @@ class Pricing:
         paid when any row missed: 1 - P(hit)^B (verification padding is not priced). Rows whose draft length
         changes their output for a seed (deterministic verification at T > 0) are not bounded by the engine;
         they are priced as bounded too (the planner does not see sampling per row)."""
+        m = self.measured
         key = ("b", plan, batch)
-        got = self._memo.get(key)
+        got = m.memo.get(key)
         if got is not None:
             return got
-        k, top = plan.k[-1], self.top
+        k, top = plan.k[-1], m.top
         i = len(plan.levels) - 2
         d = plan.levels[i]
         if i == 0:  # the first model level: a step is one call of ahead_chunk proposals
             step_tokens = float(self.ahead_chunk)
             step_time = self.ahead_chunk * self.step_time(d, batch, 1)
         else:
-            k_low, low, width = plan.k[i - 1], plan.levels[i - 1], self._width(plan, i - 1)
+            k_low, low, width = plan.k[i - 1], plan.levels[i - 1], self.width(plan, i - 1)
             step_tokens = self._elen(d, low, k_low, width)
             step_time = self._produce(plan, i - 1, batch, k_low) + self.step_time(
                 d, batch, self._fed(d, low, k_low, width))
@@ -345,31 +342,33 @@ class Pricing:
             n, drafted = nxt, False
         p_hit = hits / rounds
         got = (tokens / rounds, seconds / rounds + step_time * (1.0 - p_hit**batch))
-        self._memo[key] = got
+        m.memo[key] = got
         return got
 
     def _verify_time(self, batch: int, k: int) -> float:
         """The target verifying k drafted tokens per sequence: a forward pass, or engine steps (each verifying
         up to `engine_verify` tokens) on the engine's decode path."""
-        if self.native_cost is None or not self.engine_verify:
-            return self.step_time(self.top, batch, k + 1)
+        m = self.measured
+        if m.native_cost is None or not m.engine_verify:
+            return self.step_time(m.top, batch, k + 1)
         key = ("v", batch, k)
-        t = self._memo.get(key)
+        t = m.memo.get(key)
         if t is None:
-            steps = math.ceil(k / self.engine_verify)
-            t = self._memo[key] = steps * self.native_cost.predict(batch, min(k, self.engine_verify) + 1)
+            steps = math.ceil(k / m.engine_verify)
+            t = m.memo[key] = steps * m.native_cost.predict(batch, min(k, m.engine_verify) + 1)
         return t
 
     def expected_length(self, plan: Plan, batch: int = 1) -> float:
         """Expected tokens committed per sequence per round (a bounded look-ahead's draft length, hence this,
         depends on the batch through the levels' speeds)."""
+        m = self.measured
         if plan.hybrid:
             return self._hybrid(plan, max(1, batch))[0]
         if len(plan.levels) == 1 or plan.k[-1] == 0:
-            return self._elen(self.top, self.top, self.native_k) if self.native_k else 1.0
+            return self._elen(m.top, m.top, m.native_k) if m.native_k else 1.0
         if self.bounded and self._overlapped(plan):
             return self._bounded(plan, max(1, batch))[0]
-        return self._elen(self.top, plan.levels[-2], plan.k[-1], self._width(plan, len(plan.levels) - 2))
+        return self._elen(m.top, plan.levels[-2], plan.k[-1], self.width(plan, len(plan.levels) - 2))
 
     def goodput(self, plan: Plan, batch: int) -> float:
         """Expected committed tokens per second: E[L] * B / T_round."""

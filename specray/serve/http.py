@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over a `Coordinator` (FastAPI; built on the replica, closes over it).
+"""OpenAI-compatible HTTP API over a coordinator (FastAPI; built on the replica, closes over it).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream via SSE or not), GET /v1/models,
 GET /health, GET /metrics (Prometheus text of this replica's registry; the cluster-wide metrics are
@@ -16,9 +16,9 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,9 +60,34 @@ from specray.serve.protocol.logprobs import LogprobFormatter
 from specray.spec.params import TokenLogprob
 
 if TYPE_CHECKING:
-    from specray.serve.app import Coordinator
+    from specray.config import AppConfig
+    from specray.metrics import SpecMetrics
 
 log = logging.getLogger("specray")
+
+
+class ServedCoordinator(Protocol):
+    """What the routes use of the coordinator they serve (`specray.serve.replica.Coordinator`, or the regime
+    pools' `Router`), declared here: the coordinator builds these routes, so this module cannot import it."""
+
+    config: AppConfig
+    scheduler: Any  # its `plan_for(speculation)` rejects an impossible speculation override first
+    metrics: SpecMetrics
+    tokenizer: Any
+    api_key: str | None
+    model_name: str
+    max_context: int
+    started: float
+
+    def tokenize_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def make_request(self, prompt_ids: list[int], *, max_tokens: int | None, **options: Any) -> GenRequest: ...
+
+    def run(self, req: GenRequest) -> AsyncIterator[Event]: ...
+
+    async def health(self) -> dict[str, Any]: ...
 
 
 class _ErrorResponse(JSONResponse):
@@ -111,7 +136,7 @@ class _RequestGuard:
     with it (chunked transfer has none, and a declared length is checked before anything is read), then
     handed to the app in one piece. Error answers end the connection when the body was not read out."""
 
-    def __init__(self, app: ASGIApp, coord: Coordinator) -> None:
+    def __init__(self, app: ASGIApp, coord: ServedCoordinator) -> None:
         self.app, self.coord = app, coord
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -256,7 +281,7 @@ async def _merged(gens: list[AsyncIterator[Event]]) -> AsyncIterator[tuple[int, 
             await g.aclose()
 
 
-def build_http_app(coord: Coordinator) -> FastAPI:
+def build_http_app(coord: ServedCoordinator) -> FastAPI:
     app = FastAPI(title="specray", description="OpenAI-compatible API with lossless speculative decoding")
 
     @app.exception_handler(RequestValidationError)

@@ -20,7 +20,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from specray.config import CascadeConfig, LevelConfig
 from specray.coordinator.state import Level
-from specray.engine.models import TokenizerMismatchError
+from specray.engine.tokenizer_check import TokenizerMismatchError
 from specray.serve.actor_client import _first_line, _last_line
 from specray.serve.actors import ActorWorker, RemoteNesting
 from specray.serve.level_actor import LevelActor, LevelStartError, WorkerFactory

@@ -59,7 +59,7 @@ class LevelActor:
         tok = getattr(self.worker, "tokenizer", None)  # backends without text (test fakes) have None
         fingerprint = eos_id = None
         if tok is not None:
-            from specray.engine.models import tokenizer_fingerprint
+            from specray.engine.tokenizer_check import tokenizer_fingerprint
 
             fingerprint, eos_id = tokenizer_fingerprint(tok), getattr(tok, "eos_token_id", None)
         self._static = {

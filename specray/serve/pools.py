@@ -35,8 +35,8 @@ from specray.coordinator.cascade import Plan
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler
 from specray.metrics import ROUTER_METRICS, OnlySink, SpecMetrics
 from specray.policy.autoscale import choose_pool
-from specray.serve.app import Coordinator, SinkFactory, TargetUnavailable, error_code
 from specray.serve.autoscaling import cached_break_even, coordinator_stats
+from specray.serve.replica import Coordinator, SinkFactory, TargetUnavailable, error_code
 
 log = logging.getLogger("specray")
 

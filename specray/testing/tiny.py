@@ -20,7 +20,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -449,6 +449,34 @@ def logit_gaps(model_dir: str | os.PathLike[str], texts: Sequence[str] | None = 
 # ---------------------------------------------------------------------------------------------- family
 
 
+def _cached_build(root: str | os.PathLike[str], prefix: str, manifest_name: str,
+                  build: Callable[[Path], dict[str, Any]], inputs: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """(folder, manifest) of what `build(folder)` makes, built once under `root` as `<prefix>-<hash of inputs>`.
+
+    The build goes to a temporary folder that is renamed into place when complete (its manifest, what `build`
+    returned, written last), so concurrent builders (pytest-xdist) and interrupted builds never leave a half-built
+    folder behind; a builder that loses the race keeps the winner's."""
+    key_src = json.dumps({"v": BUILD_VERSION, **inputs}, sort_keys=True)
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    root = Path(root)
+    final = root / f"{prefix}-{key}"
+    manifest = final / manifest_name
+    if not manifest.is_file():
+        tmp = root / f".{prefix}-{key}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            info = build(tmp)
+            (tmp / manifest_name).write_text(json.dumps(info))
+            try:
+                os.replace(tmp, final)
+            except OSError:  # another process finished first: keep theirs
+                if not manifest.is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final, json.loads(manifest.read_text())
+
+
 @dataclass(frozen=True)
 class TinyFamily:
     """A tokenizer, a target and named drafts that all share it (a complete tiny cascade)."""
@@ -468,39 +496,22 @@ def tiny_family(
 ) -> TinyFamily:
     """Build (or reuse) a target plus drafts under `root`, cached by a hash of all inputs.
 
-    `drafts` maps a name to the wanted greedy agreement (default {"mid": 0.9, "small": 0.6}). The build goes
-    to a temporary folder that is renamed into place when complete, so concurrent builders (pytest-xdist) and
-    interrupted builds never leave a half-built family behind.
+    `drafts` maps a name to the wanted greedy agreement (default {"mid": 0.9, "small": 0.6}). Built in a
+    temporary folder renamed into place when complete (`_cached_build`), so concurrent builders (pytest-xdist)
+    and interrupted builds never leave a half-built family behind.
     """
     drafts = dict(drafts or {"mid": 0.9, "small": 0.6})
-    key_src = json.dumps(
-        {"v": BUILD_VERSION, "family": family, "seed": seed, "drafts": drafts, "kw": model_kwargs},
-        sort_keys=True,
-    )
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    root = Path(root)
-    final = root / f"tiny-{family}-{key}"
-    manifest = final / "family.json"
-    if not manifest.is_file():
-        tmp = root / f".tiny-{family}-{key}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            train_tokenizer(tmp / "tokenizer")
-            build_tiny_model(tmp / "target", tmp / "tokenizer", family=family, seed=seed, **model_kwargs)
-            agreement = {}
-            for i, (name, alpha) in enumerate(sorted(drafts.items())):
-                _, agreement[name] = draft_for_acceptance(
-                    tmp / "target", tmp / name, alpha, seed=seed + 1 + i
-                )
-            (tmp / "family.json").write_text(json.dumps({"drafts": sorted(drafts), "agreement": agreement}))
-            try:
-                os.replace(tmp, final)
-            except OSError:  # another process finished first: keep theirs
-                if not manifest.is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    info = json.loads(manifest.read_text())
+
+    def build(tmp: Path) -> dict[str, Any]:
+        train_tokenizer(tmp / "tokenizer")
+        build_tiny_model(tmp / "target", tmp / "tokenizer", family=family, seed=seed, **model_kwargs)
+        agreement = {}
+        for i, (name, alpha) in enumerate(sorted(drafts.items())):
+            _, agreement[name] = draft_for_acceptance(tmp / "target", tmp / name, alpha, seed=seed + 1 + i)
+        return {"drafts": sorted(drafts), "agreement": agreement}
+
+    final, info = _cached_build(root, f"tiny-{family}", "family.json", build,
+                                {"family": family, "seed": seed, "drafts": drafts, "kw": model_kwargs})
     return TinyFamily(
         tokenizer_dir=final / "tokenizer",
         target_dir=final / "target",
@@ -546,36 +557,22 @@ def regime_pair(
     and a large model of one family: speculation pays at batch 1 and stops paying as the batch grows
     (notebooks/regimes.ipynb). Built once under `root`, cached by its arguments like `tiny_family`.
     """
-    key_src = json.dumps({"v": BUILD_VERSION, "hidden": hidden, "layers": num_layers, "deep_scale": deep_scale,
-                          "seed": seed}, sort_keys=True)
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    final = Path(root) / f"regime-pair-{key}"
-    manifest = final / "pair.json"
-    if not manifest.is_file():
-        tmp = Path(root) / f".regime-pair-{key}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tok = train_tokenizer(tmp / "tokenizer")
-            build_tiny_model(tmp / "target", tok, hidden=hidden, num_layers=num_layers, heads=8, kv_heads=4,
-                             intermediate=2 * hidden, seed=seed)
-            model = load_tiny(tmp / "target")
-            with torch.no_grad():
-                for layer in model.model.layers[1:]:
-                    layer.self_attn.o_proj.weight.mul_(deep_scale)
-                    layer.mlp.down_proj.weight.mul_(deep_scale)
-            model.save_pretrained(tmp / "target")
-            model.model.layers = model.model.layers[:1]
-            model.config.num_hidden_layers = 1
-            model.save_pretrained(tmp / "draft")
-            tok.save_pretrained(tmp / "draft")
-            agreement = measure_agreement(tmp / "target", tmp / "draft")
-            (tmp / "pair.json").write_text(json.dumps({"agreement": agreement}))
-            try:
-                os.replace(tmp, final)
-            except OSError:  # another process finished first: keep theirs
-                if not manifest.is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    info = json.loads(manifest.read_text())
+    def build(tmp: Path) -> dict[str, Any]:
+        tok = train_tokenizer(tmp / "tokenizer")
+        build_tiny_model(tmp / "target", tok, hidden=hidden, num_layers=num_layers, heads=8, kv_heads=4,
+                         intermediate=2 * hidden, seed=seed)
+        model = load_tiny(tmp / "target")
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.self_attn.o_proj.weight.mul_(deep_scale)
+                layer.mlp.down_proj.weight.mul_(deep_scale)
+        model.save_pretrained(tmp / "target")
+        model.model.layers = model.model.layers[:1]
+        model.config.num_hidden_layers = 1
+        model.save_pretrained(tmp / "draft")
+        tok.save_pretrained(tmp / "draft")
+        return {"agreement": measure_agreement(tmp / "target", tmp / "draft")}
+
+    final, info = _cached_build(root, "regime-pair", "pair.json", build,
+                                {"hidden": hidden, "layers": num_layers, "deep_scale": deep_scale, "seed": seed})
     return RegimePair(final / "tokenizer", final / "target", final / "draft", info["agreement"])

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from specray.config import AppConfig
-from specray.serve.app import Coordinator
 from specray.serve.http import build_http_app
+from specray.serve.replica import Coordinator
 
 MODEL = "tiny-cascade"
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from specray.serve.app import Coordinator
+from specray.serve.replica import Coordinator
 from tests.e2e.conftest import MODEL, Server, app_config
 
 MAX_CTX = 128

@@ -14,7 +14,7 @@ def _live(coord) -> list[int]:
 
 
 def test_disconnect_frees_every_level(tiny):
-    from specray.serve.app import Coordinator
+    from specray.serve.replica import Coordinator
 
     coord = Coordinator(app_config(tiny))
     srv = Server(coord)

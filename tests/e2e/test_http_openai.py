@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specray.serve.app import Coordinator
+from specray.serve.replica import Coordinator
 from tests.e2e.conftest import MODEL, Server, app_config
 
 

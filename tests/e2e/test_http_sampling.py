@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from specray.config import AppConfig
-from specray.serve.app import Coordinator
+from specray.serve.replica import Coordinator
 from specray.testing.fake import FakeWorker
 from tests.e2e.conftest import MODEL, Server
 

@@ -59,7 +59,7 @@ def dominant(before: dict[str, float], after: dict[str, float]) -> tuple[str, di
 
 def test_concurrency_1_to_32_changes_the_plan(bigger_target):
     from specray.config import AppConfig
-    from specray.serve.app import Coordinator
+    from specray.serve.replica import Coordinator
 
     cfg = AppConfig.model_validate({
         "cascade": {"levels": [
@@ -109,7 +109,7 @@ def test_prometheus_counters_equal_the_sums_of_per_request_usage(tiny):
     on /metrics equals the sum of that level's numbers in the responses' `usage.speculation`."""
     import json
 
-    from specray.serve.app import Coordinator
+    from specray.serve.replica import Coordinator
     from tests.e2e.conftest import MODEL as TINY
     from tests.e2e.conftest import app_config
 

@@ -11,15 +11,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specray.bench.sla import (
+from specray.bench.sla import SlaConfig, main, openai_base
+from specray.bench.sla_stats import (
     MODES,
     RequestRecord,
-    SlaConfig,
     best_under_ceiling,
     default_ceiling,
     headline,
-    main,
-    openai_base,
     percentile,
     poisson_arrivals,
     summarize,

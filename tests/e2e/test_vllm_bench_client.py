@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from specray.serve.app import Coordinator
+from specray.serve.replica import Coordinator
 from tests.e2e.conftest import MODEL, Server, app_config
 from tests.e2e.vllm_bench_client import run_client, server_ttft
 

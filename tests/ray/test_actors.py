@@ -17,8 +17,8 @@ from specray.config import CascadeConfig, LevelConfig, PlacementConfig
 from specray.coordinator.cascade import Level, Plan
 from specray.coordinator.generate import generate
 from specray.engine.hf import HFWorker
-from specray.engine.models import TokenizerMismatchError
 from specray.engine.protocol import DraftMode, SeqSync
+from specray.engine.tokenizer_check import TokenizerMismatchError
 from specray.serve.actors import ActorWorker, LevelRestarted, LevelStartError, LevelUnavailable
 from specray.serve.launch import launch_levels
 from specray.serve.placement import PlacementError

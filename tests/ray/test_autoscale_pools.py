@@ -292,7 +292,7 @@ def test_coordinator_policy_scales_cascade_replicas_by_break_even(pools_app, tin
     from ray import serve
 
     from specray.config import AppConfig
-    from specray.serve.app import Coordinator
+    from specray.serve.replica import Coordinator
 
     args = pools_config(tiny)["applications"][0]["args"]["config"]
     cfg = AppConfig.model_validate({k: v for k, v in args.items() if k != "pools"})

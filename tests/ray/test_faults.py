@@ -128,7 +128,7 @@ class CallRecorder:
 
 @pytest.fixture(scope="module")
 def served(tiny):
-    from specray.serve.app import Coordinator
+    from specray.serve.replica import Coordinator
 
     with local_ray(num_cpus=4):
         coord = Coordinator(actor_config(tiny))

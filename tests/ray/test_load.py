@@ -98,7 +98,7 @@ def _rss(coord) -> dict[str, int]:
 
 
 def run_load(tiny, seconds: float) -> None:
-    from specray.serve.app import Coordinator
+    from specray.serve.replica import Coordinator
 
     with local_ray(num_cpus=4):
         cfg = actor_config(tiny)

@@ -55,7 +55,7 @@ def test_worker_node_stopped_its_level_is_dropped_nothing_hangs(local_cluster, t
     """Stop (SIGKILL) the node that holds the draft level, mid-stream: Ray cannot restart the actor anywhere
     (no other node has the `draft` resource), so the cascade goes on without it, exactly, and nothing hangs.
     Runs last in this module: the cluster has one node less afterwards."""
-    from specray.serve.app import Coordinator
+    from specray.serve.replica import Coordinator
 
     cfg = actor_config(tiny, resources={"mid": {"draft": 1}, "target": {"target": 1}},
                        placement={"strategy": "SPREAD"})

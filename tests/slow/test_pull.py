@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specray.engine import models
+from specray.engine import models, tokenizer_check
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +44,6 @@ def test_pull_and_load(name: str) -> None:
 
 def test_qwen_levels_share_a_tokenizer_and_smollm_does_not() -> None:
     toks = [(name, models.load_tokenizer(name)) for name in QWEN]
-    models.check_tokenizers(toks)
-    with pytest.raises(models.TokenizerMismatchError, match="smollm2-135m-instruct"):
-        models.check_tokenizers([*toks, ("smollm2-135m-instruct", models.load_tokenizer("smollm2-135m"))])
+    tokenizer_check.check_tokenizers(toks)
+    with pytest.raises(tokenizer_check.TokenizerMismatchError, match="smollm2-135m-instruct"):
+        tokenizer_check.check_tokenizers([*toks, ("smollm2-135m-instruct", models.load_tokenizer("smollm2-135m"))])

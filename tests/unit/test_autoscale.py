@@ -387,7 +387,7 @@ def test_router_routes_by_regime_and_override_and_forwards_break_even():
 
 def test_router_maps_pool_errors_and_cancels_the_pool_stream():
     from specray.coordinator.scheduler import Event, Request, RequestError
-    from specray.serve.app import TargetUnavailable
+    from specray.serve.replica import TargetUnavailable
 
     r = _router()
     tok = Event([5], "x")

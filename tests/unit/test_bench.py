@@ -275,7 +275,7 @@ def test_without_matplotlib_the_report_is_written_and_plots_skipped(tiny, worklo
 
 def test_against_a_running_server_over_http(tiny, workload):
     pytest.importorskip("openai")
-    from specray.serve.app import Coordinator
+    from specray.serve.replica import Coordinator
     from tests.e2e.conftest import Server, app_config
 
     srv = Server(Coordinator(app_config(tiny)))

@@ -9,8 +9,8 @@ from specray.config import CascadeConfig, LevelConfig
 from specray.coordinator.cascade import Level
 from specray.coordinator.generate import build_levels, generate
 from specray.engine.hf import HFWorker
-from specray.engine.models import TokenizerMismatchError
 from specray.engine.protocol import DraftMode, SeqSync
+from specray.engine.tokenizer_check import TokenizerMismatchError
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.testing.tiny import build_tiny_model, load_tiny, train_tokenizer

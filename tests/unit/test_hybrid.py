@@ -243,7 +243,7 @@ def test_planner_picks_hybrid_when_matches_are_frequent_and_the_model_costs():
     assert "|" in p.plan_name(best) and p._parse(p.plan_name(best), 4) == best
     # the prediction it rests on: E[L] mixes a match's and the model's expected length by the match rate
     m = p.match_rate()
-    want = m * p.matched[(2, 0)].expected_length(best.k[0]) + (1 - m) * p._elen(2, 1, best.k[1])
+    want = m * p.matched[(2, 0)].expected_length(best.k[0]) + (1 - m) * p.pricing._elen(2, 1, best.k[1])
     assert p.expected_length(best, 4) == pytest.approx(want)
     assert p.regime(4) == "cascade"  # two drafters
     assert p._parse("hybrid", 4) == best and not p._parse("cascade", 4).hybrid  # table entries

@@ -1,5 +1,5 @@
-"""Layering: `coordinator/` and `policy/` have no import cycles and never import Ray; the round's state and the
-planner import without torch (the planner can run where no model does)."""
+"""Layering: no module of `specray` is in an import cycle; `coordinator/` and `policy/` never import Ray; the
+round's state and the planner import without torch (the planner can run where no model does)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,29 @@ def _modules() -> dict[str, Path]:
             if p.stem != "__init__"}
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module named by an import anywhere in the file (function-level and TYPE_CHECKING ones included)."""
+def _all_modules() -> dict[str, Path]:
+    """Every module of `specray`, a package named by its `__init__.py`."""
+    out = {}
+    for p in (ROOT / "specray").rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def _imports(path: Path, package: str = "") -> set[str]:
+    """Every module named by an import anywhere in the file (function-level and TYPE_CHECKING ones included);
+    relative imports are resolved against `package` (the file's package)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            if not module:
+                continue
+            out.add(module)
+            out.update(f"{module}.{a.name}" for a in node.names)
     return out
 
 
@@ -73,6 +87,25 @@ def test_coordinator_and_policy_have_no_import_cycles():
     mods = _modules()
     edges = {m: {x for x in _imports(p) if x in mods and x != m} for m, p in mods.items()}
     assert _cycles(edges) == []
+
+
+def test_imports_resolve_relative_ones(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from . import a\nfrom .b import c\nfrom ..d import e\nimport x.y\n"
+                 "def g():\n    from specray.z import w\n")
+    assert _imports(f, "specray.serve") == {"specray.serve", "specray.serve.a", "specray.serve.b", "specray.serve.b.c",
+                                            "specray.d", "specray.d.e", "x.y", "specray.z", "specray.z.w"}
+
+
+def test_specray_has_no_import_cycles():
+    mods = _all_modules()
+    assert {"specray", "specray.cli", "specray.serve.app", "specray.serve.protocol.errors"} <= set(mods)
+    edges = {}
+    for m, p in mods.items():
+        package = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        edges[m] = {x for x in _imports(p, package) if x in mods and x != m}
+    assert sum(map(len, edges.values())) > len(mods)  # the finder sees the package's imports
+    assert _cycles(edges) == [], "import cycles: move what both sides need into a lower module"
 
 
 def test_coordinator_and_policy_never_import_ray_or_http():

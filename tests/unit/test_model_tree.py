@@ -410,7 +410,7 @@ def test_model_tree_rounds_feed_the_planners_tree_estimates_and_the_drafters_cur
     generate(eng, PROMPTS, max_tokens=16, ignore_eos=True, plan=TREE)
     assert p.tree_acceptance[(1, 0, 2)].weight > 0 and p.acceptance[(1, 0)].weight > 0
     assert 1 <= p.tree_nodes[(1, 0, 2)] <= 8
-    assert p._measured[(1, 0, 2)] == p._measured[(1, 0)]  # one round measures both
+    assert p.measurements.measured_at[(1, 0, 2)] == p.measurements.measured_at[(1, 0)]  # one round measures both
     assert any(q > 1 for _b, q in p.costs[0]._table)  # tree forwards, priced at what they fed
     assert any(c[:2] == (0, "propose") and c[3] == 4 for c in rec.calls)
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from specray.engine import models
-from specray.engine.models import ChecksumError, ModelSpec, PullError, TokenizerMismatchError, WheelPart
+from specray.engine import models, tokenizer_check
+from specray.engine.models import ChecksumError, ModelSpec, PullError, WheelPart
+from specray.engine.tokenizer_check import TokenizerMismatchError
 from specray.testing import tiny
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -131,14 +132,14 @@ def test_resolve_known_name(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_check_tokenizers_same(tok_dirs: tuple[Path, Path]) -> None:
     a, b = AutoTokenizer.from_pretrained(tok_dirs[0]), AutoTokenizer.from_pretrained(tok_dirs[0])
-    fp = models.check_tokenizers([("target", a), ("draft", b), ("draft2", a)])
-    assert fp == models.tokenizer_fingerprint(b) and len(fp) == 64
+    fp = tokenizer_check.check_tokenizers([("target", a), ("draft", b), ("draft2", a)])
+    assert fp == tokenizer_check.tokenizer_fingerprint(b) and len(fp) == 64
 
 
 def test_check_tokenizers_different_vocab(tok_dirs: tuple[Path, Path]) -> None:
     a, b = (AutoTokenizer.from_pretrained(d) for d in tok_dirs)
     with pytest.raises(TokenizerMismatchError, match="big-target.*tiny-draft") as err:
-        models.check_tokenizers([("big-target", a), ("tiny-draft", b)])
+        tokenizer_check.check_tokenizers([("big-target", a), ("tiny-draft", b)])
     assert isinstance(err.value, ValueError)
     assert "vocab differs" in str(err.value)
 
@@ -147,7 +148,7 @@ def test_check_tokenizers_different_eos(tok_dirs: tuple[Path, Path]) -> None:
     a = AutoTokenizer.from_pretrained(tok_dirs[0])
     b = AutoTokenizer.from_pretrained(tok_dirs[0], eos_token="<|endoftext|>")
     with pytest.raises(TokenizerMismatchError, match="eos id differs") as err:
-        models.check_tokenizers([("m1", a), ("m2", b)])
+        tokenizer_check.check_tokenizers([("m1", a), ("m2", b)])
     assert "vocab" not in str(err.value)
 
 

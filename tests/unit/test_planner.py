@@ -686,7 +686,7 @@ def test_tree_rounds_through_the_engine_feed_both_estimates():
     generate(eng, PROMPTS, max_tokens=16, ignore_eos=True, plan=Plan((0, 1), (6,), tree=3))
     assert p.tree_acceptance[(1, 0, 3)].weight > 0 and p.acceptance[(1, 0)].weight > 0
     assert 1 <= p.tree_nodes[(1, 0, 3)] <= 6
-    assert p._measured[(1, 0, 3)] == p._measured[(1, 0)]  # one round measures both
+    assert p.measurements.measured_at[(1, 0, 3)] == p.measurements.measured_at[(1, 0)]  # one round measures both
 
 
 class _Clock:
@@ -869,7 +869,7 @@ def test_model_tree_candidates_names_and_cascades():
     p = model_tree_planner()
     chain, tree = Plan((0, 1), (4,), tree=1), Plan((0, 1), (4,), tree=3)
     assert set(p.candidates) == {p.plain, chain, tree}
-    assert p.default_plan == tree and p._width(Plan((0, 1), (4,)), 0) == 3  # tree=0: the level's own width
+    assert p.default_plan == tree and p.pricing.width(Plan((0, 1), (4,)), 0) == 3  # tree=0: the level's own width
     assert p.plan_name(tree) == "draft:4/w3>target" and p._parse("draft:4/w3>target", 1) == tree
     assert p._parse(p.plan_name(chain), 1) == chain
     assert p.tree_acceptance.keys() == {(1, 0, 3)}
@@ -896,8 +896,9 @@ def test_model_tree_proposal_is_priced_per_depth_and_verification_at_its_nodes()
     ranked = dict(p.explain(b))
     assert ranked[tree] == p.goodput(tree, b) and ranked[chain] == p.goodput(chain, b)
     shallow = Planner(model_tree_levels(TreeShape(2, 2)), k_choices=(4,))  # the shape's own depth, not K
-    assert shallow._elen(1, 0, 4, 2) == shallow.tree_acceptance[(1, 0, 2)].expected_length(2)
-    assert shallow._propose_tree(0, 1, 4, 2) == pytest.approx(shallow.step_time(0, 1, 1) + shallow.step_time(0, 1, 2))
+    assert shallow.pricing._elen(1, 0, 4, 2) == shallow.tree_acceptance[(1, 0, 2)].expected_length(2)
+    assert shallow.pricing._propose_tree(0, 1, 4, 2) == pytest.approx(shallow.step_time(0, 1, 1)
+                                                                      + shallow.step_time(0, 1, 2))
 
 
 def test_a_model_tree_whose_siblings_win_is_priced_above_its_chain_and_chosen():

@@ -13,6 +13,7 @@ import pytest
 from specray.coordinator.cascade import Level, Plan
 from specray.policy.cost import Acceptance, StepCost, linear_cost
 from specray.policy.planner import Planner
+from specray.policy.ranking import Ranking
 from tests.unit.test_planner import Sim, _dummy, three_levels, two_levels
 
 
@@ -21,20 +22,28 @@ def three_models() -> list[Level]:
             Level("target", worker=_dummy("target"))]
 
 
-class OneByOne(Planner):
-    """The reference: every candidate priced by `goodput`, ranked by Python's sort."""
+class OneByOneRanking(Ranking):
+    """The reference ranking: every candidate priced by `goodput`, ranked by Python's sort."""
 
-    def _scores(self, batch: int):
-        extras = [p for p in dict.fromkeys((self._current, self.default_plan)) if p not in self._index]
+    def scores(self, batch: int, held: Plan):
+        extras = [p for p in dict.fromkeys((held, self.default_plan)) if p not in self.index]
         plans = [*self.candidates, *extras]
-        return plans, np.array([self.goodput(p, batch) for p in plans]), {p: i for i, p in enumerate(plans)}
+        return plans, np.array([self.pricing.goodput(p, batch) for p in plans]), {p: i for i, p in enumerate(plans)}
 
-    def _goodput(self, plan: Plan, batch: int) -> float:
-        return self.goodput(plan, batch)
+    def goodput(self, plan: Plan, batch: int, held: Plan) -> float:
+        return self.pricing.goodput(plan, batch)
 
-    def explain(self, batch_size: int) -> list[tuple[Plan, float]]:
-        plans, gp, _ = self._scores(max(1, batch_size))
+    def explain(self, batch_size: int, held: Plan) -> list[tuple[Plan, float]]:
+        plans, gp, _ = self.scores(max(1, batch_size), held)
         return sorted(zip(plans, gp.tolist()), key=lambda x: (-x[1], len(x[0].levels), sum(x[0].k)))
+
+
+class OneByOne(Planner):
+    """The reference planner: its ranking is `OneByOneRanking`."""
+
+    def __init__(self, levels: list[Level], **kw) -> None:
+        super().__init__(levels, **kw)
+        self.ranking = OneByOneRanking(self.pricing, self.names, self.plain, self.default_plan)
 
 
 class Lockstep:
@@ -93,7 +102,7 @@ def test_vectorised_ranking_chooses_as_pricing_one_by_one(case):
         sim.run(rng.choice([1, 2, 3, 8, 17, 64]), rng.randint(3, 12))
     assert both.rounds >= 36
     # the table did the ranking: its goodputs are covered for every chain candidate, except overlapped ones
-    gp, covered = fast._chains.goodputs(fast, 4)
+    gp, covered = fast.ranking.chains.goodputs(fast.pricing, 4)
     chains = [i for i, p in enumerate(fast.candidates) if not p.hybrid and len(p.levels) > 1]
     assert covered[chains].all() if overlap is None else not covered[chains].any()
     assert all(gp[i] == fast.goodput(fast.candidates[i], 4) for i in chains if covered[i])
@@ -228,7 +237,7 @@ def test_vectorised_ranking_on_a_target_verifying_in_its_engine(native):
             getattr(ref, name)(*args)
         assert fast.explain(batch) == ref.explain(batch)
         assert fast(batch) == ref(batch)
-    gp, covered = fast._chains.goodputs(fast, 4)
+    gp, covered = fast.ranking.chains.goodputs(fast.pricing, 4)
     assert covered.sum() == len(fast.candidates) - 1  # every chain; plain decoding is priced on its own
 
 
@@ -253,7 +262,7 @@ def test_ranking_with_token_tree_candidates_matches_one_by_one():
             p.on_verify(1, 0, [6] * batch, accepted)
         assert fast.explain(batch) == ref.explain(batch)
         assert fast(batch) == ref(batch)
-    _, covered = fast._chains.goodputs(fast, 2)
+    _, covered = fast.ranking.chains.goodputs(fast.pricing, 2)
     assert not covered.any()  # every speculative candidate here is a suffix pair that drafts trees
 
 
@@ -280,5 +289,5 @@ def test_ranking_with_model_tree_candidates_matches_one_by_one():
             p.on_verify(1, 0, [4] * batch, accepted)
         assert fast.explain(batch) == ref.explain(batch)
         assert fast(batch) == ref(batch)
-    _, covered = fast._chains.goodputs(fast, 2)
+    _, covered = fast.ranking.chains.goodputs(fast.pricing, 2)
     assert covered.any() and all(covered[i] == (p.tree == 1) for i, p in enumerate(fast.candidates) if p.k)

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specray.spec.suffix as suffix_mod
-from specray.spec.suffix import SuffixConfig, SuffixDrafter, SuffixTrie
+from specray.spec.suffix import SuffixConfig, SuffixDrafter
+from specray.spec.suffix_trie import SuffixTrie
 
 
 def test_docstring_worked_example():

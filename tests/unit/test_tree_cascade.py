@@ -126,7 +126,8 @@ def test_the_planner_measures_the_middle_levels_trees_and_its_chain():
     chain, tree = Plan((0, 1, 2), (6, 6), tree=1), Plan((0, 1, 2), (6, 6), tree=3)
     assert chain in planner.candidates and tree in planner.candidates
     assert planner.expected_length(chain) == planner.expected_length(tree)  # E[L] is the target's: same pair
-    assert planner._width(tree, 0) == 3 and planner._width(chain, 0) == 1  # mid's inner rounds priced apart
+    # mid's inner rounds priced apart
+    assert planner.pricing.width(tree, 0) == 3 and planner.pricing.width(chain, 0) == 1
 
 
 def test_tiny_hf_cascade_with_trees_at_the_middle_level_equals_plain(tiny_root):

@@ -256,7 +256,8 @@ def test_planner_prices_plain_decoding_on_a_live_decode_path_apart_from_scoring(
     assert p.step_time(1, 8, 5) == pytest.approx(1.0, rel=0.2)
     assert p.plan(8) == plain  # 8 tokens / 0.2 s beats ~16 tokens / 1.0 s
     p.on_call(1, "native", 8, 1, 0.2)
-    assert p._measured["plain"] == p._clock  # a live plain call counts as a measurement of plain decoding
+    # a live plain call counts as a measurement of plain decoding
+    assert p.measurements.measured_at["plain"] == p.measurements.clock
     # a worker with the attribute sets it on its level
     w = FakeWorker("t", vocab=8)
     w.live_decode = True
