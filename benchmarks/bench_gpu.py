@@ -382,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--paths", nargs="+", choices=("inproc", "actors"), default=["inproc"],
                     help="in-process levels, and/or one Ray actor per model level on this node sharing the device "
                          "(the served layout; needs Ray)")
+    ap.add_argument("--flat", action="store_true",
+                    help="with actors: also run the cascade without nested drafting (the coordinator makes the "
+                         "middle level's inner-round calls, as before n-gram levels could nest)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -421,8 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             jobs.append(("cascade", b, n, True, shares[0]))
 
     def run_jobs(path: str, level_sets: dict[str, list[Level]], forwards: LocalForwards | RemoteForwards,
-                 nesting: Any) -> None:
+                 nesting: Any, only: str | None = None) -> None:
         for name, b, n, ov, share in jobs:
+            if only is not None and name != only:
+                continue
             levels = level_sets[name]
             if len(levels) > 2:  # the middle level's tail cut (`Level.inner_min_share`)
                 levels = [levels[0], replace(levels[1], inner_min_share=share), *levels[2:]]
@@ -528,8 +533,10 @@ def actors_path(args: argparse.Namespace, small: str, big: str, dev: torch.devic
         log(f"launched {small} and {big} in Ray actors in {time.perf_counter() - t0:.1f}s")
         lv = {x.name: x for x in launched.levels}
         forwards = RemoteForwards({n: launched.workers[n] for n in (small, big)}, paths)
-        run_jobs("actors", {"plain": [lv[big]], "draft": [lv[small], lv[big]],
-                            "cascade": [lv["ngram"], lv[small], lv[big]]}, forwards, launched.nesting)
+        sets = {"plain": [lv[big]], "draft": [lv[small], lv[big]], "cascade": [lv["ngram"], lv[small], lv[big]]}
+        run_jobs("actors", sets, forwards, launched.nesting)
+        if args.flat:  # the cascade again with the coordinator making every inner round's call
+            run_jobs("actors-flat", sets, forwards, None, only="cascade")
         report["fit_actors"] = {name: fit(calls) for name, calls in forwards.fit.items()}
     except Exception as e:
         report["errors"].append({"path": "actors", "error": repr(e), "trace": traceback.format_exc()})
