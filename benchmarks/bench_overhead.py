@@ -23,7 +23,9 @@ of the cascade runs its inner rounds in its actor, calling the level below direc
 coordinator making every call), `poll` (direct and nested, both ends polling near a due frame instead of parking
 in `recv`: `cascade.poll`), `compiled` (a Ray Compiled Graph per level) and `call` (plain actor calls), labelled
 `actors` / `actors-flat` / `actors-poll` / `actors-compiled` / `actors-call` (and `multinode...`).
-Plans: plain (target alone), draft (8B K -> 70B-TP4), cascade (1B K -> 8B K -> 70B-TP4); greedy, K per level,
+Plans: plain (target alone), draft (8B K -> 70B-TP4), cascade (1B K -> 8B K -> 70B-TP4), ngram-cascade (n-gram
+lookup K -> 8B K -> 70B-TP4: the lookup runs in the coordinator, or beside the 8B with nested drafting; its
+rounds are reported but not held to the targets below); greedy, K per level,
 each with and without overlap (drafting the next round while the target verifies; not for plain). The qwen-cpu
 preset has two levels (0.5B -> 1.5B): plain and draft. The h200-hf preset has the hf backend's own step times
 measured on an H200 (benchmarks/bench_gpu.py: 1B -> 8B, plain and draft), to set the simulated round beside the
@@ -102,6 +104,7 @@ from specray.coordinator.cascade import CascadeEngine, Level
 from specray.coordinator.generate import generate
 from specray.policy.planner import Planner
 from specray.spec.bound import expected_accepted_length, speedup_bound
+from specray.spec.ngram import NgramConfig
 from specray.testing.sim import PRESETS, SimWorker, StepCostModel, sim_factory, union_length
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +112,9 @@ VOCAB = 64
 ORDER = 3
 PROMPT_LEN = 16
 PATHS = ("inproc", "actors", "multinode")
-PLANS = ("plain", "draft", "cascade")
+PLANS = ("plain", "draft", "cascade", "ngram-cascade")
+#: the n-gram level of the ngram-cascade plan (a lookup in the coordinator, or beside the middle level when nested)
+NGRAM = "ngram"
 TIMED_METHODS = ("add", "free", "free_many", "rollback", "propose", "verify", "propose_async", "verify_async",
                  "nested")
 MODEL_KINDS = ("propose", "verify")
@@ -158,7 +163,8 @@ PRESET_LEVELS: dict[str, tuple[LevelSpec, ...]] = {
 }
 PLAN_LEVELS: dict[str, dict[str, tuple[str, ...]]] = {
     "gpu": {"plain": ("llama-70b-tp4",), "draft": ("llama-8b", "llama-70b-tp4"),
-            "cascade": ("llama-1b", "llama-8b", "llama-70b-tp4")},
+            "cascade": ("llama-1b", "llama-8b", "llama-70b-tp4"),
+            "ngram-cascade": (NGRAM, "llama-8b", "llama-70b-tp4")},
     "qwen-cpu": {"plain": ("qwen-cpu-1.5b",), "draft": ("qwen-cpu-0.5b", "qwen-cpu-1.5b")},
     "h200-hf": {"plain": ("h200-hf-8b",), "draft": ("h200-hf-1b", "h200-hf-8b")},
 }
@@ -246,6 +252,7 @@ class InprocBackend:
         self.levels = {n: Level(n, worker=w, k=k, method="greedy") for n, w in self.workers.items()}
         for n, lv in self.levels.items():
             client.patch(n, lv.worker)
+        self.levels[NGRAM] = ngram_level(k)
         self.info: dict[str, Any] = {"levels": {n: {"pid": os.getpid()} for n in self.levels}}
 
     def drain(self) -> None:
@@ -319,19 +326,22 @@ class RayBackend:
                 pins = {}
             self.trace_paths = {s.name: os.path.join(trace_dir, f"{path}-{s.name}.jsonl") for s in specs}
             cfg = CascadeConfig(levels=[
-                LevelConfig(kind="hf", name=s.name, model=f"sim:{s.name}", num_speculative_tokens=k,
-                            verify_method="greedy", num_cpus=1, num_threads=1, resources=pins.get(s.name, {}))
-                for s in specs
+                LevelConfig(kind="ngram", name=NGRAM, num_speculative_tokens=k, prompt_lookup_min=1,
+                            prompt_lookup_max=3),
+                *(LevelConfig(kind="hf", name=s.name, model=f"sim:{s.name}", num_speculative_tokens=k,
+                              verify_method="greedy", num_cpus=1, num_threads=1, resources=pins.get(s.name, {}))
+                  for s in specs),
             ], placement=placement)
-            factories = [sim_factory(s.name, s.cost, trace_path=self.trace_paths[s.name], **s.worker_kwargs())
-                         for s in specs]
+            factories = [None] + [sim_factory(s.name, s.cost, trace_path=self.trace_paths[s.name],
+                                              **s.worker_kwargs()) for s in specs]
             self.launched = launch_levels(cfg, factories=factories, name_prefix=f"overhead-{path}",
                                           start_timeout_s=180, transport=_ray_transport(transport),
                                           poll=transport == "poll")
             self.levels = {lv.name: lv for lv in self.launched.levels}
             self.nesting = self.launched.nesting if transport in ("direct", "poll") else None
             for n, lv in self.levels.items():
-                client.patch(n, lv.worker)
+                if lv.worker is not None:
+                    client.patch(n, lv.worker)
             self.files = TraceFiles(list(self.trace_paths.values()))
             self.info = {"levels": {n: {k2: i.get(k2) for k2 in ("node_id", "pid", "num_threads")}
                                     for n, i in self.launched.info.items()},
@@ -344,7 +354,8 @@ class RayBackend:
     def _flush(self) -> None:
         """Level actors write their traces when asked for their stats (never inside a timed call)."""
         for lv in self.levels.values():
-            lv.worker.stats()
+            if lv.worker is not None:
+                lv.worker.stats()
 
     def drain(self) -> None:
         self._flush()
@@ -354,7 +365,8 @@ class RayBackend:
         """Between configurations: close the levels' connections / compiled graphs (an idle compiled graph's reader
         keeps a core busy, which would slow the next configuration down); the next warm-up makes them again."""
         for lv in self.levels.values():
-            lv.worker.close()
+            if lv.worker is not None:
+                lv.worker.close()
 
     def over(self, transport: str, client: ClientLog) -> TransportView:
         """The same actors reached over another transport."""
@@ -444,7 +456,7 @@ def conditional_alphas(accepted_per_pos: Sequence[int], num_drafts: int, k: int)
 def bound_for(plan_names: Sequence[str], stats: dict[str, Any], k: int, batch: int,
               costs: dict[str, StepCostModel]) -> dict[str, Any]:
     """Leviathan bound of the run (see the module docstring); {} for plain."""
-    if len(plan_names) < 2:
+    if len(plan_names) < 2 or NGRAM in plan_names:  # an n-gram level has no step cost of its own
         return {}
     step = {n: costs[n].step_s(batch) for n in plan_names}
     top, mid = plan_names[-1], plan_names[-2]
@@ -690,6 +702,8 @@ def target_checks(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """PASS/FAIL per cell of the issue's targets (multinode is held to the actor targets)."""
     out = []
     for r in runs:
+        if r["plan"] == "ngram-cascade":  # not one of the issue's plans: reported, not held to its targets
+            continue
         kind = "inproc" if r["path"] == "inproc" else "actors"
         limit = OVERHEAD_TARGET_MS.get((kind, r["batch"]))
         if limit is not None:
@@ -774,6 +788,9 @@ class TransportView:
         self.nesting = base.launched.nesting if transport in ("direct", "poll") else None
         self.levels = {}
         for n, lv in base.levels.items():
+            if lv.worker is None:  # the n-gram level: no actor
+                self.levels[n] = lv
+                continue
             w = ActorWorker(lv.worker.handle, info=lv.worker._info_cache, level=n,
                             transport=_ray_transport(transport), poll=transport == "poll")
             client.patch(n, w)
@@ -790,7 +807,13 @@ class TransportView:
 
     def rest(self) -> None:
         for lv in self.levels.values():
-            lv.worker.close()
+            if lv.worker is not None:
+                lv.worker.close()
+
+
+def ngram_level(k: int) -> Level:
+    """The ngram-cascade plan's first level: prompt lookup over each row's text (1-3 tokens matched)."""
+    return Level(NGRAM, ngram=NgramConfig(k, 1, 3), k=k)
 
 
 def _ray_transport(transport: str) -> str:
