@@ -262,7 +262,7 @@ class Drafter:
             return [sx.propose_seq(s.seq_id, s.tokens, s.prompt_len, s.tokens + t if t else s.tokens, w)
                     if w > 0 else [] for s, t, w in zip(rows, tails, want)]
         ng = lvl.ngram
-        return [ng.propose(s.tokens + t if t else s.tokens, w) if w > 0 else [] for s, t, w in zip(rows, tails, want)]
+        return [ng.propose_text(s.lookup_text(), w, t) if w > 0 else [] for s, t, w in zip(rows, tails, want)]
 
     def hybrid(self, r: RoundState) -> tuple[Drafts, list[int]]:
         """A hybrid plan's drafts for the target and who made each: the lookup level's match (up to K_lookup

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult
-from specray.spec.ngram import NgramConfig
+from specray.spec.ngram import NgramConfig, TokenText
 from specray.spec.params import SamplingParams, VerifyMethod
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ class LookupHolder:
     per middle level: its rows go when the level frees them."""
 
     def __init__(self) -> None:
-        self.texts: dict[str, list[int]] = {}
+        self.texts: dict[str, TokenText] = {}
 
     def free(self, seq_id: str) -> None:
         self.texts.pop(seq_id, None)
@@ -198,15 +198,15 @@ class LookupHolder:
         out = []
         for sid, kk, y in zip(seq_ids, k, sync):
             if y.keep == 0:
-                text = self.texts[sid] = list(y.append)
+                text = self.texts[sid] = TokenText(y.append)
             else:
                 try:
                     text = self.texts[sid]
                 except KeyError:
                     raise KeyError(f"unknown sequence {sid!r} (the n-gram text beside this level)") from None
-                del text[y.keep:]
+                text.truncate(y.keep)
                 text.extend(y.append)
-            draft = config.propose(text, kk) if kk > 0 else []
+            draft = config.propose_text(text, kk) if kk > 0 else []
             text.extend(draft)  # held like a model drafter's own draft (`run_nested` syncs against it)
             out.append(draft)
         return DraftProposal(out)

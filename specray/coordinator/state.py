@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from specray.coordinator.stats import LevelStats, StatsKey
 from specray.engine.caps import WorkerCaps
-from specray.spec.ngram import NgramConfig
+from specray.spec.ngram import NgramConfig, TokenText
 from specray.spec.params import SamplingParams, TokenLogprob, TreeShape, VerifyMethod
 from specray.spec.suffix import SuffixDrafter
 
@@ -177,6 +177,12 @@ class Seq:
     ahead: tuple[Plan, int, list[int]] | None = None
     #: the target's log-probabilities of the output tokens, one per token (`SamplingParams.logprobs` set)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: `tokens` in the n-gram search's form, caught up when looked up (`lookup_text`)
+    _text: TokenText = field(default_factory=TokenText, repr=False)
+
+    def lookup_text(self) -> TokenText:
+        """The committed tokens as the n-gram level searches them (converted once per token: `tokens` only grows)."""
+        return self._text.catch_up(self.tokens)
 
     @property
     def output(self) -> list[int]:

@@ -11,6 +11,7 @@ and the same 1.75 on extraction.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,20 +44,69 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int, occurre
         raise ValueError(f"occurrence must be one of {OCCURRENCES}, not {occurrence!r}")
     if k <= 0 or min_n < 1 or max_n < min_n:
         return []
-    n_tokens = len(tokens)
-    seq = list(tokens)
+    return _search(array(_CODE, tokens).tobytes(), k, min_n, max_n, occurrence)
+
+
+_CODE = "i"  # 32-bit signed token ids (vocabularies stay far below 2**31)
+_W = array(_CODE).itemsize
+
+
+def _search(data: bytes | bytearray, k: int, min_n: int, max_n: int, occurrence: str) -> list[int]:
+    """`propose_ngram` over the text as fixed-width bytes: the search runs in C (`bytes.find` / `rfind`), not a
+    Python loop over the text, since a row's whole context is scanned every round and contexts run to thousands
+    of tokens."""
+    n_tokens = len(data) // _W
+    if k <= 0 or n_tokens < 2:
+        return []
+    end = _W * (n_tokens - 1)  # an earlier occurrence ends before the last token (it may overlap the suffix)
     for n in range(min(max_n, n_tokens - 1), min_n - 1, -1):
-        suffix = seq[n_tokens - n :]
-        first = suffix[0]
-        # earlier occurrences start before n_tokens - n (they may overlap the suffix itself)
-        starts = range(n_tokens - n) if occurrence == "earliest" else range(n_tokens - n - 1, -1, -1)
-        for start in starts:
-            if seq[start] == first and seq[start : start + n] == suffix:
-                follow = seq[start + n : start + n + k]
-                if follow:
-                    return follow
-                break
+        start = _find(data, data[_W * (n_tokens - n):], end, occurrence == "earliest")
+        if start >= 0:
+            return array(_CODE, data[_W * (start + n): _W * (start + n + k)]).tolist()
     return []
+
+
+def _find(data: bytes | bytearray, pattern: bytes | bytearray, end: int, earliest: bool) -> int:
+    """Token index of the first (earliest) or last occurrence of `pattern` within data[:end], -1 if none; byte
+    matches that straddle two tokens are skipped."""
+    if earliest:
+        pos = data.find(pattern, 0, end)
+        while pos >= 0 and pos % _W:
+            pos = data.find(pattern, pos + 1, end)
+    else:
+        pos = data.rfind(pattern, 0, end)
+        while pos >= 0 and pos % _W:
+            pos = data.rfind(pattern, 0, pos + len(pattern) - 1)
+    return pos // _W if pos >= 0 else -1
+
+
+class TokenText:
+    """A token sequence kept in the n-gram search's form (fixed-width bytes), so a text that grows round by round
+    is converted once per token instead of whole at every lookup: the coordinator's copy of a row's committed
+    text, and the copy a middle level holds for nested drafting (`specray.coordinator.inner.LookupHolder`)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.data = bytearray(array(_CODE, tokens).tobytes())
+
+    def __len__(self) -> int:
+        return len(self.data) // _W
+
+    def tokens(self) -> list[int]:
+        return array(_CODE, self.data).tolist()
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.data += array(_CODE, tokens).tobytes()
+
+    def truncate(self, n: int) -> None:
+        del self.data[_W * n:]
+
+    def catch_up(self, tokens: Sequence[int]) -> TokenText:
+        """Append what `tokens` has beyond this text (a text that only grows: a row's committed tokens)."""
+        if len(tokens) > len(self):
+            self.extend(tokens[len(self):])
+        return self
 
 
 @dataclass(frozen=True)
@@ -80,3 +130,9 @@ class NgramConfig:
     def propose(self, tokens: Sequence[int], k: int | None = None) -> list[int]:
         kk = self.num_speculative_tokens if k is None else k
         return propose_ngram(tokens, kk, self.prompt_lookup_min, self.prompt_lookup_max, self.occurrence)
+
+    def propose_text(self, text: TokenText, k: int | None = None, tail: Sequence[int] = ()) -> list[int]:
+        """`propose` over `text` followed by `tail`, without converting the text again."""
+        kk = self.num_speculative_tokens if k is None else k
+        data = text.data + array(_CODE, tail).tobytes() if tail else text.data
+        return _search(data, kk, self.prompt_lookup_min, self.prompt_lookup_max, self.occurrence)

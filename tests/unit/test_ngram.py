@@ -75,3 +75,52 @@ def test_earliest_is_vllms_proposer():
         assert ours == theirs, (tokens.tolist(), k, lo, hi)
         checked += bool(theirs)
     assert checked > 750  # most cases drafted something (990 of 1500 with this seed)
+
+
+def _reference(tokens, k, min_n, max_n, occurrence):
+    """The search written out as a Python loop over every start: what the C search must return."""
+    if k <= 0:
+        return []
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
+        if starts:
+            s = starts[0] if occurrence == "earliest" else starts[-1]
+            return tokens[s + n:s + n + k]
+    return []
+
+
+def test_the_search_equals_a_loop_over_every_start():
+    """Random texts over small vocabularies (matches of every length, many overlapping), and ids that share bytes
+    (a byte-level match that straddles two ids must not count)."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(3000):
+        vocab = rng.choice([2, 3, 5, 300, 70000])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 60))]
+        if trial % 7 == 0:  # ids whose bytes repeat inside each other: 0x0101..., 0x01, 256, 257
+            tokens = [rng.choice([1, 256, 257, 65793, 16843009]) for _ in range(rng.randrange(0, 40))]
+        lo = rng.randrange(1, 4)
+        hi = lo + rng.randrange(0, 4)
+        k = rng.randrange(0, 7)
+        for occ in ("recent", "earliest"):
+            assert propose_ngram(tokens, k, lo, hi, occ) == _reference(tokens, k, lo, hi, occ), (tokens, k, lo, hi)
+
+
+def test_a_token_text_drafts_as_its_tokens_do():
+    """The coordinator's and a middle level's cached texts: grown, rolled back and grown again, they draft what
+    the plain token list drafts, a tail included."""
+    from specray.spec.ngram import TokenText
+
+    cfg = NgramConfig(4, 1, 3, occurrence="earliest")
+    tokens = [5, 1, 2, 9, 1, 2, 8, 1, 2, 70000, 1]
+    text = TokenText(tokens[:3]).catch_up(tokens)
+    assert len(text) == len(tokens) and text.tokens() == tokens
+    assert cfg.propose_text(text) == cfg.propose(tokens)
+    assert cfg.propose_text(text, 2, tail=[2]) == cfg.propose([*tokens, 2], 2)
+    text.truncate(5)
+    text.extend([2, 9])
+    assert text.tokens() == [5, 1, 2, 9, 1, 2, 9]
+    assert cfg.propose_text(text) == cfg.propose([5, 1, 2, 9, 1, 2, 9]) == [1, 2, 9]
+    assert cfg.propose_text(TokenText()) == []
