@@ -4,8 +4,8 @@
 the acceptance of each (verifier, drafter) pair (`Acceptance`), a lookup level's match rate and the acceptance of
 its matches (hybrid plans), the token trees' acceptance and nodes fed, the native target's own speculation, and
 the clock of each item's latest measurement, which exploration reads to find the stalest. The engine feeds them
-through its observer hooks (`on_call`, `on_verify`, `on_native`, `on_tree`, `on_propose_tree`: the typed events of
-`specray.coordinator.feed`); every measurement clears the memoised predictions.
+through its observer hooks (`on_call`, `on_verify`, `on_native`, `on_tree`, `on_propose_tree`, `on_shadow`: the typed
+events of `specray.coordinator.feed`); every measurement clears the memoised predictions.
 """
 
 from __future__ import annotations
@@ -115,6 +115,9 @@ class Measurements(Pricing):
             self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
         self._clock = 0  # target verify calls seen (~ engine rounds)
         self._measured: dict[tuple[int, ...] | str, int] = {}  # pair, tree key or "plain" -> clock of last measurement
+        #: pair -> clock of its latest acceptance observation, a shadow lookup's included (`on_shadow`): how much the
+        #: next one decays the estimate by; `_measured` (what exploration reads) counts rounds that ran the pair
+        self._observed: dict[tuple[int, int], int] = {}
         self._plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
 
     def _scaled_prior(self, ratio: float):
@@ -168,11 +171,24 @@ class Measurements(Pricing):
                   asked: int | None = None) -> None:
         """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call. `asked`: the tokens each
         row was asked for, where known (a lookup level: else the call's longest draft)."""
+        self._observe(level, lower, draft_lens, accepted, asked, ran=True)
+
+    def on_shadow(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
+                  asked: int) -> None:
+        """Drafts of lookup level `lower` that no round verified, checked against the text `level` committed after
+        them (`PlannerFeed.shadowed`): its acceptance is measured as a round of the pair would have measured it,
+        so a switched-off n-gram's price follows the text being generated now instead of what it was when it last
+        ran. The pair still counts as unmeasured for exploration: what its rounds cost (a step feeding K + 1
+        tokens) is only measured by running them."""
+        self._observe(level, lower, draft_lens, accepted, asked, ran=False)
+
+    def _observe(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int], asked: int | None,
+                 ran: bool) -> None:
         with self._lock:
             acc = self.acceptance.get((level, lower))
             if acc is None:
                 return
-            last = self._measured.get((level, lower))
+            last = self._observed.get((level, lower))
             gap = 1.0 if last is None else float(self._clock - last)
             # an n-gram drafts less than asked where it finds no match: the longest draft in the call
             # is the best lower bound on what was asked (model drafters always fill their K); at least 1, so that a
@@ -193,7 +209,9 @@ class Measurements(Pricing):
                     self.matched[(level, lower)].observe([draft_lens[j] for j in hit], [accepted[j] for j in hit],
                                                          gap=gap, proposed=proposed)
             self._memo.clear()
-            self._measured[(level, lower)] = self._clock
+            self._observed[(level, lower)] = self._clock
+            if ran:
+                self._measured[(level, lower)] = self._clock
 
     def _fed_nodes(self, key: tuple[int, int, int], nodes: int) -> None:
         """The decayed mean of the largest draft (tree nodes, or a chain's tokens: width 1) per call of `key`."""
