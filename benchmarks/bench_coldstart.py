@@ -5,11 +5,13 @@
 
 The levels of the config (n-gram -> 0.5B -> 1.5B; the target on vLLM with engine verification where vLLM is
 installed) are loaded once. Modes: `adaptive` (the config's policy, a fresh planner at the start of every workload
-pass: what a server that has just started sees; `adaptive-old`: the same planner deaf to the feed's shadow lookups,
-as it was before them, with an engine of its own), `none` (plain decoding), `ngram`, `draft`, `cascade` (fixed plans
-at the levels' configured K). Batch 1, greedy: per workload, prompt by prompt, every mode runs the same prompt
-before the next prompt starts (order rotated per prompt), each after the prefix caches are emptied, so load that
-comes and goes hits every mode alike. The adaptive planner keeps what it learned across the prompts of a pass.
+pass: what a server that has just started sees; `adaptive-old`: the planner as it was before the cold-start fix,
+deaf to the feed's shadow lookups and extrapolating its step-cost slopes, with an engine of its own), `none` (plain
+decoding), `ngram`, `draft`, `cascade` (fixed plans at the levels' configured K). Batch 1, greedy: per workload,
+prompt by prompt, every mode runs the same prompt before the next prompt starts (order rotated per prompt), each
+after the prefix caches are emptied, so load that comes and goes hits every mode alike. With --warm-request each
+planner first serves an 8-token request on a short chat prompt, as bench_serve's server does. The adaptive planners
+keep what they learned across the prompts of a pass.
 
 Prints tokens/s per workload and mode, and adaptive / the best fixed plan; writes the per-prompt numbers and the
 planner's per-round log (the plan answered, why, and the top of its ranking; the events it was fed) to
@@ -78,11 +80,18 @@ class LoggedPlanner(Planner):
         super().on_native(level, draft_lens, accepted)
 
 
-class FeedBeforeShadows(LoggedPlanner):
-    """The planner as it was before shadow lookups: it ignores them (`adaptive-old`)."""
+class BeforeColdStartFix(LoggedPlanner):
+    """The planner as it was before shadow lookups and optimistic step sizes (`adaptive-old`): it ignores the
+    former, and its step-cost fits never know the sizes measured, so they extrapolate their fitted slope."""
 
     def on_shadow(self, level, lower, draft_lens, accepted, asked):
         pass
+
+    def on_call(self, level, kind, batch, tokens, seconds):
+        super().on_call(level, kind, batch, tokens, seconds)
+        for cost in (*self.costs.values(), self.native_cost):
+            if cost is not None:
+                cost.q_seen = 0
 
 
 async def _generate(engine, planner, tok, stop_ids, ids: list[int], max_tokens: int, spec) -> tuple[int, float]:
@@ -107,7 +116,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=3, help="the first N prompts of each workload")
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--modes", nargs="+", default=["adaptive", *FIXED], choices=[*ADAPTIVE, *FIXED],
-                    help="adaptive-old: the same planner deaf to shadow lookups (as before them), a planner of its own")
+                    help="adaptive-old: the planner before the cold-start fix (no shadow lookups, fitted slopes "
+                         "extrapolated)")
     ap.add_argument("--repeats", type=int, default=1, help="passes over every workload (a fresh planner each)")
     ap.add_argument("--prompts", choices=["bench", "served"], default="bench",
                     help="bench: `specray bench`'s sample sets; served: benchmarks/prompts.py (bench_serve's)")
@@ -155,6 +165,8 @@ def main() -> int:
         if m not in ADAPTIVE:
             asyncio.run(_generate(fixed_engine, None, tok, stop_ids, warm_ids, 8, Speculation(_METHOD[m])))
 
+    out = Path(args.out or Path(__file__).parent / "results" / f"coldstart-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     logs: list[dict[str, Any]] = []
     turn = 0
@@ -164,7 +176,7 @@ def main() -> int:
             for m in args.modes:  # a fresh planner per pass: the cold start is what is measured
                 if m in ADAPTIVE:
                     engine = CascadeEngine(levels, overlap=overlap)
-                    planner = (LoggedPlanner if m == "adaptive" else FeedBeforeShadows)(levels, k_max=pol.k_max,
+                    planner = (LoggedPlanner if m == "adaptive" else BeforeColdStartFix)(levels, k_max=pol.k_max,
                                                                                          **kwargs)
                     planner.log = []
                     live[m] = (engine, planner.attach(engine))
@@ -189,6 +201,8 @@ def main() -> int:
                 logs.append({"repeat": rep, "workload": w, "mode": m, "log": planner.log})
             logs.append({"repeat": rep, "workload": w, "mode": "fixed", "log": fixed_log.log})
             fixed_log.log = []
+            out.write_text(json.dumps({"config": args.config, "settings": vars(args), "results": results,
+                                       "planner_logs": logs}, indent=1))  # so far: a run cut short keeps its passes
 
     print("\n| tokens/s | " + " | ".join(args.modes) + " | adaptive / best fixed |")
     print("|---|" + "---|" * (len(args.modes) + 1))
@@ -204,8 +218,6 @@ def main() -> int:
         summary[w] = {"tok_s": tps, "best_fixed": best, "over_best_fixed": ratios}
         print(f"| {w} | " + " | ".join(f"{tps[m]:.2f}" for m in args.modes) + " | "
               + ", ".join(f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({best}) |")
-    out = Path(args.out or Path(__file__).parent / "results" / f"coldstart-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": args.config, "settings": vars(args), "summary": summary,
                                "results": results, "planner_logs": logs}, indent=1))
     print(f"wrote {out}")

@@ -3,9 +3,13 @@ the planner fed the event sequence observed on a vLLM target (fake events, no mo
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from specray.coordinator.cascade import CascadeEngine, Level, Plan
 from specray.coordinator.feed import SHADOW_LOOKUPS, PlannerFeed
 from specray.coordinator.state import Seq
+from specray.policy.cost import StepCost
 from specray.policy.planner import Planner
 from specray.spec.ngram import NgramConfig
 from specray.spec.params import SamplingParams, VerifyMethod
@@ -162,12 +166,17 @@ def _step(q: int) -> float:
 
 def _warm_up_on_a_short_chat_prompt(p: Planner, shadows: bool) -> None:
     """bench_serve's start as the planner saw it: an 8-token warm-up request (the 0.5B drafted nothing, a confidence
-    stop, and took 0.21 s a step; the n-gram found no match in five rounds), then the first code prompt with
+    stop, and took 0.21 s a step; steps verifying its one-token drafts took 0.34 s, half again a plain step's; the
+    n-gram found no match in five rounds), then the first code prompt with
     `"speculation": {"method": "none"}` (plain rounds the planner measures without choosing them; with `shadows`,
     the n-gram's shadow drafts there, every one accepted whole)."""
     p.plan(1)
     p.on_verify(2, 1, [0], [0])
     p.on_call(1, "propose", 1, 2, 0.418)
+    for _ in range(3):  # the 0.5B drafting one token ahead beside each step (overlap), on the same two cores
+        p.plan(1)
+        p.on_call(2, "native", 1, 2, 0.34)
+        p.on_verify(2, 1, [1], [1])
     for _ in range(5):
         p.plan(1)
         p.on_call(2, "native", 1, 1, _step(1))
@@ -178,29 +187,38 @@ def _warm_up_on_a_short_chat_prompt(p: Planner, shadows: bool) -> None:
             p.on_shadow(2, 0, [8], [8], 8)
 
 
-def _serve(p: Planner, rounds: int, shadow_accepts: bool | None) -> list[Plan]:
-    """`rounds` rounds at batch 1 of a request whose text the n-gram copies (shadow_accepts True: every draft of
-    8 accepted whole), or does not (False: each lookup finds nothing), or with no shadow lookups at all (None:
-    the feed before them). A round of the n-gram verifies its draft as the text says. Returns the held plans."""
-    held, pending = [], 0
+#: how many tokens of each successive n-gram draft of 8 the target accepted on a code-editing prompt (the shadow
+#: drafts of a served cold start, in order)
+COPYING = [0, 4, 0, 8, 8, 4, 0, 8, 6, 0, 8]
+
+
+def _serve(p: Planner, rounds: int, accepts: list[int] | None) -> list[Plan]:
+    """`rounds` rounds at batch 1 of a request whose successive n-gram drafts (of 8) have accepts[j] tokens accepted
+    (cycling; [] : the n-gram finds no match), the shadow drafts of plain rounds reported as the feed does (None:
+    not at all, the feed before shadow lookups); a round of the n-gram verifies its draft as the text says, the
+    target's steps costing `_step`. Returns the plan held after each round."""
+    held: list[Plan] = []
+    j, pending = 0, 0  # the draft in play, plain rounds since its lookup
     for _ in range(rounds):
         plan = p.plan(1)
         held.append(p.current)
+        a = accepts[j % len(accepts)] if accepts else None
         if len(plan.levels) == 1:
             p.on_call(2, "native", 1, 1, _step(1))
-            if shadow_accepts is None:
+            if accepts is None:
                 continue
-            if not shadow_accepts:
+            if a is None:
                 p.on_shadow(2, 0, [0], [0], 8)
-            elif pending == 7:  # the draft's last token committed: resolved whole
-                p.on_shadow(2, 0, [8], [8], 8)
-                pending = 0
-            else:
-                pending += 1
+                continue
+            pending += 1
+            if pending > min(a, 7):  # the token after its accepted prefix committed (or its last one)
+                p.on_shadow(2, 0, [8], [a], 8)
+                j, pending = j + 1, 0
         elif plan.levels == (0, 2):
             k = plan.k[0]
             p.on_call(2, "native", 1, k + 1, _step(k + 1))
-            p.on_verify(2, 0, [k], [k if shadow_accepts else 0])
+            p.on_verify(2, 0, [k if a is not None else 0], [min(k, a) if a is not None else 0])
+            j, pending = j + 1, 0
         else:  # a probe of the 0.5B: it drafts nothing past a confidence stop
             p.on_call(1, "propose", 1, 1, 0.2)
             p.on_call(2, "native", 1, 1, _step(1))
@@ -211,25 +229,28 @@ def _serve(p: Planner, rounds: int, shadow_accepts: bool | None) -> list[Plan]:
 def test_a_planner_fed_the_observed_cold_start_speculates_within_a_few_rounds_of_a_copying_request():
     """The served cold start on code editing: after a warm-up request with nothing to copy the planner held plain
     decoding through whole requests, pricing the n-gram at the warm-up's failures until exploration or decay
-    happened to reach it. With the shadow lookups of its plain rounds it holds the n-gram -> target plan within
-    a couple of shadow drafts."""
+    happened to reach it. With the shadow lookups of its plain rounds it holds an n-gram -> target plan within a
+    few shadow drafts, and with long drafts: the warm-up's steps that verified one-token drafts beside the 0.5B
+    (0.34 s against 0.22 s plain: a fitted slope of 0.12 s a token) do not price a draft of 8 at 8 such
+    increments before one has run."""
     before = _served_planner()
     _warm_up_on_a_short_chat_prompt(before, False)
     assert all(len(plan.levels) == 1 for plan in _serve(before, 40, None))  # the feed without shadows: plain
 
     p = _served_planner()
     _warm_up_on_a_short_chat_prompt(p, False)  # the plain request's shadows would make this easier
-    held = _serve(p, 40, True)
+    held = _serve(p, 60, COPYING)
     first = next(i for i, plan in enumerate(held) if plan.levels == (0, 2))
-    assert first <= 20, held[:first + 1]
-    assert all(plan.levels == (0, 2) for plan in held[first:])
+    assert first <= 12, held[:first + 1]  # with the fitted slope extrapolated: 17 rounds, and K 3
+    assert held[first].k[0] >= 4, held[first]
+    assert sum(plan.levels == (0, 2) for plan in held[first:]) >= 0.9 * len(held[first:])
 
 
 def test_a_planner_whose_shadow_lookups_find_nothing_stays_plain():
     """Open chat: the n-gram matches nothing, so its shadows only confirm that plain decoding wins."""
     p = _served_planner()
     _warm_up_on_a_short_chat_prompt(p, False)
-    held = _serve(p, 120, False)
+    held = _serve(p, 120, [])
     assert all(len(plan.levels) == 1 for plan in held[5:])
     assert p.acceptance[(2, 0)].alphas(1)[0] < 0.05
 
@@ -265,3 +286,22 @@ def test_shadow_lookups_measure_acceptance_but_leave_the_pairs_cost_to_explorati
     assert p.acceptance[(2, 0)].weight > 0 and (2, 0) not in p._measured
     p.on_verify(2, 0, [4], [4])
     assert p._measured[(2, 0)] == p._clock
+
+
+def test_a_step_size_not_measured_yet_is_priced_optimistically_until_it_is():
+    """Calls of 1 and 2 tokens whose difference is not the tokens' (the 2-token ones ran beside a drafter): the
+    fitted slope is not extrapolated to 9 tokens; once 9 is measured, its price is what was measured."""
+    cost = StepCost((1.0, 0.02, 0.0))
+    for _ in range(20):
+        cost.observe(1, 1, 0.22)
+    for _ in range(4):
+        cost.observe(1, 2, 0.34)
+    a, b, _ = cost.coefficients
+    assert b > 0.05  # the fit follows the data: 0.12 s per token
+    assert cost.predict(1, 2) > 0.3
+    assert cost.predict(1, 9) < cost.predict(1, 2) + 7 * 0.01 < a + 9 * b
+    assert cost.predict_many(1, np.arange(12)).tolist() == pytest.approx([cost.predict(1, q) for q in range(12)])
+    for _ in range(6):
+        cost.observe(1, 9, 0.30)
+    assert cost.q_seen == 9 and cost.predict(1, 9) == pytest.approx(0.30, rel=0.1)
+    assert cost.predict(1, 5) < cost.predict(1, 9)
