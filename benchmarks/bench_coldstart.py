@@ -152,9 +152,6 @@ def main() -> int:
             by_w[r["workload"]].append(prompt_ids(tok, r))
 
     fixed_engine = CascadeEngine(levels, overlap=overlap)
-    fixed_log = LoggedPlanner(levels, k_max=pol.k_max)  # records what the fixed plans' rounds measure
-    fixed_log.log = []
-    fixed_log.attach(fixed_engine)
     warm_ids = prompt_ids(tok, {"prompt": "Say hi."})
 
     def run(engine, planner, ids, mode):
@@ -192,17 +189,16 @@ def main() -> int:
                         if lv.worker is not None:
                             lv.worker.reset_prefix_cache()
                     engine, planner = live.get(m) or (shared if shared and m in args.shared else (fixed_engine, None))
-                    (planner or fixed_log).log.append({"ev": "request", "prompt": i, "mode": m})
+                    if planner is not None:
+                        planner.log.append({"ev": "request", "prompt": i, "mode": m})
                     n, sec = run(engine, planner, ids, m)
                     results.append({"repeat": rep, "workload": w, "prompt": i, "mode": m, "tokens": n,
                                     "seconds": sec})
                     print(f"rep {rep} {w} #{i} {m:12s} {n:3d} tok {n / sec:6.2f} tok/s", flush=True)
             for m, (_, planner) in live.items():
                 logs.append({"repeat": rep, "workload": w, "mode": m, "log": planner.log})
-            logs.append({"repeat": rep, "workload": w, "mode": "fixed", "log": fixed_log.log})
-            fixed_log.log = []
             out.write_text(json.dumps({"config": args.config, "settings": vars(args), "results": results,
-                                       "planner_logs": logs}, indent=1))  # so far: a run cut short keeps its passes
+                                       "planner_logs": logs}, separators=(",", ":")))  # a run cut short keeps these
 
     print("\n| tokens/s | " + " | ".join(args.modes) + " | adaptive / best fixed |")
     print("|---|" + "---|" * (len(args.modes) + 1))
@@ -219,7 +215,7 @@ def main() -> int:
         print(f"| {w} | " + " | ".join(f"{tps[m]:.2f}" for m in args.modes) + " | "
               + ", ".join(f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({best}) |")
     out.write_text(json.dumps({"config": args.config, "settings": vars(args), "summary": summary,
-                               "results": results, "planner_logs": logs}, indent=1))
+                               "results": results, "planner_logs": logs}, separators=(",", ":")))
     print(f"wrote {out}")
     return 0
 
