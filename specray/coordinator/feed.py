@@ -14,6 +14,15 @@ counterfactual of the chain along its first children); any other observer sees e
 the tree (its longest path) through `on_verify`. A model level's timed tree proposal reaches an observer with
 `on_propose_tree(level, batch, depth, width, nodes, seconds)` (`TreeProposeObserver`, the planner: each depth feeds
 the frontier's paths, `specray.spec.params.tree_feeds`), any other as a propose of `depth` steps.
+
+Shadow lookups: an n-gram level 0 costs nothing to consult, so on rounds whose target verified no draft of it (plain
+decoding, a model drafter alone, a cascade where it drafts for a middle level) the feed looks its draft up anyway
+and checks it against the text the target committed after it: exactly what a round of n-gram -> target would have
+accepted there (the same greedy tokens; at temperature > 0 a deterministic draft token is accepted with the
+probability that the target samples it). A `ShadowObserver` (the planner) gets those as
+`on_shadow(level, 0, draft_lens, accepted, asked)`, so the n-gram's acceptance on the text being generated now is
+measured while it is switched off: a level measured on an earlier request (a short chat prompt with nothing to
+copy) is not left priced at that request's acceptance until an exploration round happens to try it.
 """
 
 from __future__ import annotations
@@ -22,14 +31,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from specray.coordinator.state import Level
+from specray.coordinator.state import Level, Plan, Seq
 
 if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
     from specray.spec.tree import DraftTree
 
-__all__ = ["NativeObserver", "Observer", "PlannerFeed", "TreeObserver", "TreeProposeObserver", "TreeWalk", "Verified",
-           "fed_lengths", "tree_walk"]
+__all__ = ["SHADOW_LOOKUPS", "NativeObserver", "Observer", "PlannerFeed", "ShadowObserver", "TreeObserver",
+           "TreeProposeObserver", "TreeWalk", "Verified", "fed_lengths", "tree_walk"]
+
+#: at most this many rows of a round start a shadow lookup (an n-gram scan of the row's text each): a sample of the
+#: batch measures the same acceptance, and the coordinator's work per round stays bounded at large batches
+SHADOW_LOOKUPS = 4
 
 
 class Observer(Protocol):
@@ -41,6 +54,12 @@ class Observer(Protocol):
 @runtime_checkable
 class NativeObserver(Protocol):
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class ShadowObserver(Protocol):
+    def on_shadow(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
+                  asked: int) -> None: ...
 
 
 @runtime_checkable
@@ -133,6 +152,51 @@ class PlannerFeed:
     def __init__(self, levels: Sequence[Level]) -> None:
         self.levels = list(levels)
         self.observers: list[Observer] = []
+        first = self.levels[0]
+        #: the n-gram level 0 that shadow lookups consult (None: level 0 is a model or a suffix level)
+        self._lookup = first.ngram if len(self.levels) > 1 and first.ngram is not None else None
+
+    def shadowed(self, rows: Sequence[Seq], plan: Plan) -> None:
+        """After a round over `rows` (its tokens committed): check each row's pending shadow draft against the text
+        committed since it, and look a new one up where none is pending (module docstring). A round in which the
+        target verified the n-gram's own drafts measures it directly: its rows' shadows are dropped."""
+        if self._lookup is None:
+            return
+        shadows = [ob for ob in self.observers if isinstance(ob, ShadowObserver)]
+        if not shadows:
+            return
+        if len(plan.levels) > 1 and plan.k[-1] > 0 and (plan.hybrid or plan.levels[-2] == 0):
+            for s in rows:
+                s.shadow = None
+            return
+        asked = max(1, self.levels[0].k)
+        lens: list[int] = []
+        accepted: list[int] = []
+        looked = 0
+        for s in rows:
+            if s.shadow is not None:
+                start, draft = s.shadow
+                after = s.tokens[start:start + len(draft)]
+                n = 0
+                while n < len(after) and after[n] == draft[n]:
+                    n += 1
+                if n < len(after) or n == len(draft):  # a token differs, or the whole draft was committed
+                    lens.append(len(draft))
+                    accepted.append(n)
+                    s.shadow = None
+                elif s.finished:  # ended inside the draft: nothing to say about the rest
+                    s.shadow = None
+            if s.shadow is None and not s.finished and s.remaining > 1 and looked < SHADOW_LOOKUPS:
+                looked += 1
+                draft = self._lookup.propose_text(s.lookup_text(), asked)
+                if draft:
+                    s.shadow = (len(s.tokens), list(draft))
+                else:  # no match: a round that would have emitted one token
+                    lens.append(0)
+                    accepted.append(0)
+        if lens:
+            for ob in shadows:
+                ob.on_shadow(len(self.levels) - 1, 0, lens, accepted, asked)
 
     def proposed(self, level: int, batch: int, steps: int, seconds: float) -> None:
         for ob in self.observers:

@@ -8,6 +8,7 @@ rows commit what it emitted, and the statistics are recorded.
     result = calls.verify(target, rows, drafts)      # accept a prefix + one correction/bonus token per row
     looks = r.source.settle(r, ahead)                # the look-ahead stops at its next step
     commit, record, keep the look-ahead that continues the committed text
+    calls.feed.shadowed(rows, plan)                  # an n-gram level the target did not verify: its shadow drafts
 
 A suffix level with `tree_width` > 1, or a model level with a `tree` shape (`Drafter.tree_shape`; the request's
 `tree` overrides it), under a target that scores token trees drafts a tree per row instead, and the target
@@ -87,4 +88,5 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
         s.stats.setdefault((r.top, who), LevelStats()).record(
             fed[b], res.num_accepted[b], len(toks), tree.max_depth if tree is not None else None)
         r.source.keep(r, b, s, looks.get(b), len(drafts.token_ids[b]), res, new)
+    calls.feed.shadowed(r.rows, r.plan)  # the n-gram's acceptance where this round did not ask it (feed.py)
     return committed

@@ -177,6 +177,9 @@ class Seq:
     ahead: tuple[Plan, int, list[int]] | None = None
     #: the target's log-probabilities of the output tokens, one per token (`SamplingParams.logprobs` set)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: a draft of the n-gram level 0 that no round verified (len(tokens) it continues, its tokens), checked against
+    #: the text committed after it (`specray.coordinator.feed.PlannerFeed.shadowed`)
+    shadow: tuple[int, list[int]] | None = None
     #: `tokens` in the n-gram search's form, caught up when looked up (`lookup_text`)
     _text: TokenText = field(default_factory=TokenText, repr=False)
 

@@ -53,6 +53,13 @@ class StepCost:
 
     `prior` is (a, b, c) or a callable returning it (e.g. a fraction of the target's live fit), used
     as-is before any measurement.
+
+    Beyond the most tokens per row measured (`q_seen`), the curve grows from its value there by the smaller of the
+    fitted per-token cost and the prior shape's at the measured level: optimistic until measured. A slope fitted
+    from calls of 1 and 2 tokens is extrapolated to 9 or 17, and such calls are often slowed by something else
+    than their tokens (a drafter running beside them on the same cores, a request's first decode steps); priced
+    high there, the plans that would measure the larger sizes never run, while priced low they run once and are
+    measured.
     """
 
     def __init__(
@@ -76,7 +83,8 @@ class StepCost:
         self._table: dict[tuple[int, int], list[float]] = {}  # (B, q) -> [weight, weighted sum, stamp]
         self._clock = 0
         self.n_obs = 0
-        self._cache: tuple[Coefs, Coefs] | None = None  # (prior used, fitted)
+        self.q_seen = 0  # the most tokens per row of any call measured
+        self._cache: tuple[Coefs, Coefs, float] | None = None  # (prior used, fitted, the prior shape's slope)
 
     @property
     def prior(self) -> Coefs:
@@ -96,6 +104,7 @@ class StepCost:
         self._w = self._w * d + weight
         self._wt = self._wt * d + weight * seconds
         self._clock += 1
+        self.q_seen = max(self.q_seen, tokens)
         entry = self._table.get((batch, tokens))
         if entry is None:
             self._table[(batch, tokens)] = [weight, weight * seconds, float(self._clock)]
@@ -110,16 +119,20 @@ class StepCost:
     @property
     def coefficients(self) -> Coefs:
         """The fitted (a, b, c); the prior before any measurement."""
+        return self._fitted()[0]
+
+    def _fitted(self) -> tuple[Coefs, float]:
+        """(the fit, the per-token cost b of the prior's shape rescaled to the measurements)."""
         prior = self.prior
         if self._w <= 0:
-            return prior
+            return prior, prior[1]
         if self._cache is not None and self._cache[0] == prior:
-            return self._cache[1]
-        fit = self._solve(prior)
-        self._cache = (prior, fit)
-        return fit
+            return self._cache[1], self._cache[2]
+        fit, ref_b = self._solve(prior)
+        self._cache = (prior, fit, ref_b)
+        return fit, ref_b
 
-    def _solve(self, prior: Coefs) -> Coefs:
+    def _solve(self, prior: Coefs) -> tuple[Coefs, float]:
         denom = float(np.array(self._wx) @ np.array(prior))
         ref = [x * (self._wt / denom) for x in prior] if denom > 0 else prior
         # ridge in units of each feature's mean square, so it is scale-free and only breaks ties (element by element
@@ -146,7 +159,7 @@ class StepCost:
             val = float(theta @ H @ theta - 2.0 * theta @ g)
             if val < best_val:
                 best, best_val = theta, val
-        return (float(best[0]), float(best[1]), float(best[2]))
+        return (float(best[0]), float(best[1]), float(best[2])), float(ref[1])
 
     @staticmethod
     def _solve_one(H: np.ndarray, g: np.ndarray, idx: list[int]) -> list[float] | None:
@@ -157,15 +170,18 @@ class StepCost:
 
     def predict(self, batch: int, tokens: int) -> float:
         """Expected seconds for one forward of (batch, tokens)."""
-        return self._predict(self.coefficients, batch, tokens)
+        coefs, ref_b = self._fitted()
+        if 0 < self.q_seen < tokens:  # beyond the sizes measured: optimistic (class docstring)
+            return self._predict(coefs, batch, self.q_seen) + min(coefs[1], ref_b) * batch * (tokens - self.q_seen)
+        return self._predict(coefs, batch, tokens)
 
     def predict_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """[predict(batch, q) for q in tokens] (tokens: (n,) ints) as an (n,) array: the same operations on arrays."""
-        a, b, c = self.coefficients
+        (a, b, c), _ = self._fitted()
         out = a + b * batch * tokens + c * batch
         for j, q in enumerate(tokens.tolist()):
-            if (batch, q) in self._table:  # measured recently: the blend with its decayed mean, as predict
-                out[j] = self.predict(batch, q)
+            if (batch, q) in self._table or 0 < self.q_seen < q:  # measured recently (the blend with its decayed
+                out[j] = self.predict(batch, q)                   # mean), or beyond the sizes measured: as predict
         return out
 
     def _predict(self, coefs: Coefs, batch: int, tokens: int) -> float:

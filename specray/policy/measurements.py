@@ -5,7 +5,8 @@ level's step-cost fit (`StepCost`), the acceptance of each (verifier, drafter) p
 match rate and the acceptance of its matches (hybrid plans), the token trees' acceptance and nodes fed, the native
 target's own speculation, and the clock of each item's latest measurement, which exploration reads to find the
 stalest. The engine feeds them through its observer hooks (`on_call`, `on_verify`, `on_native`, `on_tree`,
-`on_propose_tree`: the typed events of `specray.coordinator.feed`, through the planner's hooks of the same names);
+`on_propose_tree`, `on_shadow`: the typed events of `specray.coordinator.feed`, through the planner's hooks of the
+same names);
 every measurement clears `memo`, the predictions derived from them.
 """
 
@@ -118,6 +119,9 @@ class Measurements:
         self.clock = 0  # target verify calls seen (~ engine rounds)
         #: pair, tree key or "plain" -> clock of its latest measurement
         self.measured_at: dict[tuple[int, ...] | str, int] = {}
+        #: pair -> clock of its latest acceptance observation, a shadow lookup's included (`on_shadow`): how much the
+        #: next one decays the estimate by; `measured_at` (what exploration reads) counts rounds that ran the pair
+        self.observed_at: dict[tuple[int, int], int] = {}
         self.plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
 
     def _scaled_prior(self, ratio: float):
@@ -175,11 +179,24 @@ class Measurements:
                   asked: int | None = None) -> None:
         """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call. `asked`: the tokens each
         row was asked for, where known (a lookup level: else the call's longest draft)."""
+        self._observe(level, lower, draft_lens, accepted, asked, ran=True)
+
+    def on_shadow(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
+                  asked: int) -> None:
+        """Drafts of lookup level `lower` that no round verified, checked against the text `level` committed after
+        them (`PlannerFeed.shadowed`): its acceptance is measured as a round of the pair would have measured it,
+        so a switched-off n-gram's price follows the text being generated now instead of what it was when it last
+        ran. The pair still counts as unmeasured for exploration: what its rounds cost (a step feeding K + 1
+        tokens) is only measured by running them."""
+        self._observe(level, lower, draft_lens, accepted, asked, ran=False)
+
+    def _observe(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int], asked: int | None,
+                 ran: bool) -> None:
         with self.lock:
             acc = self.acceptance.get((level, lower))
             if acc is None:
                 return
-            last = self.measured_at.get((level, lower))
+            last = self.observed_at.get((level, lower))
             gap = 1.0 if last is None else float(self.clock - last)
             # an n-gram drafts less than asked where it finds no match: the longest draft in the call
             # is the best lower bound on what was asked (model drafters always fill their K); at least 1, so that a
@@ -200,7 +217,9 @@ class Measurements:
                     self.matched[(level, lower)].observe([draft_lens[j] for j in hit], [accepted[j] for j in hit],
                                                          gap=gap, proposed=proposed)
             self.memo.clear()
-            self.measured_at[(level, lower)] = self.clock
+            self.observed_at[(level, lower)] = self.clock
+            if ran:
+                self.measured_at[(level, lower)] = self.clock
 
     def _fed_nodes(self, key: tuple[int, int, int], nodes: int) -> None:
         """The decayed mean of the largest draft (tree nodes, or a chain's tokens: width 1) per call of `key`."""

@@ -572,15 +572,16 @@ def test_end_to_end_planner_switching_keeps_greedy_outputs():
     assert [s.output for s in seqs] == [r.token_ids for r in plain.results]
     assert len(used) > 1
     # the planner's estimate of alpha_1 approaches the acceptance the engine reported, per pair (an
-    # n-gram row that drafted nothing while another row of its call did counts as a rejection)
+    # n-gram row that drafted nothing while another row of its call did counts as a rejection; so does a shadow
+    # lookup that found nothing: a round of the n-gram there would have emitted one token)
     checked = 0
     for (level, lower), calls in rec.calls.items():
         outcomes = []
-        for lens, accepted in calls:
+        for lens, accepted, shadow in calls:
             for n, a in zip(lens, accepted):
                 if n > 0:
                     outcomes.append(a >= 1)
-                elif lower == 0 and max(lens) > 0:
+                elif lower == 0 and (shadow or max(lens) > 0):
                     outcomes.append(False)
         if len(outcomes) >= 30:
             measured = sum(outcomes) / len(outcomes)
@@ -597,7 +598,10 @@ class Recorder:
         pass
 
     def on_verify(self, level, lower, draft_lens, accepted) -> None:
-        self.calls.setdefault((level, lower), []).append((list(draft_lens), list(accepted)))
+        self.calls.setdefault((level, lower), []).append((list(draft_lens), list(accepted), False))
+
+    def on_shadow(self, level, lower, draft_lens, accepted, asked) -> None:
+        self.calls.setdefault((level, lower), []).append((list(draft_lens), list(accepted), True))
 
 
 # ----- token trees (`Plan.tree`): a suffix level drafting trees is priced against its own chains -----

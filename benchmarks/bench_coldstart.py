@@ -1,0 +1,224 @@
+"""The live planner's cold start at batch 1 against fixed plans, in process, on the served config's levels.
+
+    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python benchmarks/bench_coldstart.py serve_config.yaml \
+        --workloads code extraction chat --limit 3 --max-tokens 80 --repeats 2
+
+The levels of the config (n-gram -> 0.5B -> 1.5B; the target on vLLM with engine verification where vLLM is
+installed) are loaded once. Modes: `adaptive` (the config's policy, a fresh planner at the start of every workload
+pass: what a server that has just started sees; `adaptive-old`: the planner as it was before the cold-start fix,
+deaf to the feed's shadow lookups and extrapolating its step-cost slopes, with an engine of its own), `none` (plain
+decoding), `ngram`, `draft`, `cascade` (fixed plans at the levels' configured K). Batch 1, greedy: per workload,
+prompt by prompt, every mode runs the same prompt before the next prompt starts (order rotated per prompt), each
+after the prefix caches are emptied, so load that comes and goes hits every mode alike. With --warm-request each
+planner first serves an 8-token request on a short chat prompt, as bench_serve's server does. The adaptive planners
+keep what they learned across the prompts of a pass.
+
+Prints tokens/s per workload and mode, and adaptive / the best fixed plan; writes the per-prompt numbers and the
+planner's per-round log (the plan answered, why, and the top of its ranking; the events it was fed) to
+benchmarks/results/coldstart-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import asyncio
+
+from specray.bench.cli import _load_levels, load_config
+from specray.bench.runner import _METHOD
+from specray.bench.workloads import load_workloads, prompt_ids
+from specray.coordinator.cascade import CascadeEngine
+from specray.coordinator.scheduler import Request, Scheduler, Speculation
+from specray.policy.planner import Planner
+from specray.spec.params import SamplingParams
+
+FIXED = ("none", "ngram", "draft", "cascade")
+ADAPTIVE = ("adaptive", "adaptive-old")
+
+
+class LoggedPlanner(Planner):
+    """A planner that records each answer (plan, reason, the best-ranked candidates) and the events it is fed."""
+
+    log: list[dict[str, Any]]
+
+    def plan(self, batch_size: int):
+        chosen = super().plan(batch_size)
+        rec: dict[str, Any] = {"ev": "plan", "clock": self._clock, "batch": batch_size, "plan": self.plan_name(chosen),
+                               "reason": self.last_reason}
+        if self.last_reason != "hold":
+            ranked = self.explain(batch_size)
+            rec["top"] = [(self.plan_name(p), round(g, 3)) for p, g in ranked[:3]]
+            rec["plain_gp"] = round(self._goodput(self.plain, batch_size), 3)
+            rec["default_gp"] = round(self._goodput(self.default_plan, batch_size), 3)
+        self.log.append(rec)
+        return chosen
+
+    def on_call(self, level, kind, batch, tokens, seconds):
+        self.log.append({"ev": "call", "level": level, "kind": kind, "batch": batch, "tokens": tokens,
+                         "s": round(seconds, 4)})
+        super().on_call(level, kind, batch, tokens, seconds)
+
+    def on_verify(self, level, lower, draft_lens, accepted, asked=None):
+        self.log.append({"ev": "verify", "level": level, "lower": lower, "lens": list(draft_lens),
+                         "acc": list(accepted), **({"asked": asked} if asked is not None else {})})
+        super().on_verify(level, lower, draft_lens, accepted, asked)
+
+    def on_shadow(self, level, lower, draft_lens, accepted, asked):
+        self.log.append({"ev": "shadow", "level": level, "lower": lower, "lens": list(draft_lens),
+                         "acc": list(accepted)})
+        super().on_shadow(level, lower, draft_lens, accepted, asked)
+
+    def on_native(self, level, draft_lens, accepted):
+        self.log.append({"ev": "native", "level": level, "lens": list(draft_lens), "acc": list(accepted)})
+        super().on_native(level, draft_lens, accepted)
+
+
+class BeforeColdStartFix(LoggedPlanner):
+    """The planner as it was before shadow lookups and optimistic step sizes (`adaptive-old`): it ignores the
+    former, and its step-cost fits never know the sizes measured, so they extrapolate their fitted slope."""
+
+    def on_shadow(self, level, lower, draft_lens, accepted, asked):
+        pass
+
+    def on_call(self, level, kind, batch, tokens, seconds):
+        super().on_call(level, kind, batch, tokens, seconds)
+        for cost in (*self.costs.values(), self.native_cost):
+            if cost is not None:
+                cost.q_seen = 0
+
+
+async def _generate(engine, planner, tok, stop_ids, ids: list[int], max_tokens: int, spec) -> tuple[int, float]:
+    """One request alone through the scheduler (batch 1): (tokens, seconds)."""
+    sched = Scheduler(engine, tok, max_batch_size=1, planner=planner, stop_token_ids=stop_ids)
+    t0 = time.perf_counter()
+    n = 0
+    try:
+        async for ev in sched.generate(Request(ids, SamplingParams(0.0), max_tokens, speculation=spec)):
+            if ev.error is not None:
+                raise RuntimeError(ev.error)
+            n += len(ev.token_ids)
+    finally:
+        await sched.close()
+    return n, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", help="a Serve config (its first application) or an AppConfig")
+    ap.add_argument("--workloads", nargs="+", default=["code", "extraction", "chat"])
+    ap.add_argument("--limit", type=int, default=3, help="the first N prompts of each workload")
+    ap.add_argument("--max-tokens", type=int, default=80)
+    ap.add_argument("--modes", nargs="+", default=["adaptive", *FIXED], choices=[*ADAPTIVE, *FIXED],
+                    help="adaptive-old: the planner before the cold-start fix (no shadow lookups, fitted slopes "
+                         "extrapolated)")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over every workload (a fresh planner each)")
+    ap.add_argument("--prompts", choices=["bench", "served"], default="bench",
+                    help="bench: `specray bench`'s sample sets; served: benchmarks/prompts.py (bench_serve's)")
+    ap.add_argument("--shared", nargs="*", default=[], choices=FIXED,
+                    help="fixed modes whose requests go through the adaptive planner's engine as per-request "
+                         "overrides, which the planner measures too (bench_serve through one server: none)")
+    ap.add_argument("--warm-request", action="store_true",
+                    help="the adaptive planner first serves an 8-token request on a short chat prompt (bench_serve's "
+                         "warm-up)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    app = load_config(args.config)
+    cfg, pol = app.cascade, app.policy
+    levels = _load_levels(cfg, False)
+    kwargs = dict(table=pol.table, hysteresis=pol.hysteresis, patience=pol.patience, explore_every=pol.explore_every,
+                  decisive=pol.decisive, rerank_every=pol.rerank_every, rerank_budget=pol.rerank_budget,
+                  explore_budget=pol.explore_budget, margin=pol.margin)
+    overlap = bool(app.server.overlap)
+    tok = levels[-1].worker.tokenizer
+    stop_ids = tuple(getattr(levels[-1].worker, "eos_token_ids", ()) or ())
+    if args.prompts == "served":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from prompts import SETS
+
+        rows = [{"workload": w, "messages": [{"role": "user", "content": t}]} for w in args.workloads for t in SETS[w]]
+    else:
+        rows = load_workloads(args.workloads)
+    by_w: dict[str, list[list[int]]] = {}
+    for r in rows:
+        if len(by_w.setdefault(r["workload"], [])) < args.limit:
+            by_w[r["workload"]].append(prompt_ids(tok, r))
+
+    fixed_engine = CascadeEngine(levels, overlap=overlap)
+    warm_ids = prompt_ids(tok, {"prompt": "Say hi."})
+
+    def run(engine, planner, ids, mode):
+        spec = None if mode in ADAPTIVE else Speculation(_METHOD[mode])
+        return asyncio.run(_generate(engine, planner, tok, stop_ids, ids, args.max_tokens, spec))
+
+    for m in args.modes:  # untimed: the engines' first steps (compilation, allocation); no planner learns from it
+        if m not in ADAPTIVE:
+            asyncio.run(_generate(fixed_engine, None, tok, stop_ids, warm_ids, 8, Speculation(_METHOD[m])))
+
+    out = Path(args.out or Path(__file__).parent / "results" / f"coldstart-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    logs: list[dict[str, Any]] = []
+    turn = 0
+    for rep in range(args.repeats):
+        for w, prompts in by_w.items():
+            live: dict[str, tuple[CascadeEngine, LoggedPlanner]] = {}
+            for m in args.modes:  # a fresh planner per pass: the cold start is what is measured
+                if m in ADAPTIVE:
+                    engine = CascadeEngine(levels, overlap=overlap)
+                    planner = (LoggedPlanner if m == "adaptive" else BeforeColdStartFix)(levels, k_max=pol.k_max,
+                                                                                         **kwargs)
+                    planner.log = []
+                    live[m] = (engine, planner.attach(engine))
+                    if args.warm_request:
+                        planner.log.append({"ev": "request", "prompt": "warm-up"})
+                        asyncio.run(_generate(engine, planner, tok, stop_ids, warm_ids, 8, None))
+            shared = live.get("adaptive")
+            for i, ids in enumerate(prompts):
+                order = args.modes[turn % len(args.modes):] + args.modes[:turn % len(args.modes)]
+                turn += 1
+                for m in order:
+                    for lv in levels:
+                        if lv.worker is not None:
+                            lv.worker.reset_prefix_cache()
+                    engine, planner = live.get(m) or (shared if shared and m in args.shared else (fixed_engine, None))
+                    if planner is not None:
+                        planner.log.append({"ev": "request", "prompt": i, "mode": m})
+                    n, sec = run(engine, planner, ids, m)
+                    results.append({"repeat": rep, "workload": w, "prompt": i, "mode": m, "tokens": n,
+                                    "seconds": sec})
+                    print(f"rep {rep} {w} #{i} {m:12s} {n:3d} tok {n / sec:6.2f} tok/s", flush=True)
+            for m, (_, planner) in live.items():
+                logs.append({"repeat": rep, "workload": w, "mode": m, "log": planner.log})
+            out.write_text(json.dumps({"config": args.config, "settings": vars(args), "results": results,
+                                       "planner_logs": logs}, separators=(",", ":")))  # a run cut short keeps these
+
+    print("\n| tokens/s | " + " | ".join(args.modes) + " | adaptive / best fixed |")
+    print("|---|" + "---|" * (len(args.modes) + 1))
+    summary = {}
+    for w in by_w:
+        tps = {}
+        for m in args.modes:
+            sel = [r for r in results if r["workload"] == w and r["mode"] == m]
+            tps[m] = sum(r["tokens"] for r in sel) / sum(r["seconds"] for r in sel)
+        fixed = {m: v for m, v in tps.items() if m not in ADAPTIVE}
+        best = max(fixed, key=fixed.get) if fixed else None
+        ratios = {m: tps[m] / fixed[best] for m in ADAPTIVE if m in tps and best}
+        summary[w] = {"tok_s": tps, "best_fixed": best, "over_best_fixed": ratios}
+        print(f"| {w} | " + " | ".join(f"{tps[m]:.2f}" for m in args.modes) + " | "
+              + ", ".join(f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({best}) |")
+    out.write_text(json.dumps({"config": args.config, "settings": vars(args), "summary": summary,
+                               "results": results, "planner_logs": logs}, separators=(",", ":")))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,307 @@
+"""The planner's cold start at batch 1: shadow lookups of a switched-off n-gram level (`PlannerFeed.shadowed`), and
+the planner fed the event sequence observed on a vLLM target (fake events, no models)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specray.coordinator.cascade import CascadeEngine, Level, Plan
+from specray.coordinator.feed import SHADOW_LOOKUPS, PlannerFeed
+from specray.coordinator.state import Seq
+from specray.policy.cost import StepCost
+from specray.policy.planner import Planner
+from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams, VerifyMethod
+from specray.testing.fake import FakeWorker
+
+
+class Recorder:
+    """An observer keeping every event it gets (`on_shadow` included)."""
+
+    def __init__(self) -> None:
+        self.verified: list[tuple[int, int, list[int], list[int]]] = []
+        self.shadows: list[tuple[int, int, list[int], list[int], int]] = []
+
+    def on_call(self, level, kind, batch, tokens, seconds) -> None:
+        pass
+
+    def on_verify(self, level, lower, draft_lens, accepted) -> None:
+        self.verified.append((level, lower, list(draft_lens), list(accepted)))
+
+    def on_shadow(self, level, lower, draft_lens, accepted, asked) -> None:
+        self.shadows.append((level, lower, list(draft_lens), list(accepted), asked))
+
+
+def _seq(tokens: list[int], max_tokens: int = 20, sid: str = "a") -> Seq:
+    return Seq(sid, len(tokens), list(tokens), SamplingParams(), max_tokens)
+
+
+def _feed(k: int = 4) -> tuple[PlannerFeed, Recorder]:
+    levels = [Level("ngram", ngram=NgramConfig(k, 1, 3), k=k), Level("target", worker=FakeWorker("t", vocab=16))]
+    feed = PlannerFeed(levels)
+    rec = Recorder()
+    feed.observers.append(rec)
+    return feed, rec
+
+
+PLAIN = Plan((1,), ())
+NGRAM = Plan((0, 1), (4,))
+
+
+def test_a_shadow_draft_is_checked_against_the_committed_text():
+    feed, rec = _feed()
+    s = _seq([1, 2, 3, 4, 5, 1, 2])
+    feed.shadowed([s], PLAIN)  # the lookup: [1, 2] occurred at 0, followed by [3, 4, 5, 1]
+    assert s.shadow == (7, [3, 4, 5, 1]) and rec.shadows == []
+    s.commit([3])
+    feed.shadowed([s], PLAIN)  # one token agrees: still open
+    s.commit([4])
+    feed.shadowed([s], PLAIN)
+    assert rec.shadows == []
+    s.commit([9])  # differs at the third token: 2 accepted; the next lookup ([..., 4, 9]) finds nothing
+    feed.shadowed([s], PLAIN)
+    assert rec.shadows == [(1, 0, [4, 0], [2, 0], 4)]
+    assert s.shadow is None
+
+
+def test_a_shadow_draft_committed_whole_counts_every_token():
+    feed, rec = _feed()
+    s = _seq([1, 2, 3, 4, 5, 1, 2])
+    feed.shadowed([s], PLAIN)
+    s.commit([3, 4, 5, 1, 2])  # a model drafter's round committed past the draft's end
+    feed.shadowed([s], Plan((0, 1), (0,)))  # K 0 below the target: nothing verified the n-gram
+    assert rec.shadows[0][2:4] == ([4], [4])
+
+
+def test_a_round_verifying_the_ngram_drops_the_shadows_and_reports_nothing():
+    feed, rec = _feed()
+    s = _seq([1, 2, 3, 4, 5, 1, 2])
+    feed.shadowed([s], PLAIN)
+    s.commit([3, 9])
+    feed.shadowed([s], NGRAM)  # measured by the round itself (on_verify)
+    assert s.shadow is None and rec.shadows == []
+
+
+def test_a_row_ending_inside_its_shadow_draft_says_nothing():
+    feed, rec = _feed()
+    s = _seq([1, 2, 3, 4, 5, 1, 2], max_tokens=2)
+    feed.shadowed([s], PLAIN)
+    s.commit([3, 4])  # the length limit: finished with the draft's first two tokens agreeing
+    assert s.finished
+    feed.shadowed([s], PLAIN)
+    assert s.shadow is None and rec.shadows == []
+
+
+def test_shadow_lookups_per_round_are_bounded_and_need_a_listener():
+    feed, rec = _feed()
+    rows = [_seq([7, 8, 9], sid=str(b)) for b in range(SHADOW_LOOKUPS + 3)]  # nothing to match
+    feed.shadowed(rows, PLAIN)
+    assert rec.shadows == [(1, 0, [0] * SHADOW_LOOKUPS, [0] * SHADOW_LOOKUPS, 4)]
+    quiet = PlannerFeed(feed.levels)
+    s = _seq([1, 2, 3, 4, 5, 1, 2])
+    quiet.shadowed([s], PLAIN)
+    assert s.shadow is None  # nobody listens: no lookup at all
+
+
+def test_the_engine_feeds_shadows_on_plain_rounds_that_match_an_ngram_rounds_acceptance():
+    """End to end on fakes: plain rounds report shadow drafts whose accepted counts are what the committed
+    (greedy) text says, and the output is plain decoding's."""
+    def levels() -> list[Level]:
+        return [Level("ngram", ngram=NgramConfig(4, 1, 3), k=4),
+                Level("target", worker=FakeWorker("target", vocab=16, order=2, table_seed=0),
+                      method=VerifyMethod.GREEDY)]
+
+    prompt = [2, 2, 2, 2, 2, 2, 2, 2, 3, 1, 5, 2, 2, 3]
+    engine = CascadeEngine(levels())
+    rec = Recorder()
+    engine.observers.append(rec)
+    s = engine.new_sequence(prompt, SamplingParams(temperature=0.0), 30)
+    while not s.finished:
+        engine.step([s], PLAIN)
+    assert rec.shadows and rec.verified == []
+    out = s.tokens
+    for _, _, lens, acc, asked in rec.shadows:
+        assert asked == 4 and all(0 <= a <= n for n, a in zip(lens, acc))
+    # each resolved draft's accepted count is its common prefix with the text: replay the lookups
+    ng = NgramConfig(4, 1, 3)
+    pos, replay = len(prompt) + 1, []  # the first lookup follows the first round
+    while pos < len(out) - 1:
+        d = ng.propose(out[:pos], 4)
+        if not d:
+            replay.append((0, 0))
+            pos += 1
+            continue
+        after = out[pos:pos + len(d)]
+        if len(after) < len(d) and after == d[:len(after)]:
+            break  # the text ended inside the draft
+        n = 0
+        while n < len(after) and after[n] == d[n]:
+            n += 1
+        replay.append((len(d), n))
+        pos += n + (1 if n < len(d) else 0)
+    got = [(n, a) for _, _, lens, acc, _ in rec.shadows for n, a in zip(lens, acc)]
+    assert got == replay[:len(got)] and len(got) >= len(replay) - 1
+
+
+# ----- the planner fed the event sequence observed on a vLLM target at batch 1 --------------------------------------
+def _served_levels() -> list[Level]:
+    """serve_config.yaml's levels as the planner sees them: n-gram K 8, the 0.5B K 16 with confidence stops, a
+    target verifying up to 16 drafted tokens inside its engine step (live decode)."""
+    return [Level("ngram", ngram=NgramConfig(8, 1, 4, "earliest"), k=8),
+            Level("draft", worker=FakeWorker("draft", vocab=8), k=16, confidence=0.6),
+            Level("target", worker=FakeWorker("target", vocab=8), engine_verify=16, live_decode=True)]
+
+
+def _served_planner() -> Planner:
+    p = Planner(_served_levels(), k_max=16, margin=0.1, explore_budget=0.05)  # ranked every round, not by the clock
+    p.overlap = True
+    return p
+
+
+def _step(q: int) -> float:
+    """The target's engine step at batch 1 feeding q tokens per row (seconds, as measured on a 2-core box)."""
+    return 0.21 + 0.009 * q
+
+
+def _warm_up_on_a_short_chat_prompt(p: Planner, shadows: bool) -> None:
+    """bench_serve's start as the planner saw it: an 8-token warm-up request (the 0.5B drafted nothing, a confidence
+    stop, and took 0.21 s a step; steps verifying its one-token drafts took 0.34 s, half again a plain step's; the
+    n-gram found no match in five rounds), then the first code prompt with
+    `"speculation": {"method": "none"}` (plain rounds the planner measures without choosing them; with `shadows`,
+    the n-gram's shadow drafts there, every one accepted whole)."""
+    p.plan(1)
+    p.on_verify(2, 1, [0], [0])
+    p.on_call(1, "propose", 1, 2, 0.418)
+    for _ in range(3):  # the 0.5B drafting one token ahead beside each step (overlap), on the same two cores
+        p.plan(1)
+        p.on_call(2, "native", 1, 2, 0.34)
+        p.on_verify(2, 1, [1], [1])
+    for _ in range(5):
+        p.plan(1)
+        p.on_call(2, "native", 1, 1, _step(1))
+        p.on_verify(2, 0, [0], [0])
+    for r in range(90):
+        p.on_call(2, "native", 1, 1, _step(1))
+        if shadows and r % 8 == 7:
+            p.on_shadow(2, 0, [8], [8], 8)
+
+
+#: how many tokens of each successive n-gram draft of 8 the target accepted on a code-editing prompt (the shadow
+#: drafts of a served cold start, in order)
+COPYING = [0, 4, 0, 8, 8, 4, 0, 8, 6, 0, 8]
+
+
+def _serve(p: Planner, rounds: int, accepts: list[int] | None) -> list[Plan]:
+    """`rounds` rounds at batch 1 of a request whose successive n-gram drafts (of 8) have accepts[j] tokens accepted
+    (cycling; [] : the n-gram finds no match), the shadow drafts of plain rounds reported as the feed does (None:
+    not at all, the feed before shadow lookups); a round of the n-gram verifies its draft as the text says, the
+    target's steps costing `_step`. Returns the plan held after each round."""
+    held: list[Plan] = []
+    j, pending = 0, 0  # the draft in play, plain rounds since its lookup
+    for _ in range(rounds):
+        plan = p.plan(1)
+        held.append(p.current)
+        a = accepts[j % len(accepts)] if accepts else None
+        if len(plan.levels) == 1:
+            p.on_call(2, "native", 1, 1, _step(1))
+            if accepts is None:
+                continue
+            if a is None:
+                p.on_shadow(2, 0, [0], [0], 8)
+                continue
+            pending += 1
+            if pending > min(a, 7):  # the token after its accepted prefix committed (or its last one)
+                p.on_shadow(2, 0, [8], [a], 8)
+                j, pending = j + 1, 0
+        elif plan.levels == (0, 2):
+            k = plan.k[0]
+            p.on_call(2, "native", 1, k + 1, _step(k + 1))
+            p.on_verify(2, 0, [k if a is not None else 0], [min(k, a) if a is not None else 0])
+            j, pending = j + 1, 0
+        else:  # a probe of the 0.5B: it drafts nothing past a confidence stop
+            p.on_call(1, "propose", 1, 1, 0.2)
+            p.on_call(2, "native", 1, 1, _step(1))
+            p.on_verify(2, 1, [0], [0])
+    return held
+
+
+def test_a_planner_fed_the_observed_cold_start_speculates_within_a_few_rounds_of_a_copying_request():
+    """The served cold start on code editing: after a warm-up request with nothing to copy the planner held plain
+    decoding through whole requests, pricing the n-gram at the warm-up's failures until exploration or decay
+    happened to reach it. With the shadow lookups of its plain rounds it holds an n-gram -> target plan within a
+    few shadow drafts, and with long drafts: the warm-up's steps that verified one-token drafts beside the 0.5B
+    (0.34 s against 0.22 s plain: a fitted slope of 0.12 s a token) do not price a draft of 8 at 8 such
+    increments before one has run."""
+    before = _served_planner()
+    _warm_up_on_a_short_chat_prompt(before, False)
+    assert all(len(plan.levels) == 1 for plan in _serve(before, 40, None))  # the feed without shadows: plain
+
+    p = _served_planner()
+    _warm_up_on_a_short_chat_prompt(p, False)  # the plain request's shadows would make this easier
+    held = _serve(p, 60, COPYING)
+    first = next(i for i, plan in enumerate(held) if plan.levels == (0, 2))
+    assert first <= 12, held[:first + 1]  # with the fitted slope extrapolated: 17 rounds, and K 3
+    assert held[first].k[0] >= 4, held[first]
+    assert sum(plan.levels == (0, 2) for plan in held[first:]) >= 0.9 * len(held[first:])
+
+
+def test_a_planner_whose_shadow_lookups_find_nothing_stays_plain():
+    """Open chat: the n-gram matches nothing, so its shadows only confirm that plain decoding wins."""
+    p = _served_planner()
+    _warm_up_on_a_short_chat_prompt(p, False)
+    held = _serve(p, 120, [])
+    assert all(len(plan.levels) == 1 for plan in held[5:])
+    assert p.acceptance[(2, 0)].alphas(1)[0] < 0.05
+
+
+def test_a_planner_whose_shadow_drafts_are_rejected_stays_plain():
+    """The n-gram matches but its drafts are wrong at the first token (a prompt with repeated phrases that the
+    answer does not copy): rounds of it would cost more and emit no more than plain ones."""
+    p = _served_planner()
+    _warm_up_on_a_short_chat_prompt(p, False)
+    held = []
+    for _ in range(120):
+        plan = p.plan(1)
+        held.append(p.current)
+        if len(plan.levels) == 1:
+            p.on_call(2, "native", 1, 1, _step(1))
+            p.on_shadow(2, 0, [8], [0], 8)
+        elif plan.levels == (0, 2):
+            p.on_call(2, "native", 1, plan.k[0] + 1, _step(plan.k[0] + 1))
+            p.on_verify(2, 0, [plan.k[0]], [0])
+        else:
+            p.on_call(2, "native", 1, 1, _step(1))
+            p.on_verify(2, 1, [0], [0])
+    assert all(len(plan.levels) == 1 for plan in held[5:])
+
+
+def test_shadow_lookups_measure_acceptance_but_leave_the_pairs_cost_to_exploration():
+    """A shadow draft says what a round of the n-gram would have accepted, not what it costs (a step feeding K + 1
+    tokens): exploration still probes the pair's plans as if it had not run, while its acceptance is current."""
+    p = Planner(_served_levels(), k_max=16, explore_every=4)
+    for _ in range(3):
+        p.on_call(2, "native", 1, 1, _step(1))
+    p.on_shadow(2, 0, [8], [8], 8)
+    assert p.acceptance[(2, 0)].weight > 0 and (2, 0) not in p.measurements.measured_at
+    p.on_verify(2, 0, [4], [4])
+    assert p.measurements.measured_at[(2, 0)] == p.measurements.clock
+
+
+def test_a_step_size_not_measured_yet_is_priced_optimistically_until_it_is():
+    """Calls of 1 and 2 tokens whose difference is not the tokens' (the 2-token ones ran beside a drafter): the
+    fitted slope is not extrapolated to 9 tokens; once 9 is measured, its price is what was measured."""
+    cost = StepCost((1.0, 0.02, 0.0))
+    for _ in range(20):
+        cost.observe(1, 1, 0.22)
+    for _ in range(4):
+        cost.observe(1, 2, 0.34)
+    a, b, _ = cost.coefficients
+    assert b > 0.05  # the fit follows the data: 0.12 s per token
+    assert cost.predict(1, 2) > 0.3
+    assert cost.predict(1, 9) < cost.predict(1, 2) + 7 * 0.01 < a + 9 * b
+    assert cost.predict_many(1, np.arange(12)).tolist() == pytest.approx([cost.predict(1, q) for q in range(12)])
+    for _ in range(6):
+        cost.observe(1, 9, 0.30)
+    assert cost.q_seen == 9 and cost.predict(1, 9) == pytest.approx(0.30, rel=0.1)
+    assert cost.predict(1, 5) < cost.predict(1, 9)
