@@ -347,11 +347,12 @@ class Drafter:
         sub, sub_tails = [rows[b] for b in idx], [tails[b] for b in idx]
         # an n-gram level below runs beside the middle level's model, on its own copy of each row's text
         low_key = lower if low.ngram is None else -1 - i
-        low_sync = self.calls.sync if low.ngram is None else lambda _, s, t: self.calls.lookup_sync(i, s, t)
+        low_syncs = ([self.calls.sync(lower, s, t) for s, t in zip(sub, sub_tails)] if low.ngram is None
+                     else [self.calls.lookup_sync(i, s, t) for s, t in zip(sub, sub_tails)])
         call = NestedDraft(
             i, lower, [s.seq_id for s in sub], [s.sampling for s in sub],
             [self.calls.sync(i, s, t) for s, t in zip(sub, sub_tails)],
-            [low_sync(lower, s, t) for s, t in zip(sub, sub_tails)],
+            low_syncs,
             [want[b] for b in idx], r.k(lower), self.calls.method(i, lower, r.override),
             DraftMode.for_method(self.calls.method(i, lower, r.override)), need_probs, lvl.confidence,
             low.confidence, lvl.caps.vocab_size, lvl.inner_min_share, low.ngram)

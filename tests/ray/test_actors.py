@@ -331,6 +331,19 @@ def test_penalties_min_p_and_logprobs_over_actors_equal_in_process(fakes):
         assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
 
 
+def _until_taken_back(eng, name: str, prompts, max_tokens: int, timeout_s: float = 60.0):
+    """Generate until level `name` is up again and d2 verified drafts in the run (Ray restarted the killed actor
+    and the probe took it back); returns the last run and d2's statistics in it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = generate(eng, prompts, max_tokens=max_tokens, ignore_eos=True)
+        mid = got.stats.get("d2")
+        if (eng.level_status()[name] == "up" and mid is not None and mid.draft_tokens > 0) \
+                or time.monotonic() >= deadline:
+            return got, mid
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("victim", ["d1", "d2"])
 def test_a_level_killed_during_nested_drafting_fails_over_exactly(victim):
     """d1 -> d2 -> target with d2 drafting nested: killing the level below (d1, reached from d2's actor) or the
@@ -359,13 +372,8 @@ def test_a_level_killed_during_nested_drafting_fails_over_exactly(victim):
         for s in seqs:
             eng.release(s)
         # restarted by Ray, probed, taken back: a fresh generation is exact and the level drafts again
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            got = generate(eng, PROMPTS[:2], max_tokens=12, ignore_eos=True)
-            mid = got.stats.get("d2")  # d2 verified drafts: both levels ran (d1's drafts are what d2 verifies)
-            if eng.level_status()[victim] == "up" and mid is not None and mid.draft_tokens > 0:
-                break
-            time.sleep(0.2)
+        # (d2 verified drafts: both levels ran, d1's drafts are what d2 verifies)
+        got, mid = _until_taken_back(eng, victim, PROMPTS[:2], 12)
         assert eng.level_status()[victim] == "up" and mid is not None and mid.draft_tokens > 0
         assert [x.token_ids for x in got.results] == [x.token_ids[:12] for x in want.results[:2]]
         assert lc.workers[victim].info()["pid"] != pid
@@ -395,13 +403,7 @@ def test_a_middle_level_killed_while_drafting_with_the_ngram_beside_it_fails_ove
         assert [s.output for s in seqs] == [x.token_ids for x in want.results]
         for s in seqs:
             eng.release(s)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            got = generate(eng, PROMPTS, max_tokens=24, ignore_eos=True)
-            mid = got.stats.get("d2")  # d2 verified the n-gram's drafts
-            if eng.level_status()["d2"] == "up" and mid is not None and mid.draft_tokens > 0:
-                break
-            time.sleep(0.2)
+        got, mid = _until_taken_back(eng, "d2", PROMPTS, 24)  # d2 verified the n-gram's drafts
         assert eng.level_status()["d2"] == "up" and mid is not None and mid.draft_tokens > 0
         assert [x.token_ids for x in got.results] == [x.token_ids[:24] for x in want.results]
         assert all(w.stats().live_sequences == 0 for w in lc.workers.values())
