@@ -86,14 +86,15 @@ def test_config_file_with_flag_overrides(tmp_path):
     cfg, options, http = _config("--config", str(ROOT / "serve_config.yaml"), "--port", "8123",
                                  "--max-num-seqs", "4")
     assert [lv.kind for lv in cfg.cascade.levels] == ["ngram", "hf", "vllm" if vllm_installed() else "hf"]
-    assert cfg.cascade.levels[0].num_speculative_tokens == 8 and cfg.server.overlap  # from the file
+    assert cfg.cascade.levels[0].num_speculative_tokens == 8 and not cfg.server.overlap  # from the file
+    assert [lv.num_threads for lv in cfg.cascade.levels[1:]] == [2, 2]
     assert (cfg.server.model_name, cfg.server.max_batch_size) == ("qwen2.5-coder-1.5b-instruct", 4)
     assert options["max_ongoing_requests"] == 40 and "autoscaling_config" in options
     assert http == {"host": "127.0.0.1", "port": 8123}
     # MODEL replaces the file's levels (and names the served model, as vLLM), keeping the rest of the file
     cfg, _, _ = _config("--config", str(ROOT / "serve_config.yaml"), "other", "--draft", "small")
     assert _levels(cfg) == [("hf", "small", 4), ("hf", "other", 4)]
-    assert cfg.server.model_name == "other" and cfg.server.overlap and cfg.cascade.placement.strategy == "PACK"
+    assert cfg.server.model_name == "other" and not cfg.server.overlap and cfg.cascade.placement.strategy == "PACK"
     # an AppConfig file in vLLM's flat names, and a Ray Serve LLM llm_configs file
     flat = tmp_path / "flat.yaml"
     flat.write_text(yaml.safe_dump({"model": "t", "max_num_seqs": 5, "speculative_config": {
