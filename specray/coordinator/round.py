@@ -16,6 +16,9 @@ verifies them (`LevelCalls.verify_tree`: the accepted path plus one token, commi
 tokens); under a middle model that scores trees, a suffix level's trees are verified in its inner rounds. Target
 tree rounds always run immediate (`new_round`), so the look-ahead of chain plans is untouched.
 
+A target that verifies inside its engine step (`Level.engine_verify`: a vLLM level) prefills a new sequence in a
+step that verifies no draft, so the sequence's first round there goes without one (`_unprefilled`).
+
 A hybrid plan drafts per row (the lookup's match, else the model's draft: `Drafter.hybrid`), still with one
 verification; statistics are recorded under each row's own drafter.
 
