@@ -16,6 +16,9 @@ verifies them (`LevelCalls.verify_tree`: the accepted path plus one token, commi
 tokens); under a middle model that scores trees, a suffix level's trees are verified in its inner rounds. Target
 tree rounds always run immediate (`new_round`), so the look-ahead of chain plans is untouched.
 
+A target that verifies inside its engine step (`Level.engine_verify`: a vLLM level) prefills a new sequence in a
+step that verifies no draft, so the sequence's first round there goes without one (`_unprefilled`).
+
 A hybrid plan drafts per row (the lookup's match, else the model's draft: `Drafter.hybrid`), still with one
 verification; statistics are recorded under each row's own drafter.
 
@@ -50,15 +53,33 @@ def new_round(
     k = (max(plan.k) if plan.hybrid else plan.k[-1]) if len(plan.levels) > 1 else 0
     want = [max(0, min(k, s.remaining - 1)) for s in rows]
     r = RoundState(list(rows), plan, override, immediate, want, tree=tree)
+    unfilled = _unprefilled(r, immediate.drafter.calls) if r.speculative else set()
     shape = immediate.drafter.tree_shape(r, len(plan.levels) - 2) if r.speculative else None
-    if shape is not None:
-        r.tree_width = shape.width
-        return r  # a tree round: drafted now (the look-ahead drafts chains)
-    if lookahead.overlaps(plan, override):
+    if shape is None and lookahead.overlaps(plan, override):
         r = RoundState(list(rows), plan, override, lookahead, want, tree=tree)
         lookahead.prepare(r)  # cold rows and the look-ahead's stop signal
-        return r
+    elif shape is not None:
+        r.tree_width = shape.width  # a tree round: drafted now (the look-ahead drafts chains)
+    for b in unfilled:
+        r.want[b] = 0
     return r
+
+
+def _unprefilled(r: RoundState, calls: LevelCalls) -> set[int]:
+    """Rows whose first step at a target that verifies drafts inside its engine step (`Level.engine_verify`) is
+    this round's: that step prefills the prompt and can verify no draft, so a draft would only hold the first
+    token back by one more step (vLLM's own loop drafts from the second step on too). Those rows go without a
+    draft; the next round drafts from the longer text, in as many engine steps. Only rows whose output for a
+    seed cannot depend on a draft (greedy, or no seed given) and that the target serves in its step (not coupled
+    verification, which it scores)."""
+    top = calls.levels[r.top]
+    if top.engine_verify <= 0:
+        return set()
+    epoch = calls.failover.epoch[r.top]
+    coupled = calls.method(r.top, r.lower, r.override) is VerifyMethod.COUPLED
+    return {b for b, s in enumerate(r.rows)
+            if r.want[b] > 0 and (s.mirror.get(r.top) is None or s.epoch.get(r.top) != epoch)
+            and (s.sampling.greedy or (not s.sampling.reproducible and not coupled))}
 
 
 def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:

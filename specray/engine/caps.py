@@ -18,7 +18,8 @@ class WorkerCaps:
     live_decode: rows without a draft are decoded on a path of the worker's own (a vLLM engine's live requests),
     cheaper than verification by a forward pass, so the planner times such calls apart.
     engine_verify: drafts of up to this many tokens are verified inside the worker's engine step; 0: by a forward
-    pass over the draft.
+    pass over the draft. A step that prefills a sequence verifies none, so the coordinator sends a sequence's
+    first round to such a worker without a draft.
     draft_confidence: the worker honours `propose(stop_below=)` and reports `verify(confidence=True)`; without
     it, drafts run their full length and `VerifyResult.confidence` is None (both still exact).
     penalties: the worker applies `SamplingParams`' presence / frequency / repetition penalties to its own

@@ -44,8 +44,10 @@ what vLLM's own proposer put there; an empty list for a plain row), and vLLM ver
 its greedy rejection sampler, on KV it already holds. A row's tokens from the step are the target's greedy
 tokens, so the row emits them up to the first one that differs from the draft (the correction) or one past
 the draft's end (the bonus); a draft longer than E, or a request whose first step was a prefill, takes more
-steps until the draft is decided. Exact at temperature 0 by construction (only the engine's greedy tokens
-are emitted); a round of specray's n-gram or draft model costs one engine step, as vLLM's own speculation.
+steps until the draft is decided (the coordinator sends a sequence's first round here without a draft,
+`specray.coordinator.round`, so a prefill holds no first token back). Exact at temperature 0 by construction
+(only the engine's greedy tokens are emitted); a round of specray's n-gram or draft model costs one engine
+step, as vLLM's own speculation.
 The engine runs in-process (the worker writes to its scheduler's requests).
 
 `LiveRequests` is a mixin of `specray.engine.vllm.VLLMWorker` (it owns this state; the worker's constructor

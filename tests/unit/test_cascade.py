@@ -208,6 +208,39 @@ def test_rejection_at_an_engine_verifying_level_is_deterministic_over_greedy_dra
     assert calls.method(2, 0) is R  # no engine verification: q travels, rejection stays
 
 
+class _DraftLog(FakeWorker):
+    """A fake target that records the drafts of every verify call."""
+
+    def __init__(self) -> None:
+        super().__init__("target", vocab=16, order=2, table_seed=0)
+        self.drafts: list[list[list[int]]] = []
+
+    def verify(self, seq_ids, draft_ids, *args, **kwargs):
+        self.drafts.append([list(d) for d in draft_ids])
+        return super().verify(seq_ids, draft_ids, *args, **kwargs)
+
+
+@pytest.mark.parametrize(("engine_verify", "sp", "first_drafted"), [
+    (4, SamplingParams(), False),  # greedy at an engine-verifying target: its first step is a prefill
+    (4, SamplingParams(temperature=0.8), False),  # no seed given: nobody can replay it
+    (4, SamplingParams(temperature=0.8, seed=3), True),  # seeded: its draws depend on the draft, keep it
+    (0, SamplingParams(), True),  # a forward pass verifies the draft with the prefill
+])
+def test_first_round_at_an_engine_verifying_target_goes_without_a_draft(engine_verify, sp, first_drafted):
+    """A target that verifies drafts inside its engine step (engine_verify) prefills a new sequence in a step
+    that verifies no draft, so the first round sends it none (the first token is not held back a step); the
+    rounds after it draft as usual, and greedy output is plain's."""
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # the n-gram has a match from the first round on
+    plain = generate([Level("target", worker=target())], [prompt], max_tokens=12, ignore_eos=True)
+    t = _DraftLog()
+    levels = [Level("ngram", ngram=NgramConfig(3, 1, 3)), Level("target", worker=t, engine_verify=engine_verify)]
+    batch = generate(levels, [prompt], max_tokens=12, sampling=sp, ignore_eos=True)
+    assert bool(t.drafts[0][0]) is first_drafted
+    assert any(d[0] for d in t.drafts[1:])  # drafted after the first round
+    if sp.greedy:
+        assert batch.results[0].token_ids == plain.results[0].token_ids
+
+
 def test_bad_levels_are_rejected():
     with pytest.raises(ValueError, match="first"):
         CascadeEngine([Level("t0", worker=target()), Level("ng", ngram=NgramConfig()), Level("t", worker=target())])

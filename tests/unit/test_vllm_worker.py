@@ -270,6 +270,28 @@ def test_engine_verification_cascades_equal_plain_in_engine_steps(ve, ht, hmid):
     assert out == ref
 
 
+def test_first_token_is_the_prefill_step_under_a_lookup_that_knows_the_continuation(ve, ht):
+    """A new sequence's first step at an engine-verifying target is its prefill, which verifies no draft: the
+    first round goes without one, so the first token comes out of one engine step even where the lookup level
+    holds the whole greedy continuation (a suffix store that saw it in an earlier request's output), and the
+    rounds after it take the lookup's drafts. Output == plain greedy."""
+    from specray.coordinator.cascade import run_to_completion
+    from specray.spec.suffix import SuffixConfig, SuffixDrafter
+
+    ref, _ = _run([Level("t", worker=ht)], max_tokens=12)
+    engine = CascadeEngine([Level("suffix", suffix=SuffixDrafter(SuffixConfig(8))), Level("t", worker=ve)])
+    out, _ = _run(engine, max_tokens=12)  # the store's global trie now holds these outputs
+    assert out == ref
+    for p, want in zip(PROMPTS, ref):
+        # a prompt that ends inside the earlier output: the store drafts its next tokens, the target's own
+        seq = engine.new_sequence(ht.tokenizer.encode(p) + want[:4], SamplingParams(), 8)
+        calls = ve.engine_calls
+        assert engine.step([seq]) == [want[4:5]] and ve.engine_calls - calls == 1
+        run_to_completion(engine, [seq])
+        assert seq.output == want[4:12]
+        assert seq.stats[(1, 0)].accepted_tokens > 0  # drafted from the second round on
+
+
 SAMPLED = [
     SamplingParams(temperature=0.8, top_k=20, seed=11),
     SamplingParams(temperature=1.3, top_k=5, top_p=0.9, seed=12),
