@@ -148,14 +148,19 @@ class LevelCalls:
         under the key -1 - mid, and started again whenever that level is (its epoch)."""
         return self._sync(-1 - mid, self.failover.epoch[mid], s, tail)
 
+    def holds(self, i: int, s: Seq, epoch: int | None = None) -> bool:
+        """Whether level `i` (or the mirror key `i` with the level's `epoch`) has started `s` since it last
+        (re)started: else its next call starts the sequence with its whole text."""
+        return s.mirror.get(i) is not None and s.epoch.get(i) == (self.failover.epoch[i] if epoch is None else epoch)
+
     def _sync(self, i: int, epoch: int, s: Seq, tail: Sequence[int]) -> SeqSync:
-        mirror = s.mirror.get(i)
-        if mirror is None or s.epoch.get(i) != epoch:
+        if not self.holds(i, s, epoch):
             # new to the level, or the level failed since (it may or may not still hold the sequence): keep 0
             # (`SeqSync.start`) makes the call itself (re)start the sequence with its whole text
-            mirror = s.mirror[i] = []
+            s.mirror[i] = []
             s.agreed[i] = 0
             s.epoch[i] = epoch
+        mirror = s.mirror[i]
         base = s.tokens
         n, m = len(base), len(mirror)
         keep, lim = s.agreed.get(i, 0), min(m, n)

@@ -75,10 +75,9 @@ def _unprefilled(r: RoundState, calls: LevelCalls) -> set[int]:
     top = calls.levels[r.top]
     if top.engine_verify <= 0:
         return set()
-    epoch = calls.failover.epoch[r.top]
     coupled = calls.method(r.top, r.lower, r.override) is VerifyMethod.COUPLED
     return {b for b, s in enumerate(r.rows)
-            if r.want[b] > 0 and (s.mirror.get(r.top) is None or s.epoch.get(r.top) != epoch)
+            if r.want[b] > 0 and not calls.holds(r.top, s)
             and (s.sampling.greedy or (not s.sampling.reproducible and not coupled))}
 
 
