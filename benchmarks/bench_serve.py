@@ -9,7 +9,10 @@ alternating order. Reported per set: tokens/s of both, their ratio, and the targ
 responses' `usage.speculation`. This is what a user of the deployment sees, Ray actors and HTTP included,
 unlike bench_core (one process, no Serve). `--peers` then measures the engine a user would otherwise run on the
 same prompts: vLLM's own loop, plain and with its own n-gram speculation (`peers.py`, 2 threads: the cores the
-served levels use together). Writes benchmarks/results/serve-*.json.
+served levels use together). With `--peers-beside` the peers are measured once per config, right after its
+requests and while its app is still up and idle (the app's models in memory, no requests), so that each config
+is compared with peers measured in the same few minutes: the box's speed drifts over a run (other tenants), and
+an idle app does not slow the peer down (benchmarks/README.md section 0). Writes benchmarks/results/serve-*.json.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -45,9 +49,12 @@ def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: boo
     return usage["completion_tokens"], dt, usage.get("speculation") or {}
 
 
-def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: float, temperature: float = 0.0) -> dict:
+def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: float, temperature: float = 0.0,
+                 beside: Callable[[], dict] | None = None) -> tuple[dict, dict]:
+    """Per set: served and plain tokens/s; and `beside()`'s result, called while the app is still up (else {})."""
     print(f"== {config}: starting `serve run` (models load in the level actors) ...", flush=True)
     out: dict = {}
+    peers: dict = {}
     t0 = time.monotonic()
     with serve_run(config, startup_s) as (url, model):
         print(f"   ready in {time.monotonic() - t0:.0f}s", flush=True)
@@ -74,7 +81,10 @@ def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: floa
                 out[name] = res
                 print(f"   {name}: served {res['served']['tok_s']:.2f} tok/s, plain {res['plain']['tok_s']:.2f} "
                       f"tok/s, {res['speedup']:.2f}x", flush=True)
-    return out
+        if beside is not None:
+            print("   vLLM's own loop beside it (the app idle) ...", flush=True)
+            peers = beside()
+    return out, peers
 
 
 def main() -> None:
@@ -86,38 +96,53 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", default=None, choices=["plain", "ngram"],
                     help="after the configs, also measure vLLM's own loop on the same prompts (peers.py): these "
                          "modes (no value: plain and ngram), with --peer-threads threads")
+    ap.add_argument("--peers-beside", action="store_true",
+                    help="measure the peers once per config while its app is up and idle, instead of once after "
+                         "all configs; each config's ratios use its own peers")
     ap.add_argument("--peer-threads", type=int, default=2, help="threads of vLLM's engine (default: the 2 cores "
                                                                 "the served levels use together)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: sampled (no seed), vLLM's peers with one seed per prompt")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    results = {str(c): bench_config(c, args.sets, args.max_tokens, args.startup_s, args.temperature)
-               for c in args.configs}
-    peers = {}
-    if args.peers is not None:
+    if args.peers_beside and args.peers is None:
+        ap.error("--peers-beside needs --peers")
+
+    def run_peers() -> dict:
         from peers import measure
 
         target = yaml.safe_load(args.configs[0].read_text())["applications"][0]["args"]["config"]["cascade"]
         model = target["levels"][-1]["model"]
-        peers = measure(model, args.peers or ["plain", "ngram"], args.peer_threads, args.sets, args.max_tokens,
-                        temperature=args.temperature)
+        return measure(model, args.peers or ["plain", "ngram"], args.peer_threads, args.sets, args.max_tokens,
+                       temperature=args.temperature)
+
+    results, beside = {}, {}
+    for c in args.configs:
+        results[str(c)], beside[str(c)] = bench_config(c, args.sets, args.max_tokens, args.startup_s,
+                                                       args.temperature, run_peers if args.peers_beside else None)
+    peers = run_peers() if args.peers is not None and not args.peers_beside else {}
     print("\ntokens/s (ratio to vLLM's own n-gram where measured)".ljust(40))
     print("config".ljust(39) + "".join(f"{s:>24s}" for s in args.sets))
-    ngram = peers.get("ngram", {}).get("sets", {})
-    def cell(res: dict, s: str) -> str:
+
+    def cell(res: dict, s: str, ngram: dict) -> str:
         served = res[s]["served"]["tok_s"]
         ratio = f" ({served / ngram[s]['tok_s']:4.2f}x)" if s in ngram else " " * 8
         return f"{served:7.2f}{ratio} plain {res[s]['plain']['tok_s']:5.2f}"
 
+    def peer_rows(found: dict, where: str = "") -> None:
+        for mode, res in found.items():
+            print(f"  vLLM own {mode} ({res['threads']} threads){where}".ljust(39)
+                  + "".join(f"{res['sets'][s]['tok_s']:24.2f}" for s in args.sets))
+
     for c, res in results.items():
-        print(c[-39:].ljust(39) + "".join(f"{cell(res, s):>24s}" for s in args.sets))
-    for mode, res in peers.items():
-        print(f"vLLM own {mode} ({res['threads']} threads)".ljust(39)
-              + "".join(f"{res['sets'][s]['tok_s']:24.2f}" for s in args.sets))
+        mine = beside[c] or peers
+        print(c[-39:].ljust(39) + "".join(f"{cell(res, s, mine.get('ngram', {}).get('sets', {})):>24s}"
+                                           for s in args.sets))
+        peer_rows(beside[c], " beside")
+    peer_rows(peers)
     out = args.out or ROOT / "benchmarks" / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
-                               "peers": peers}, indent=1))
+                               "peers": peers, "peers_beside": {c: p for c, p in beside.items() if p}}, indent=1))
     print(f"wrote {out}")
 
 

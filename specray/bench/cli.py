@@ -3,6 +3,7 @@
     specray bench --model qwen-1.5b --draft qwen-0.5b --workload code extraction --batch 1 4
     specray bench --config serve_config.yaml --workload screening --peers hf_plain hf_assisted vllm_plain
     specray bench --url http://127.0.0.1:8001/v1 --workload-file mine.jsonl --concurrency 1 4
+    specray bench --url http://127.0.0.1:8000/v1 --model qwen-1.5b --peers vllm_plain vllm_ngram   # peers beside it
     specray bench --model qwen-1.5b --draft qwen-0.5b --backend hf --workload screening agent \
         --modes none cascade suffix suffix-tree hybrid --peers vllm_ngram hf_lookup
 
@@ -69,8 +70,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, metavar="FILE",
                    help="YAML as `specray serve --config` takes: a Serve config file (its first application), an "
                         "AppConfig (its policy sets the adaptive planner), or a cascade ({levels: [...]})")
-    g.add_argument("--model", default=None, help="target model: known name, folder or hub id")
-    g.add_argument("--draft", action="append", default=[], help="a draft model, smallest first (repeatable)")
+    g.add_argument("--model", default=None, help="target model: known name, folder or hub id (with --url: the "
+                                                 "served target's model, which the vllm_* peers run)")
+    g.add_argument("--draft", action="append", default=[], help="a draft model, smallest first (repeatable; with "
+                                                                "--url: the vllm_draft peer's draft, the last one)")
     g.add_argument("--no-ngram", dest="ngram", action="store_false",
                    help="leave out the n-gram (prompt lookup) level the model flags add as the first level")
     g.add_argument("--k", type=int, action="append", default=None,
@@ -86,7 +89,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid: the lookup level whose match a row takes, a suffix store of its own or the "
                         "cascade's n-gram level")
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="weights of the model levels given by flags")
+                   help="weights of the model levels given by flags (with --url: of the vllm_* peers)")
     g.add_argument("--backend", choices=["auto", "vllm", "hf"], default="auto",
                    help="engine of the target given by --model, as in `specray generate`: vllm verifies the drafts "
                         "inside its engine step; auto: vllm where it is installed, else hf. The hf_* peers need hf")
@@ -249,11 +252,15 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
     if args.url:
         if args.batch:
             raise ValueError("--batch is for the in-process target; against --url give --concurrency")
-        if args.config or args.model:
-            raise ValueError("--url measures a running server: leave out --config / --model")
+        if args.config:
+            raise ValueError("--url measures a running server: leave out --config (--model names the served target "
+                             "for the vllm_* peers)")
         batches, batch_kind = args.concurrency or [1], "concurrency"
         target: Any = HTTPTarget(args.url, sampling, model=args.served_model, api_key=args.api_key)
-        hf_target, has_draft, levels, cfg, draft_level = False, False, [], None, None
+        hf_target, has_draft, levels = False, bool(args.draft), []
+        # the vllm_* peers run the served target's model, named by --model (and --draft for vllm_draft)
+        peer_model, peer_dtype = args.model, args.dtype
+        peer_draft = (args.draft[-1], (args.k or [4])[-1]) if args.draft else None
     else:
         if args.concurrency:
             raise ValueError("--concurrency needs --url (a running server); in process give --batch")
@@ -283,6 +290,8 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         drafts = [i for i, lv in enumerate(levels[:-1]) if lv.worker is not None]
         has_draft = bool(drafts)
         draft_level = cfg.levels[drafts[-1]] if drafts else None  # the largest draft model
+        peer_model, peer_dtype = cfg.levels[-1].model, cfg.levels[-1].dtype
+        peer_draft = (draft_level.model, draft_level.num_speculative_tokens) if draft_level else None
     if any(b < 1 for b in batches):
         raise ValueError("batch sizes and concurrency levels must be at least 1")
 
@@ -296,7 +305,8 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
             modes.append(m)
     peers = []
     for p in dict.fromkeys(args.peers):
-        why = peers_mod.unavailable(p, target_kind=target.kind, hf_target=hf_target, has_draft=has_draft)
+        why = peers_mod.unavailable(p, target_kind=target.kind, hf_target=hf_target, has_draft=has_draft,
+                                    peer_model=bool(peer_model))
         if why is None and p in HF_PEERS and 1 not in batches:
             why = "hf peers run at batch 1 only: add 1 to --batch"
         if why:
@@ -313,8 +323,14 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         hf = peers_mod.HFPeers(levels[-1].worker.model, getattr(draft_worker, "model", None),
                                target.stop_ids, lookup_k=args.hf_lookup_k, sampling=sampling)
 
+    tokenizer = getattr(target, "tokenizer", None)
+    if vllm_peers and tokenizer is None:  # a server's target: the peers' model's own tokenizer and chat template
+        from specray.engine.models import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(str(resolve_model(peer_model)))
+
     def ids_rows(chunk):
-        return [(i, prompt_ids(target.tokenizer, r), row_max_tokens(r, args.max_tokens)) for i, r in chunk]
+        return [(i, prompt_ids(tokenizer, r), row_max_tokens(r, args.max_tokens)) for i, r in chunk]
 
     if args.warmup and rows:
         # a short prompt of its own, as the vLLM peers' warm-up is shorter than a KV block: a prefix cache (the hf
@@ -361,10 +377,9 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
                     bar.set_postfix_str(f"{w} {batch_kind} {b} {p} (fresh process)")
                     try:
                         res = peers_mod.run_vllm(
-                            p, cfg.levels[-1].model, ids_rows([r for c in _chunks(wrows, b) for r in c]),
-                            threads=args.peer_threads, dtype=cfg.levels[-1].dtype,
-                            draft=draft_level.model if draft_level else None,
-                            k=draft_level.num_speculative_tokens if draft_level else 4,
+                            p, peer_model, ids_rows([r for c in _chunks(wrows, b) for r in c]),
+                            threads=args.peer_threads, dtype=peer_dtype,
+                            draft=peer_draft[0] if peer_draft else None, k=peer_draft[1] if peer_draft else 4,
                             temperature=args.temperature, batch=b, log=log)
                         cell(w, b, p, "peer").add(res.seconds, res.requests)
                     except RuntimeError as exc:

@@ -43,15 +43,19 @@ def installed(module: str) -> bool:
 
 
 def unavailable(peer: str, *, target_kind: str, hf_target: bool, has_draft: bool,
-                has_module: Callable[[str], bool] | None = None) -> str | None:
+                has_module: Callable[[str], bool] | None = None, peer_model: bool = True) -> str | None:
     """Why `peer` cannot run in this benchmark (None: it can). `hf_target`: the target level is an HF
-    transformers model in this process; `has_draft`: the cascade has a draft model level; `has_module`: whether
-    a library is installed (default `installed`)."""
+    transformers model in this process; `has_draft`: the cascade has a draft model level (against a server: a
+    draft model was named); `has_module`: whether a library is installed (default `installed`); `peer_model`:
+    the target's model is known (against a server only when named)."""
     has_module = has_module or installed
     if peer not in PEERS:
         return f"unknown peer (known: {', '.join(PEERS)})"
     if target_kind != "in_process":
-        return "peers run on the in-process target's models (leave out --url)"
+        if peer in HF_PEERS:
+            return "hf peers run on the in-process target's loaded models (leave out --url)"
+        if not peer_model:
+            return "against a server, name the served target's model with --model for the vllm_* peers"
     if peer in HF_PEERS:
         if not has_module("transformers"):
             return "transformers is not installed"

@@ -299,6 +299,53 @@ def test_against_a_running_server_over_http(tiny, workload):
         assert r["ttft_s"] > 0 and r["tokens"] > 0
 
 
+def test_vllm_peers_beside_a_running_server_run_the_named_model(tiny, workload, monkeypatch):
+    """Against --url the vllm_* peers run the model --model names (the served target's), on the same prompts
+    tokenized with its chat template, C requests per generate call at concurrency C; without --model they are
+    skipped with the reason, and the hf peers always are (they need the in-process target's loaded models)."""
+    pytest.importorskip("openai")
+    from specray.bench.runner import Chunk
+    from specray.bench.workloads import prompt_ids
+    from specray.engine.models import load_tokenizer
+    from specray.serve.replica import Coordinator
+    from tests.e2e.conftest import Server, app_config
+
+    monkeypatch.setattr(peers_mod, "installed", lambda module: True)
+    calls = []
+
+    def fake_run_vllm(peer, model, rows, *, batch=1, dtype=None, **kw):
+        calls.append((peer, model, dtype, batch, [ids for _, ids, _ in rows]))
+        return Chunk(0.5, [RequestResult(i, 4, 0.5, 0.1, [1, 2, 3, 4]) for i, _, _ in rows])
+
+    monkeypatch.setattr(peers_mod, "run_vllm", fake_run_vllm)
+    srv = Server(Coordinator(app_config(tiny)))
+    try:
+        common = ["--url", srv.url + "/v1", "--workload-file", str(workload), "--max-tokens", "6", "--quiet",
+                  "--modes", "none", "--no-warmup"]
+        report = run_bench(_args(*common, "--concurrency", "1", "2", "--model", str(tiny.target_dir), "--dtype",
+                                 "float32", "--peers", "vllm_plain", "hf_plain"))
+        unnamed = run_bench(_args(*common, "--peers", "vllm_ngram"))
+    finally:
+        srv.stop()
+    validate(report)
+    reasons = {s["name"]: s["reason"] for s in report["skipped"]}
+    assert set(reasons) == {"hf_plain"} and "in-process" in reasons["hf_plain"]
+    tok = load_tokenizer(str(tiny.target_dir))
+    by_workload: dict[str, list] = {}
+    for row in load_workloads(files=[str(workload)]):
+        by_workload.setdefault(row["workload"], []).append(prompt_ids(tok, row))
+    assert len(calls) == 2 * len(by_workload)
+    for peer, model, dtype, batch, ids in calls:
+        assert (peer, model, dtype) == ("vllm_plain", str(tiny.target_dir), "float32")
+        assert len(ids) >= batch  # a workload smaller than the batch repeats its rows to fill it
+        assert any(ids[: len(rows)] == rows for rows in by_workload.values())
+    assert sorted(c[3] for c in calls) == sorted([1, 2] * len(by_workload))
+    assert {(r["workload"], r["batch"]) for r in report["results"] if r["name"] == "vllm_plain"} == {
+        (w, b) for w in by_workload for b in (1, 2)}
+    assert [s["name"] for s in unnamed["skipped"]] == ["vllm_ngram"]
+    assert "--model" in unnamed["skipped"][0]["reason"]
+
+
 def test_a_serve_config_file_gives_the_cascade_and_the_planners_policy(tiny, workload, tmp_path):
     import yaml
 
