@@ -22,6 +22,7 @@ size, so no mode draws on outputs of the same prompts from another pass).
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -275,12 +276,30 @@ class HTTPTarget:
                 raise ValueError(f"{self.url}/models lists no model: give --served-model")
             model = ids[0]
         self.model = model
+        #: whether the server reset its prefix cache before every pass (None: no pass yet)
+        self.prefix_cache_reset: bool | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "url": self.url, "model": self.model}
+        return {"kind": self.kind, "url": self.url, "model": self.model, "prefix_cache_reset": self.prefix_cache_reset}
 
     def new_stream(self) -> None:
-        pass  # a server's suffix store is its own
+        """Ask the server to forget its cached prompt prefixes (`POST /reset_prefix_cache`, as specray's and vLLM's
+        servers take it), so that each mode's pass prefills its prompts as the first one did; a server's suffix
+        store is its own. A server without the route is told about once: its later modes find the prompts cached."""
+        import httpx
+
+        root = self.url[: -len("/v1")] if self.url.endswith("/v1") else self.url
+        headers = {"Authorization": f"Bearer {self._args['api_key']}"}
+        try:
+            r = httpx.post(f"{root}/reset_prefix_cache", headers=headers, timeout=60)
+            ok, why = r.status_code == 200, f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            ok, why = False, str(exc)
+        if not ok and self.prefix_cache_reset is not False:
+            print(f"note: {root}/reset_prefix_cache failed ({why}): the server's prefix cache carries over, so a mode "
+                  "after the first finds its prompts already prefilled (a shorter time to first token)",
+                  file=sys.stderr)
+        self.prefix_cache_reset = ok and self.prefix_cache_reset is not False
 
     def unavailable(self, mode: str) -> str | None:
         if mode in ("suffix", "suffix-tree"):

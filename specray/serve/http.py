@@ -2,11 +2,13 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream via SSE or not), GET /v1/models,
 GET /health, GET /metrics (Prometheus text of this replica's registry; the cluster-wide metrics are
-exported by Ray's node metrics agents, see docs/metrics.md). Every error uses OpenAI's body {"error": {message,
-type, param, code}}: 400 invalid request (bad field, body not UTF-8 / not a JSON object), 401 missing/wrong API key,
-404 unknown model or path, 405 wrong method, 413 body too large (enforced while reading, with or without
-Content-Length), 415 not application/json, 500 a server bug (logged), 503 model unavailable (the error is
-sent as a final SSE event when streaming had started). Request bodies are only ever parsed as JSON.
+exported by Ray's node metrics agents, see docs/metrics.md), POST /reset_prefix_cache (vLLM's route: every
+level forgets its cached prompt prefixes, so that a benchmark's modes each start cold; 409 while requests run).
+Every error uses OpenAI's body {"error": {message, type, param, code}}: 400 invalid request (bad field, body not
+UTF-8 / not a JSON object), 401 missing/wrong API key, 404 unknown model or path, 405 wrong method, 409 busy, 413
+body too large (enforced while reading, with or without Content-Length), 415 not application/json, 500 a server bug
+(logged), 503 model unavailable (the error is sent as a final SSE event when streaming had started). Request bodies
+are only ever parsed as JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from specray.coordinator.scheduler import Request as GenRequest
 from specray.coordinator.stats import LevelStats
 from specray.serve.protocol import (
     SSE_DONE,
+    Busy,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -88,6 +91,8 @@ class ServedCoordinator(Protocol):
     def run(self, req: GenRequest) -> AsyncIterator[Event]: ...
 
     async def health(self) -> dict[str, Any]: ...
+
+    async def reset_prefix_cache(self) -> list[str]: ...
 
 
 class _ErrorResponse(JSONResponse):
@@ -147,7 +152,7 @@ class _RequestGuard:
         scope.setdefault("state", {})["arrival"] = time.perf_counter()
         coord, path = self.coord, scope["path"]
         headers = Headers(scope=scope)
-        if coord.api_key and path.startswith("/v1/"):
+        if coord.api_key and (path.startswith("/v1/") or path == "/reset_prefix_cache"):
             auth = headers.get("authorization", "")
             given = auth[7:] if auth.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode("utf-8", "replace"), coord.api_key.encode()):
@@ -479,6 +484,14 @@ def build_http_app(coord: ServedCoordinator) -> FastAPI:
     async def health() -> Response:
         h = await coord.health()
         return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        try:
+            levels = await coord.reset_prefix_cache()
+        except Busy as exc:
+            return _error(409, str(exc), code="busy")
+        return JSONResponse({"reset": levels})
 
     @app.get("/metrics")
     async def metrics() -> Response:

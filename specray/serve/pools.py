@@ -36,6 +36,7 @@ from specray.coordinator.scheduler import Event, Request, RequestError, Schedule
 from specray.metrics import ROUTER_METRICS, OnlySink, SpecMetrics
 from specray.policy.autoscale import choose_pool
 from specray.serve.autoscaling import cached_break_even, coordinator_stats
+from specray.serve.protocol import Busy
 from specray.serve.replica import Coordinator, SinkFactory, TargetUnavailable, error_code
 
 log = logging.getLogger("specray")
@@ -228,6 +229,16 @@ class Router(Coordinator):
                                              last.completion_tokens, ttft, time.perf_counter() - t0)
             self.inflight[pool] -= 1
             self.metrics.observe_pool_inflight(pool, self.inflight[pool])
+
+    async def reset_prefix_cache(self) -> list[str]:
+        """The levels of one replica of each pool forget their cached prompt prefixes (a pool with several replicas
+        resets only the one that takes the call); `Busy` while requests run."""
+        if any(self.inflight.values()):
+            raise Busy(f"{sum(self.inflight.values())} requests are running: reset the prefix caches when idle")
+        done = []
+        for pool, handle in self.handles.items():
+            done += [f"{pool}/{name}" for name in await handle.reset_prefix_cache.remote()]
+        return done
 
     async def health(self) -> dict[str, Any]:
         """Health of one replica of each pool (the target pool's is what decides 'ok')."""

@@ -29,7 +29,7 @@ from specray.coordinator.cascade import CascadeEngine
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler, Speculation
 from specray.metrics import MetricsSink, SpecMetrics
 from specray.serve.actors import ActorWorker
-from specray.serve.protocol import SpeculationOptions, usage_from_stats
+from specray.serve.protocol import Busy, SpeculationOptions, usage_from_stats
 from specray.spec.params import SamplingParams, VerifyMethod
 
 log = logging.getLogger("specray")
@@ -295,6 +295,19 @@ class Coordinator:
             if ev.finished:
                 out["usage"] = usage_from_stats(ev.prompt_tokens, ev.completion_tokens, ev.stats).model_dump()
             yield out
+
+    async def reset_prefix_cache(self) -> list[str]:
+        """Every model level forgets the prompt prefixes it cached from finished requests, as vLLM's
+        `POST /reset_prefix_cache` does: a benchmark's modes then each start cold on the same prompts. Only while
+        no request runs (`Busy` otherwise: the levels' workers belong to the round loop). The levels reset."""
+        if self.scheduler.num_active:
+            raise Busy(f"{self.scheduler.num_active} requests are running: reset the prefix caches when idle")
+        done = []
+        for lv in self.levels:
+            if lv.worker is not None:
+                await asyncio.to_thread(lv.worker.reset_prefix_cache)
+                done.append(lv.name)
+        return done
 
     async def health(self) -> dict[str, Any]:
         """Liveness of every model level (ping through the protocol's stats call)."""

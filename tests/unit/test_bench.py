@@ -286,7 +286,9 @@ def test_against_a_running_server_over_http(tiny, workload):
     finally:
         srv.stop()
     validate(report)
-    assert report["target"] == {"kind": "http", "url": srv.url + "/v1", "model": "tiny-cascade"}
+    # each mode's pass started with the server's prefix caches reset (POST /reset_prefix_cache)
+    assert report["target"] == {"kind": "http", "url": srv.url + "/v1", "model": "tiny-cascade",
+                                "prefix_cache_reset": True}
     assert report["settings"]["batch_kind"] == "concurrency"
     assert [s["name"] for s in report["skipped"]] == ["hf_plain"]
     assert report["outputs_identical"] is True and report["outputs_compared"] == 2 * 2 * 3

@@ -7,6 +7,7 @@ acceptance stats) and `ModelCard.max_model_len` on responses.
 """
 
 from specray.serve.protocol.errors import (
+    Busy,
     ErrorBody,
     ErrorDetail,
     InvalidRequest,
@@ -50,7 +51,8 @@ from specray.serve.protocol.responses import (
 )
 
 __all__ = [
-    "MAX_STOP_STRINGS", "SSE_DONE", "ChatChoice", "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionRequest",
+    "MAX_STOP_STRINGS", "SSE_DONE", "Busy", "ChatChoice", "ChatChunkChoice", "ChatCompletionChunk",
+    "ChatCompletionRequest",
     "ChatCompletionResponse", "ChatDelta", "ChatLogprobs", "ChatMessage", "ChatResponseMessage", "ChatTokenLogprob",
     "CompletionChoice", "CompletionLogprobs", "CompletionRequest", "CompletionResponse", "CompletionStreamChoice",
     "CompletionStreamChunk", "ErrorBody", "ErrorDetail", "FinishReason", "InvalidRequest", "ModelCard", "ModelList",

@@ -25,6 +25,10 @@ class InvalidRequest(ValueError):
         return error_response_body(str(self), param=self.param)
 
 
+class Busy(RuntimeError):
+    """An operation that needs an idle server (resetting the prefix caches) asked for while requests run: 409."""
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str = "invalid_request_error"
