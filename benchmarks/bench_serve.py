@@ -2,17 +2,18 @@
 
     RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/bench_serve.py serve_config.yaml --sets code extraction chat
 
-For each config file (one after another, each in its own `serve run` process and Ray), every prompt of the
-chosen sets is sent twice, one request at a time to /v1/chat/completions (greedy, --max-tokens): once with the
-served plan and once with `"speculation": {"method": "none"}` (plain decoding through the same actors), in
-alternating order. Reported per set: tokens/s of both, their ratio, and the target's acceptance from the
-responses' `usage.speculation`. This is what a user of the deployment sees, Ray actors and HTTP included,
-unlike bench_core (one process, no Serve). `--peers` then measures the engine a user would otherwise run on the
-same prompts: vLLM's own loop, plain and with its own n-gram speculation (`peers.py`, 2 threads: the cores the
-served levels use together). With `--peers-beside` the peers are measured once per config, right after its
-requests and while its app is still up and idle (the app's models in memory, no requests), so that each config
-is compared with peers measured in the same few minutes: the box's speed drifts over a run (other tenants), and
-an idle app does not slow the peer down (benchmarks/README.md section 0). Writes benchmarks/results/serve-*.json.
+For each config file (one after another, each in its own `serve run` process and Ray), every prompt of the chosen
+sets is sent twice, one request at a time to /v1/chat/completions (greedy, --max-tokens): once with the served plan
+and once with `"speculation": {"method": "none"}` (plain decoding through the same actors), in alternating order,
+each after `POST /reset_prefix_cache` (so neither finds its prompt prefilled by the other). Reported per set:
+tokens/s of both, their ratio, and the target's acceptance from the responses' `usage.speculation`. This is what a
+user of the deployment sees, Ray actors and HTTP included, unlike bench_core (one process, no Serve). `--peers` then
+measures the engine a user would otherwise run on the same prompts: vLLM's own loop, plain and with its own n-gram
+speculation (`peers.py`, 2 threads: the cores the served levels use together). With `--peers-beside` the peers are
+measured once per config, right after its requests and while its app is still up and idle (the app's models in
+memory, no requests), so that each config is compared with peers measured in the same few minutes: the box's speed
+drifts over a run (other tenants), and an idle app does not slow the peer down (benchmarks/README.md section 0).
+Writes benchmarks/results/serve-*.json.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: boo
             "temperature": temperature}  # no seed: sampled rows are verified inside a vLLM target's step
     if plain:
         body["speculation"] = {"method": "none"}
+    # every request prefills its prompt whole, as vLLM's peers (a fresh engine each) do: each prompt is asked twice
+    r = client.post("/reset_prefix_cache")  # (served and plain), and the second would find it cached
+    r.raise_for_status()
     t0 = time.perf_counter()
     r = client.post("/v1/chat/completions", json=body)
     dt = time.perf_counter() - t0
