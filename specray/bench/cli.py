@@ -323,7 +323,7 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         hf = peers_mod.HFPeers(levels[-1].worker.model, getattr(draft_worker, "model", None),
                                target.stop_ids, lookup_k=args.hf_lookup_k, sampling=sampling)
 
-    tokenizer = getattr(target, "tokenizer", None)
+    tokenizer = target.tokenizer
     if vllm_peers and tokenizer is None:  # a server's target: the peers' model's own tokenizer and chat template
         from specray.engine.models import load_tokenizer, resolve_model
 

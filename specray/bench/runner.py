@@ -258,6 +258,7 @@ class HTTPTarget:
 
     kind = "http"
     per_position = False
+    tokenizer = None  # the server tokenizes
 
     def __init__(self, url: str, sampling: SamplingParams, *, model: str | None = None, api_key: str | None = None,
                  timeout_s: float = 600.0) -> None:
