@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from specray.bench.runner import Chunk, RequestResult
+from specray.coordinator.stats import LevelStats
 
 __all__ = ["HF_PEERS", "PEERS", "VLLM_NGRAM", "VLLM_PEERS", "HFPeers", "installed", "run_vllm", "unavailable",
            "vllm_speculative_config"]
@@ -161,7 +162,31 @@ def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], 
         if proc.returncode != 0 or "error" in res:
             why = res.get("error", "see its log above")
             raise RuntimeError(f"{peer}: the vLLM process exited with code {proc.returncode}: {why[:300]}")
-    return Chunk(res["seconds"], [RequestResult(**r) for r in res["requests"]])
+    name = Path(str(model)).name
+    out = []
+    for r in res["requests"]:
+        spec = r.pop("spec", None)
+        stats = {}
+        if spec is not None:  # vLLM's own draft/accept counters over this row's generate call
+            stats[name] = LevelStats(num_drafts=spec["drafts"], draft_tokens=spec["draft_tokens"],
+                                     accepted_tokens=spec["accepted"])
+        out.append(RequestResult(**r, stats=stats))
+    return Chunk(res["seconds"], out)
+
+
+#: vLLM's speculative decoding counters (`LLM.get_metrics`) and the keys `_spec_counts` gives them
+_SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                  "vllm:spec_decode_num_accepted_tokens": "accepted"}
+
+
+def _spec_counts(llm: Any) -> dict[str, int]:
+    """vLLM's cumulative draft / draft token / accepted token counts in this process (zeros without them)."""
+    out = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
+    for m in llm.get_metrics():
+        key = _SPEC_COUNTERS.get(m.name)
+        if key is not None:
+            out[key] += int(getattr(m, "value", 0))
+    return out
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -199,18 +224,26 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         sps = [SamplingParams(temperature=temperature, max_tokens=int(max_tokens),
                               seed=index if temperature > 0 else None)  # one seed per prompt
                for index, _, max_tokens in chunk]
+        before = _spec_counts(llm) if sc is not None else None
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": ids} for _, ids, _ in chunk], sps, use_tqdm=False)
         dt = time.perf_counter() - t0
         total += dt
-        for (index, _, _), res in zip(chunk, outs):
+        spec = None
+        if before is not None:  # the call's counts, all given to its first row (a report sums its rows)
+            after = _spec_counts(llm)
+            spec = {k: after[k] - before[k] for k in after}
+        for i, ((index, _, _), res) in enumerate(zip(chunk, outs)):
             m = getattr(res, "metrics", None)  # vLLM versions differ in what a RequestOutput's metrics hold
             ttft = getattr(m, "first_token_latency", None)
             if not ttft:
                 first, arrival = getattr(m, "first_token_time", None), getattr(m, "arrival_time", None)
                 ttft = first - arrival if isinstance(first, float) and isinstance(arrival, float) else None
             toks = list(res.outputs[0].token_ids)
-            requests.append({"index": index, "tokens": len(toks), "seconds": dt, "ttft_s": ttft, "output": toks})
+            row = {"index": index, "tokens": len(toks), "seconds": dt, "ttft_s": ttft, "output": toks}
+            if spec is not None:
+                row["spec"] = spec if i == 0 else dict.fromkeys(spec, 0)
+            requests.append(row)
     return {"seconds": total, "requests": requests}
 
 

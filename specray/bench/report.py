@@ -104,6 +104,8 @@ class Cell:
         bound = None
         if self.kind == "mode":
             bound = bound_of(target, self.per_position) if target is not None else 1.0
+        elif target is not None:  # a speculating peer that reports its own counts (vLLM's)
+            bound = bound_of(target, self.per_position)
         return {
             "workload": self.workload, "batch": self.batch, "name": self.name, "kind": self.kind,
             "requests": self.requests, "tokens": self.tokens, "seconds": self.seconds,
@@ -144,8 +146,9 @@ def build_report(cells: Sequence[Cell], *, target: dict[str, Any], settings: dic
         own = by_key.get((r["workload"], r["batch"], _OWN_PLAIN.get(r["name"], "")))
         if r["kind"] == "peer" and own and own["tokens_per_s"] > 0:
             r["speedup_vs_own_plain"] = r["tokens_per_s"] / own["tokens_per_s"]
-        if r["speedup"] is not None and r["bound"]:
-            r["fraction_of_bound"] = r["speedup"] / r["bound"]
+        ratio = r["speedup_vs_own_plain"] if r["kind"] == "peer" else r["speedup"]  # a peer: against its own plain
+        if ratio is not None and r["bound"]:
+            r["fraction_of_bound"] = ratio / r["bound"]
     identical, mismatches, compared = None, [], 0
     if check_outputs:
         identical = True

@@ -199,6 +199,28 @@ def test_the_output_check_catches_a_difference():
                                    "position": 1}]
 
 
+def test_a_speculating_peer_gets_its_bound_from_its_own_counts():
+    """vLLM's counters give a peer row the same E[L] a mode gets (1 + accepted / drafts, totals only), and its
+    fraction of the bound is measured against its own plain loop, not specray's."""
+    from specray.coordinator.stats import LevelStats
+
+    def cell(name: str, kind: str, seconds: float, stats: dict | None = None) -> Cell:
+        c = Cell("w", 1, name, kind, per_position=kind == "mode")
+        c.add(seconds, [RequestResult(0, 12, seconds, 0.1, [1] * 12, stats=stats or {})])
+        return c
+
+    ngram = {"m": LevelStats(num_drafts=4, draft_tokens=20, accepted_tokens=6)}
+    report = build_report([cell("none", "mode", 3.0), cell("vllm_plain", "peer", 4.0),
+                           cell("vllm_ngram", "peer", 2.0, ngram)], target={"kind": "in_process"}, settings={},
+                          skipped=[], check_outputs=False, versions={}, created="now")
+    rows = {r["name"]: r for r in report["results"]}
+    assert rows["vllm_plain"]["bound"] is None and rows["vllm_plain"]["levels"] == {}
+    peer = rows["vllm_ngram"]
+    assert peer["bound"] == pytest.approx(1 + 6 / 4)
+    assert peer["levels"]["m"]["draft_tokens"] == 20 and peer["levels"]["m"]["accepted_per_pos"] is None
+    assert peer["fraction_of_bound"] == pytest.approx((4.0 / 2.0) / 2.5)  # 2x its own plain over a bound of 2.5
+
+
 def test_a_report_off_the_schema_fails_validation(tiny, workload):
     report = run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "--no-warmup")))
     validate(report)
@@ -389,3 +411,21 @@ def test_vllm_peer_child_batches_rows_and_greedy_does_not_depend_on_the_batch(re
     assert by_index[0].output == by_index[2].output  # batch of 2 vs alone
     assert by_index[0].seconds == by_index[1].seconds  # one generate call: one wall time for the chunk
     assert res.seconds == pytest.approx(by_index[0].seconds + by_index[2].seconds)
+    assert all(r.stats == {} for r in res.requests)  # plain: no speculation counts
+
+
+@pytest.mark.slow  # a vLLM engine start in a fresh process (~30-80 s here)
+def test_vllm_ngram_peer_reports_its_own_draft_and_accept_counts(rep_target):
+    """The n-gram peer reads vLLM's own spec-decode counters around each generate call: a text that repeats
+    itself gets drafts that accept; a chunk's counts go to its first row only (a report sums its rows)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(rep_target))
+    a = tok.encode("def fibonacci(n):")
+    res = peers_mod.run_vllm("vllm_ngram", str(rep_target), [(0, a, 24), (1, a, 24)], threads=1, dtype="float32",
+                             batch=2)
+    first, second = sorted(res.requests, key=lambda r: r.index)
+    (name, st), = first.stats.items()
+    assert name == rep_target.name
+    assert st.num_drafts > 0 and 0 < st.accepted_tokens <= st.draft_tokens <= 5 * st.num_drafts
+    assert second.stats[name].num_drafts == 0
