@@ -425,7 +425,8 @@ class PolicyConfig(_Strict):
     explore_every: int = Field(50, ge=2, description="Rounds between probes of levels not in the current plan.")
     margin: float = Field(
         0.1, ge=0, description="Relative goodput gain over plain decoding a speculative plan must be predicted to "
-        "have to be chosen: its extra round cost is certain, its gain an estimate from earlier rows (0.1: 10%).")
+        "have to be chosen: its extra round cost is certain, its gain an estimate from earlier rows (0.1: 10%). A "
+        "plan whose round takes less than this share of time beyond a plain round needs only that share.")
     explore_budget: float | None = Field(
         0.05, gt=0, le=1, description="Largest share of the time exploration may cost: a probe waits until its "
         "extra seconds over a round of the held plan (predicted, or as the latest probe measured, catch-up "

@@ -18,11 +18,6 @@ from specray.spec.bound import expected_accepted_length
 __all__ = ["Acceptance", "StepCost", "linear_cost"]
 
 Coefs = tuple[float, float, float]
-#: candidate knees of `StepCost` (new tokens per call, B*q) besides 0 (a straight line)
-KNEES = (2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
-_KNEES = np.array(KNEES, dtype=float)
-#: measurements between two searches for the knee (the chosen knee's fit is refreshed after each)
-KNEE_EVERY = 8
 
 
 #: the fit's active sets (the coefficients left free), each as indices padded to 3 with a mask: the 7 reduced systems
@@ -32,8 +27,6 @@ _SETS = [list(c) for r in range(1, 4) for c in itertools.combinations(range(3), 
 _SET_IDX = np.array([[*c, *[0] * (3 - len(c))] for c in _SETS], dtype=np.intp)  # (7, 3)
 _SET_MASK = np.array([[j < len(c) for j in range(3)] for c in _SETS])  # (7, 3)
 _SET_MASK2 = _SET_MASK[:, :, None] & _SET_MASK[:, None, :]  # (7, 3, 3)
-#: (7, 3, 3): entry j of a reduced solution goes to coefficient _SET_IDX[s, j] (padding entries go nowhere)
-_SET_SCATTER = (_SET_MASK[:, :, None] & (_SET_IDX[:, :, None] == np.arange(3)[None, None, :])).astype(float)
 _SET_PAD = np.where(~_SET_MASK[:, :, None] & np.eye(3, dtype=bool), 1.0, 0.0)  # (7, 3, 3)
 
 
@@ -58,15 +51,6 @@ class StepCost:
     (B, q) was measured recently, its decayed mean is blended in (1 pseudo-observation of the fit), which
     covers curves that are not linear (a GPU that is flat up to a knee).
 
-    Knee: a forward that reads the weights once costs about the same for 1 and for several tokens per row until
-    its arithmetic catches up with the memory traffic (a vLLM CPU step verifying up to ~8 draft tokens costs what a
-    plain step costs; a GPU much further). A straight line through such a curve overprices mid-size drafts and
-    underprices large ones, and the size the planner holds (measured, so priced from the table) then beats its
-    neighbours (priced from the line) by the line's error: the held K sticks. So the per-token term may start at a
-    knee: t = a + b*max(0, B*q - knee) + c*B, with the knee chosen among `KNEES` by the weighted residual; the
-    straight line (knee 0) is kept unless a knee cuts its residual by more than `knee_gain` (relative), and then the
-    smallest knee within 5% of the best fit is taken (the larger knees fit a flat stretch equally well).
-
     `prior` is (a, b, c) or a callable returning it (e.g. a fraction of the target's live fit), used
     as-is before any measurement.
 
@@ -84,13 +68,11 @@ class StepCost:
         decay: float = 0.97,
         table_decay: float = 0.9,
         ridge: float = 1e-3,
-        knee_gain: float = 0.05,
     ) -> None:
         if not (0.0 < decay <= 1.0 and 0.0 < table_decay <= 1.0):
             raise ValueError("decays must be in (0, 1]")
         self._prior = prior
         self.decay, self.table_decay, self.ridge = decay, table_decay, ridge
-        self.knee_gain = knee_gain
         # the sums are plain floats, updated element by element (the arithmetic numpy would do, without its per-call
         # cost: an update per timed call), and made arrays only for the solve
         self._A = [[0.0] * 3 for _ in range(3)]  # sum w x x^T
@@ -98,15 +80,6 @@ class StepCost:
         self._w = 0.0  # sum w
         self._wt = 0.0  # sum w t
         self._wx = [0.0] * 3  # sum w x (to rescale the prior)
-        self._wtt = 0.0  # sum w t^2 (the residuals compared across knees)
-        # the same sums for each knee of KNEES, whose features are (1, max(0, B*q - knee), B)
-        self._Ak = np.zeros((len(KNEES), 3, 3))
-        self._vk = np.zeros((len(KNEES), 3))
-        self._wxk = np.zeros((len(KNEES), 3))
-        self._below = np.zeros(len(KNEES))  # decayed weight of the calls with B*q <= knee (and above: > knee)
-        self._above = np.zeros(len(KNEES))
-        self._knee = 0.0  # the knee of the current fit
-        self._knee_searched = 0  # n_obs at the last search for the knee
         self._table: dict[tuple[int, int], list[float]] = {}  # (B, q) -> [weight, weighted sum, stamp]
         self._clock = 0
         self.n_obs = 0
@@ -130,15 +103,6 @@ class StepCost:
         self._wx = [v * d + weight * xi for v, xi in zip(self._wx, x)]
         self._w = self._w * d + weight
         self._wt = self._wt * d + weight * seconds
-        self._wtt = self._wtt * d + ws * seconds
-        xk = np.empty((len(KNEES), 3))
-        xk[:, 0], xk[:, 1], xk[:, 2] = 1.0, np.maximum(0.0, batch * tokens - _KNEES), float(batch)
-        self._Ak = self._Ak * d + weight * (xk[:, :, None] * xk[:, None, :])
-        self._vk = self._vk * d + ws * xk
-        self._wxk = self._wxk * d + weight * xk
-        over = batch * tokens > _KNEES
-        self._below = self._below * d + weight * ~over
-        self._above = self._above * d + weight * over
         self._clock += 1
         self.q_seen = max(self.q_seen, tokens)
         entry = self._table.get((batch, tokens))
@@ -154,14 +118,8 @@ class StepCost:
 
     @property
     def coefficients(self) -> Coefs:
-        """The fitted (a, b, c); the prior before any measurement (b: per token past `knee`)."""
+        """The fitted (a, b, c); the prior before any measurement."""
         return self._fitted()[0]
-
-    @property
-    def knee(self) -> float:
-        """New tokens per call (B*q) before which the fit has no per-token cost (0: a straight line)."""
-        self._fitted()
-        return self._knee if self._w > 0 else 0.0
 
     def _fitted(self) -> tuple[Coefs, float]:
         """(the fit, the per-token cost b of the prior's shape rescaled to the measurements)."""
@@ -170,77 +128,20 @@ class StepCost:
             return prior, prior[1]
         if self._cache is not None and self._cache[0] == prior:
             return self._cache[1], self._cache[2]
-        search = self.knee_gain < 1.0 and (self.n_obs - self._knee_searched >= KNEE_EVERY or self.n_obs < KNEE_EVERY)
-        if self._knee > 0 and not search:
-            # the knee moves slowly: searched every KNEE_EVERY measurements, the chosen one refitted in between
-            j = KNEES.index(int(self._knee))
-            fit = self._solve(prior, self._Ak[j].tolist(), self._vk[j].tolist(), self._wxk[j].tolist())[0]
-            denom = float(np.array(self._wx) @ np.array(prior))
-            ref_b = prior[1] * (self._wt / denom) if denom > 0 else prior[1]
-        else:
-            fit, ref_b, resid = self._solve(prior)
-            if search:
-                self._knee_searched = self.n_obs
-                fit_k, self._knee = self._solve_knees(prior, resid)
-                fit = fit_k if fit_k is not None else fit
+        fit, ref_b = self._solve(prior)
         self._cache = (prior, fit, ref_b)
         return fit, ref_b
 
-    def _solve_knees(self, prior: Coefs, resid0: float) -> tuple[Coefs | None, float]:
-        """The fit with a knee of KNEES (class docstring), if one beats the straight line's residual `resid0` by
-        more than `knee_gain`: (its coefficients, its knee); else (None, 0)."""
-        pr = np.array(prior)
-        denom = self._wxk @ pr  # (n,)
-        ref = np.where(denom[:, None] > 0, pr[None, :] * (self._wt / np.where(denom > 0, denom, 1.0))[:, None],
-                       pr[None, :])  # (n, 3): the prior's shape at the measured level, per knee
-        w = self._w
-        m = np.maximum(np.diagonal(self._Ak, axis1=1, axis2=2) / w, 1e-12)  # (n, 3)
-        lam = self.ridge * w
-        H = self._Ak + lam * m[:, :, None] * np.eye(3)[None]  # (n, 3, 3)
-        g = self._vk + lam * m * ref  # (n, 3)
-        n = len(KNEES)
-        Hs = H[:, _SET_IDX[:, :, None], _SET_IDX[:, None, :]]  # (n, 7, 3, 3)
-        Hs = np.where(_SET_MASK2[None], Hs, _SET_PAD[None])
-        gs = np.where(_SET_MASK[None], g[:, _SET_IDX], 0.0)  # (n, 7, 3)
-        try:
-            sol = np.linalg.solve(Hs, gs[..., None])[..., 0]  # (n, 7, 3)
-        except np.linalg.LinAlgError:
-            return None, 0.0
-        sol = np.where(_SET_MASK[None], sol, 0.0)
-        feasible = (sol >= -1e-15).all(axis=2) & np.isfinite(sol).all(axis=2)  # (n, 7)
-        theta = np.einsum("nsj,sji->nsi", np.maximum(sol, 0.0), _SET_SCATTER)  # (n, 7, 3): each set's full vector
-        val = np.einsum("nsi,nij,nsj->ns", theta, H, theta) - 2.0 * np.einsum("nsi,ni->ns", theta, g)
-        val = np.where(feasible, val, np.inf)
-        best_set = np.argmin(val, axis=1)  # (n,)
-        # theta = 0 is feasible with objective 0
-        best = np.where((val[np.arange(n), best_set] < 0.0)[:, None], theta[np.arange(n), best_set], 0.0)  # (n, 3)
-        # the weighted residual sum of squares of each knee's fit (without the ridge)
-        resid = self._wtt - 2.0 * np.einsum("ni,ni->n", best, self._vk) + np.einsum("ni,nij,nj->n", best, self._Ak,
-                                                                                      best)
-        # a knee is only fitted where calls were measured on both sides of it (else any knee fits a flat stretch, and
-        # the prior's shape is what the data do not pin down), and only against a line that misses by more than
-        # rounding
-        resid = np.where((self._below >= 1.0) & (self._above >= 1.0), resid, np.inf)
-        if not np.isfinite(resid).any() or resid0 <= 1e-9 * self._wtt or not (
-                resid.min() < (1.0 - self.knee_gain) * resid0):
-            return None, 0.0
-        j = int(np.flatnonzero(resid <= resid.min() + 0.05 * abs(resid.min()))[0])
-        return (float(best[j, 0]), float(best[j, 1]), float(best[j, 2])), float(KNEES[j])
-
-    def _solve(self, prior: Coefs, A: list[list[float]] | None = None, v: list[float] | None = None,
-               wx: list[float] | None = None) -> tuple[Coefs, float, float]:
-        """(the fit, the prior shape's per-token cost at the measured level, the weighted residual sum of squares)
-        over the sums A, v, wx (default: the straight line's)."""
-        A, v, wx = (self._A, self._v, self._wx) if A is None else (A, v, wx)
-        denom = float(np.array(wx) @ np.array(prior))
+    def _solve(self, prior: Coefs) -> tuple[Coefs, float]:
+        denom = float(np.array(self._wx) @ np.array(prior))
         ref = [x * (self._wt / denom) for x in prior] if denom > 0 else prior
         # ridge in units of each feature's mean square, so it is scale-free and only breaks ties (element by element
         # on floats: A + lam diag(m), v + lam m ref)
-        w = self._w
+        A, w = self._A, self._w
         m = [max(A[i][i] / w, 1e-12) for i in range(3)]
         lam = self.ridge * w
         H = np.array([[a + lam * m[i] if i == j else a for j, a in enumerate(row)] for i, row in enumerate(A)])
-        g = np.array([vi + lam * mi * ri for vi, mi, ri in zip(v, m, ref)])
+        g = np.array([vi + lam * mi * ri for vi, mi, ri in zip(self._v, m, ref)])
         best, best_val = np.zeros(3), 0.0  # theta = 0 is feasible with objective 0
         # each active set's equality-constrained optimum (all 7 in one stacked solve; one by one where one of them
         # is singular, skipping it); the best feasible one wins
@@ -258,8 +159,7 @@ class StepCost:
             val = float(theta @ H @ theta - 2.0 * theta @ g)
             if val < best_val:
                 best, best_val = theta, val
-        resid = self._wtt - 2.0 * float(best @ np.array(v)) + float(best @ np.array(A) @ best)
-        return (float(best[0]), float(best[1]), float(best[2])), float(ref[1]), resid
+        return (float(best[0]), float(best[1]), float(best[2])), float(ref[1])
 
     @staticmethod
     def _solve_one(H: np.ndarray, g: np.ndarray, idx: list[int]) -> list[float] | None:
@@ -272,15 +172,13 @@ class StepCost:
         """Expected seconds for one forward of (batch, tokens)."""
         coefs, ref_b = self._fitted()
         if 0 < self.q_seen < tokens:  # beyond the sizes measured: optimistic (class docstring)
-            k = self._knee
-            grow = max(batch * tokens - k, 0.0) - max(batch * self.q_seen - k, 0.0)
-            return self._predict(coefs, batch, self.q_seen) + min(coefs[1], ref_b) * grow
+            return self._predict(coefs, batch, self.q_seen) + min(coefs[1], ref_b) * batch * (tokens - self.q_seen)
         return self._predict(coefs, batch, tokens)
 
     def predict_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """[predict(batch, q) for q in tokens] (tokens: (n,) ints) as an (n,) array: the same operations on arrays."""
         (a, b, c), _ = self._fitted()
-        out = a + b * np.maximum(batch * tokens - self._knee, 0.0) + c * batch
+        out = a + b * batch * tokens + c * batch
         for j, q in enumerate(tokens.tolist()):
             if (batch, q) in self._table or 0 < self.q_seen < q:  # measured recently (the blend with its decayed
                 out[j] = self.predict(batch, q)                   # mean), or beyond the sizes measured: as predict
@@ -288,7 +186,7 @@ class StepCost:
 
     def _predict(self, coefs: Coefs, batch: int, tokens: int) -> float:
         a, b, c = coefs
-        fit = a + b * max(batch * tokens - self._knee, 0.0) + c * batch
+        fit = a + b * batch * tokens + c * batch
         entry = self._table.get((batch, tokens))
         if entry is None:
             return fit

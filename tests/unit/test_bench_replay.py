@@ -1,0 +1,54 @@
+"""benchmarks/bench_planner_replay.py: recorded greedy outputs replayed through the real round code."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_planner_replay.py"
+_spec = importlib.util.spec_from_file_location("bench_planner_replay", _PATH)
+replay_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(replay_mod)
+
+
+def _rows(n: int = 2, seed: int = 0) -> list[dict]:
+    """Prompts that hold a span the outputs copy (n-gram drafts accept there) and fresh text around it."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        span = [rng.randrange(3, 60) for _ in range(12)]
+        prompt = [rng.randrange(3, 60) for _ in range(20)] + span + [rng.randrange(3, 60) for _ in range(5)]
+        output = [rng.randrange(3, 60) for _ in range(6)] + span + [rng.randrange(3, 60) for _ in range(6)] + span
+        rows.append({"prompt": prompt, "output": output})
+    return rows
+
+
+def test_every_mode_replays_the_recorded_outputs_and_the_fixed_ngram_takes_fewer_forwards():
+    kwargs, k_max, ngram = replay_mod.policy_kwargs(None)
+    cost = replay_mod.CostCurve(base=0.002, per_token=0.0001, knee=9)
+    res = replay_mod.replay(_rows(), cost=cost, fixed=[4, 8], planner_kwargs=kwargs, k_max=k_max, ngram=ngram,
+                            vocab=64, scale=1.0, noise=0.0)
+    modes = res["modes"]
+    assert set(modes) == {"adaptive", "ngram4", "ngram8"}
+    total = sum(len(r["output"]) for r in _rows())
+    assert all(m["tokens"] == total for m in modes.values())  # each checked token for token inside `replay`
+    plain_forwards = total + 2  # a forward per token, beyond the prefills
+    assert modes["ngram8"]["forwards"] < modes["ngram4"]["forwards"] < plain_forwards
+    assert sum(modes["adaptive"]["plans"].values()) > 0 and res["planner_over_best_fixed"] > 0
+
+
+def test_a_target_off_its_script_is_an_error():
+    target = replay_mod.ScriptedTarget([[1, 2, 3, 4]], replay_mod.CostCurve(base=0.0), vocab=8)
+    assert target._script([1, 2]) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="none of the recorded scripts"):
+        target._script([1, 3])
+
+
+def test_the_cost_curve_is_flat_to_its_knee():
+    c = replay_mod.CostCurve(base=0.16, per_token=0.006, knee=9, per_row=0.01)
+    assert c(1, 1) == c(1, 9) == pytest.approx(0.16)
+    assert c(1, 17) == pytest.approx(0.16 + 8 * 0.006)
+    assert c(2, 5) == pytest.approx(0.16 + 0.006 + 0.01)
