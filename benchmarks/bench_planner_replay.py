@@ -126,22 +126,27 @@ def policy_kwargs(config: str | None) -> tuple[dict[str, Any], int, NgramConfig]
 
 
 async def _serve(engine: CascadeEngine, planner: Planner | None, rows: Sequence[dict[str, Any]],
-                 spec: Speculation | None) -> tuple[int, float]:
-    sched = Scheduler(engine, None, max_batch_size=1, planner=planner, stop_token_ids=())
+                 spec: Speculation | None, batch: int = 1) -> tuple[int, float]:
+    """The rows `batch` at a time (each chunk admitted together, the next once it is done): tokens and seconds."""
+    sched = Scheduler(engine, None, max_batch_size=batch, planner=planner, stop_token_ids=())
+
+    async def one(r: dict[str, Any]) -> int:
+        req = Request(list(r["prompt"]), SamplingParams(temperature=0.0), len(r["output"]), speculation=spec)
+        out: list[int] = []
+        async for ev in sched.generate(req):
+            if ev.error is not None:
+                raise ev.error
+            out.extend(ev.token_ids)
+        if out != list(r["output"]):
+            raise AssertionError("a replayed output differs from the recorded one: greedy outputs must match")
+        return len(out)
+
     tokens, seconds = 0, 0.0
     try:
-        for r in rows:  # one after another, as a batch-1 stream
-            req = Request(list(r["prompt"]), SamplingParams(temperature=0.0), len(r["output"]), speculation=spec)
+        for start in range(0, len(rows), batch):
             t0 = time.perf_counter()
-            out: list[int] = []
-            async for ev in sched.generate(req):
-                if ev.error is not None:
-                    raise ev.error
-                out.extend(ev.token_ids)
+            tokens += sum(await asyncio.gather(*[one(r) for r in rows[start : start + batch]]))
             seconds += time.perf_counter() - t0
-            tokens += len(out)
-            if out != list(r["output"]):
-                raise AssertionError("a replayed output differs from the recorded one: greedy outputs must match")
     finally:
         await sched.close()
     return tokens, seconds
@@ -149,13 +154,15 @@ async def _serve(engine: CascadeEngine, planner: Planner | None, rows: Sequence[
 
 def replay(rows: Sequence[dict[str, Any]], *, cost: CostCurve, fixed: Sequence[int], planner_kwargs: dict[str, Any],
            k_max: int, ngram: NgramConfig, vocab: int, scale: float = 0.25, noise: float = 0.08,
-           seed: int = 0) -> dict[str, Any]:
-    """Every mode over `rows` ({"prompt": ids, "output": ids}): the planner (`adaptive`), then `ngram<K>` for each K
-    of `fixed`; tokens/s, forwards, the planner's plans by count, and planner / best fixed."""
+           seed: int = 0, batch: int = 1) -> dict[str, Any]:
+    """Every mode over `rows` ({"prompt": ids, "output": ids}), `batch` rows at a time: the planner (`adaptive`),
+    plain decoding (`none`), then `ngram<K>` for each K of `fixed`; tokens/s, forwards, the planner's plans by
+    count, planner / best fixed n-gram and planner / plain."""
     scripts = [list(r["prompt"]) + list(r["output"]) for r in rows]
-    out: dict[str, Any] = {"modes": {}}
-    for mode, k in [("adaptive", ngram.num_speculative_tokens)] + [(f"ngram{k}", k) for k in fixed]:
-        lookup = NgramConfig(k, ngram.prompt_lookup_min, ngram.prompt_lookup_max, ngram.occurrence)
+    out: dict[str, Any] = {"batch": batch, "modes": {}}
+    modes = [("adaptive", ngram.num_speculative_tokens), ("none", 0)] + [(f"ngram{k}", k) for k in fixed]
+    for mode, k in modes:
+        lookup = NgramConfig(max(k, 1), ngram.prompt_lookup_min, ngram.prompt_lookup_max, ngram.occurrence)
         target = ScriptedTarget(scripts, cost, vocab, scale=scale, noise=noise, seed=seed)
         levels = [Level("ngram", ngram=lookup, k=k), Level("target", worker=target)]
         engine = CascadeEngine(levels)
@@ -171,12 +178,14 @@ def replay(rows: Sequence[dict[str, Any]], *, cost: CostCurve, fixed: Sequence[i
 
             planner.plan = plan
         else:
-            spec = Speculation("ngram")
-        tokens, seconds = asyncio.run(_serve(engine, planner, rows, spec))
+            spec = Speculation("none" if mode == "none" else "ngram")
+        tokens, seconds = asyncio.run(_serve(engine, planner, rows, spec, batch))
         out["modes"][mode] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                               "forwards": target.forwards, "plans": dict(chosen.most_common())}
-    best = max((m["tokens_per_s"] for name, m in out["modes"].items() if name != "adaptive"), default=None)
-    out["planner_over_best_fixed"] = out["modes"]["adaptive"]["tokens_per_s"] / best if best else None
+    gp = {name: m["tokens_per_s"] for name, m in out["modes"].items()}
+    best = max((v for name, v in gp.items() if name.startswith("ngram")), default=None)
+    out["planner_over_best_fixed"] = gp["adaptive"] / best if best else None
+    out["planner_over_plain"] = gp["adaptive"] / gp["none"]
     return out
 
 
@@ -227,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rp.add_argument("--scale", type=float, default=0.25, help="all step times times this")
     rp.add_argument("--noise", type=float, default=0.08, help="lognormal sigma of each step's time")
     rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--batch", type=int, default=1, help="rows served together (a chunk at a time)")
+    rp.add_argument("--per-row", type=float, default=0.01, help="seconds per row beyond the first")
     rp.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.cmd == "record":
@@ -234,16 +245,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     data = json.loads(args.data.read_text())
     kwargs, k_max, ngram = policy_kwargs(args.config)
-    cost = CostCurve(args.base, args.per_token, args.knee)
+    cost = CostCurve(args.base, args.per_token, args.knee, args.per_row)
     results = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "workloads": {}}
     for w in args.workloads or list(data["workloads"]):
         res = replay(data["workloads"][w], cost=cost, fixed=args.fixed, planner_kwargs=kwargs, k_max=k_max,
-                     ngram=ngram, vocab=int(data["vocab"]), scale=args.scale, noise=args.noise, seed=args.seed)
+                     ngram=ngram, vocab=int(data["vocab"]), scale=args.scale, noise=args.noise, seed=args.seed,
+                     batch=args.batch)
         results["workloads"][w] = res
         for mode, m in res["modes"].items():
             top = ", ".join(f"{p} x{n}" for p, n in list(m["plans"].items())[:4])
             print(f"{w:11s} {mode:9s} {m['tokens_per_s']:7.2f} tok/s  {m['forwards']:4d} forwards  {top}", flush=True)
-        print(f"{w:11s} planner / best fixed = {res['planner_over_best_fixed']:.3f}", flush=True)
+        print(f"{w:11s} planner / best fixed = {res['planner_over_best_fixed']:.3f}, planner / plain = "
+              f"{res['planner_over_plain']:.3f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

@@ -32,12 +32,25 @@ def test_every_mode_replays_the_recorded_outputs_and_the_fixed_ngram_takes_fewer
     res = replay_mod.replay(_rows(), cost=cost, fixed=[4, 8], planner_kwargs=kwargs, k_max=k_max, ngram=ngram,
                             vocab=64, scale=1.0, noise=0.0)
     modes = res["modes"]
-    assert set(modes) == {"adaptive", "ngram4", "ngram8"}
+    assert set(modes) == {"adaptive", "none", "ngram4", "ngram8"}
     total = sum(len(r["output"]) for r in _rows())
     assert all(m["tokens"] == total for m in modes.values())  # each checked token for token inside `replay`
-    plain_forwards = total + 2  # a forward per token, beyond the prefills
-    assert modes["ngram8"]["forwards"] < modes["ngram4"]["forwards"] < plain_forwards
-    assert sum(modes["adaptive"]["plans"].values()) > 0 and res["planner_over_best_fixed"] > 0
+    assert modes["ngram8"]["forwards"] < modes["ngram4"]["forwards"] < modes["none"]["forwards"]
+    assert sum(modes["adaptive"]["plans"].values()) > 0
+    assert res["planner_over_best_fixed"] > 0 and res["planner_over_plain"] > 0
+
+
+def test_rows_served_together_share_forwards():
+    """--batch 3: the rows of a chunk are admitted together and decode in the same forwards."""
+    kwargs, k_max, ngram = replay_mod.policy_kwargs(None)
+    cost = replay_mod.CostCurve(base=0.001, per_token=0.0, knee=9, per_row=0.0)
+    rows = _rows(3, seed=1)
+    one = replay_mod.replay(rows, cost=cost, fixed=[4], planner_kwargs=kwargs, k_max=k_max, ngram=ngram, vocab=64,
+                            scale=1.0, noise=0.0)
+    three = replay_mod.replay(rows, cost=cost, fixed=[4], planner_kwargs=kwargs, k_max=k_max, ngram=ngram,
+                              vocab=64, scale=1.0, noise=0.0, batch=3)
+    assert three["batch"] == 3 and three["modes"]["none"]["tokens"] == one["modes"]["none"]["tokens"]
+    assert three["modes"]["none"]["forwards"] < one["modes"]["none"]["forwards"]
 
 
 def test_a_target_off_its_script_is_an_error():
