@@ -50,13 +50,13 @@ class LoggedPlanner(Planner):
 
     def plan(self, batch_size: int):
         chosen = super().plan(batch_size)
-        rec: dict[str, Any] = {"ev": "plan", "clock": self._clock, "batch": batch_size, "plan": self.plan_name(chosen),
-                               "reason": self.last_reason}
+        rec: dict[str, Any] = {"ev": "plan", "clock": self.measurements.clock, "batch": batch_size,
+                               "plan": self.plan_name(chosen), "reason": self.last_reason}
         if self.last_reason != "hold":
             ranked = self.explain(batch_size)
             rec["top"] = [(self.plan_name(p), round(g, 3)) for p, g in ranked[:3]]
-            rec["plain_gp"] = round(self._goodput(self.plain, batch_size), 3)
-            rec["default_gp"] = round(self._goodput(self.default_plan, batch_size), 3)
+            rec["plain_gp"] = round(self.goodput(self.plain, batch_size), 3)
+            rec["default_gp"] = round(self.goodput(self.default_plan, batch_size), 3)
         self.log.append(rec)
         return chosen
 

@@ -252,7 +252,13 @@ class Scheduler:
                 if not self._waiting:
                     await self._wake.wait()
                 continue
-            groups = self._groups()
+            try:
+                groups = self._groups()
+            except Exception as exc:  # a planner that raises fails this round's requests, never the loop
+                log.exception("planning a round failed")
+                self._fail_group(list(self._active), exc)
+                self._active = [x for x in self._active if not x.seq.finished]
+                continue
             planned = any(live.plan is None for live in self._active)
             if self.pipeline and len(groups) == 1 and len(groups[0][3]) >= 2:
                 plan, method, tree, members = groups[0]

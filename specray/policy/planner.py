@@ -244,8 +244,8 @@ class Planner:
         """Goodput as the choice weighs it: a speculative plan's discounted by `margin`, or by the share of time its
         round takes beyond a plain round where that is less. The gain is an estimate from earlier rows, the extra
         time is certain: a draft verified at no extra cost (a step flat in the tokens it feeds) cannot lose to plain
-        decoding, since a round yields a token per row either way, and needs no margin; one whose round takes a
-        tenth more or beyond must be predicted `margin` better."""
+        decoding, since a round yields a token per row either way, and needs no margin; one whose round takes
+        `margin` more time or beyond must be predicted `margin` better."""
         gp = self.ranking.goodput(plan, batch, self._current)
         if not (self.margin and self._pairs(plan)):
             return gp

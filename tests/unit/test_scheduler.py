@@ -158,6 +158,32 @@ def test_a_failing_round_ends_its_requests_with_an_error_and_serving_continues()
     assert good_last.finish_reason == "length" and good_toks == alone([1, 2], 5)
 
 
+def test_a_planner_that_raises_fails_the_round_and_serving_continues():
+    """A planner error ends the requests of that round with the error (it used to end the scheduler's loop, and
+    every request then waited forever); the next requests are served once the planner answers again."""
+    lv = [Level("target", worker=FakeWorker("target", vocab=16, order=2))]
+    engine = CascadeEngine(lv)
+    broken = [True]
+
+    def planner(batch: int):
+        if broken[0]:
+            raise KeyError("no such plan")
+        return engine.default_plan
+
+    sched = Scheduler(engine, planner=planner)
+
+    async def main():
+        bad = await asyncio.wait_for(collect(sched, Request([1, 2], SamplingParams(), 5)), timeout=30)
+        broken[0] = False
+        good = await asyncio.wait_for(collect(sched, Request([1, 2], SamplingParams(), 5)), timeout=30)
+        await sched.close()
+        return bad, good
+
+    (_, bad_last), (good_toks, good_last) = asyncio.run(main())
+    assert bad_last.finish_reason == "error" and isinstance(bad_last.error, KeyError)
+    assert good_last.finish_reason == "length" and good_toks == alone([1, 2], 5)
+
+
 def test_text_streaming_and_stop_strings_with_a_real_tokenizer(tiny):
     from specray.engine.hf import HFWorker
 
