@@ -133,9 +133,7 @@ def main() -> int:
     app = load_config(args.config)
     cfg, pol = app.cascade, app.policy
     levels = _load_levels(cfg, False)
-    kwargs = dict(table=pol.table, hysteresis=pol.hysteresis, patience=pol.patience, explore_every=pol.explore_every,
-                  decisive=pol.decisive, rerank_every=pol.rerank_every, rerank_budget=pol.rerank_budget,
-                  explore_budget=pol.explore_budget, margin=pol.margin)
+    kwargs = pol.planner_kwargs()
     overlap = bool(app.server.overlap)
     tok = levels[-1].worker.tokenizer
     stop_ids = tuple(getattr(levels[-1].worker, "eos_token_ids", ()) or ())

@@ -117,9 +117,7 @@ def policy_kwargs(config: str | None) -> tuple[dict[str, Any], int, NgramConfig]
             raise SystemExit(f"{config}: the replay needs an n-gram first level, not {first.kind!r}")
     else:
         pol, first = PolicyConfig(), LevelConfig(kind="ngram")
-    kwargs = dict(table=pol.table, hysteresis=pol.hysteresis, patience=pol.patience, explore_every=pol.explore_every,
-                  decisive=pol.decisive, rerank_every=pol.rerank_every, rerank_budget=pol.rerank_budget,
-                  explore_budget=pol.explore_budget, margin=pol.margin)
+    kwargs = pol.planner_kwargs()
     ngram = NgramConfig(first.num_speculative_tokens, first.prompt_lookup_min, first.prompt_lookup_max,
                         first.prompt_lookup_occurrence)
     return kwargs, pol.k_max, ngram

@@ -446,6 +446,13 @@ class PolicyConfig(_Strict):
         "'ngram:3|draft:4>target'); first match wins."
     )
 
+    def planner_kwargs(self) -> dict:
+        """The `specray.policy.planner.Planner` keyword arguments of this policy (`k_max` apart: callers may
+        override it)."""
+        return dict(table=self.table, hysteresis=self.hysteresis, patience=self.patience,
+                    explore_every=self.explore_every, decisive=self.decisive, rerank_every=self.rerank_every,
+                    rerank_budget=self.rerank_budget, explore_budget=self.explore_budget, margin=self.margin)
+
 
 class PoolsConfig(_Strict):
     """Autoscaling by regime (docs/serving.md): a Router deployment in front of two pools that Serve scales apart.

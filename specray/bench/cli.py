@@ -273,12 +273,7 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         cfg = app.cascade if app is not None else cascade_from_flags(args)
         levels = (build or (lambda c: _load_levels(c, not args.quiet)))(cfg)
         pol = app.policy if app is not None else None
-        planner_kwargs = {}
-        if pol is not None:
-            planner_kwargs = dict(table=pol.table, hysteresis=pol.hysteresis, patience=pol.patience,
-                                  explore_every=pol.explore_every, decisive=pol.decisive,
-                                  rerank_every=pol.rerank_every, rerank_budget=pol.rerank_budget,
-                                  explore_budget=pol.explore_budget, margin=pol.margin)
+        planner_kwargs = pol.planner_kwargs() if pol is not None else {}
         k_max = args.k_max or (pol.k_max if pol is not None else 8)
         overlap = args.overlap or bool(app is not None and app.server.overlap)
         suffix, tree_width = suffix_factory(cfg, args)

@@ -96,11 +96,7 @@ class Coordinator:
         if pol.adaptive and len(levels) > 1:
             from specray.policy.planner import Planner
 
-            self.planner = Planner(levels, k_max=pol.k_max, table=pol.table, hysteresis=pol.hysteresis,
-                                   patience=pol.patience, explore_every=pol.explore_every,
-                                   decisive=pol.decisive, rerank_every=pol.rerank_every,
-                                   rerank_budget=pol.rerank_budget,
-                                   explore_budget=pol.explore_budget, margin=pol.margin).attach(self.engine)
+            self.planner = Planner(levels, k_max=pol.k_max, **pol.planner_kwargs()).attach(self.engine)
         self.scheduler = Scheduler(
             self.engine, self.tokenizer, max_batch_size=server.max_batch_size, planner=self.planner,
             pipeline=server.pipeline and not server.in_process,
