@@ -212,6 +212,30 @@ class ClientLog:
             if fn is None or getattr(fn, "_overhead_timed", False):
                 continue
             setattr(worker, m, self._wrap(level, m, fn))
+        later = getattr(worker, "verify_later", None)
+        if later is not None and not getattr(later, "_overhead_timed", False):
+            worker.verify_later = self._wrap_later(level, later)
+
+    def _wrap_later(self, level: str, fn: Callable) -> Callable:
+        """A relayed verification (specray.serve.relay) counts as a `verify` call from when the coordinator starts
+        waiting for the verdict (after the middle level's reply and its replay) until it has it."""
+        log = self
+
+        @functools.wraps(fn)
+        def later(*args, **kwargs):
+            pending = fn(*args, **kwargs)
+            result = pending.result
+
+            def timed_result():
+                t0 = time.monotonic()
+                try:
+                    return result()
+                finally:
+                    log.calls.append(Call(level, "verify", t0, time.monotonic()))
+            pending.result = timed_result
+            return pending
+        later._overhead_timed = True  # type: ignore[attr-defined]
+        return later
 
     def _wrap(self, level: str, method: str, fn: Callable) -> Callable:
         log = self
@@ -338,7 +362,7 @@ class RayBackend:
                                           start_timeout_s=180, transport=_ray_transport(transport),
                                           poll=transport == "poll")
             self.levels = {lv.name: lv for lv in self.launched.levels}
-            self.nesting = self.launched.nesting if transport in ("direct", "poll") else None
+            self.nesting = _nesting(self.launched.nesting, transport)
             for n, lv in self.levels.items():
                 if lv.worker is not None:
                     client.patch(n, lv.worker)
@@ -784,8 +808,9 @@ class TransportView:
         self.base = base
         self.path = path_label(base.path.split("-")[0], transport)
         self.costs, self.info = base.costs, base.info
-        # direct / poll: nested drafting, as the launched cascade has it; flat: the coordinator makes every call
-        self.nesting = base.launched.nesting if transport in ("direct", "poll") else None
+        # direct / poll: nested drafting with relays, as the launched cascade has it; norelay: nested, the drafts
+        # back through the coordinator; flat: the coordinator makes every call
+        self.nesting = _nesting(base.launched.nesting, transport)
         self.levels = {}
         for n, lv in base.levels.items():
             if lv.worker is None:  # the n-gram level: no actor
@@ -817,8 +842,19 @@ def ngram_level(k: int) -> Level:
 
 
 def _ray_transport(transport: str) -> str:
-    """The cascade's transport behind a benchmark transport name (`flat`, `poll`: direct, used another way)."""
-    return "direct" if transport in ("flat", "poll") else transport
+    """The cascade's transport behind a benchmark transport name (`flat`, `poll`, `norelay`: direct, used another
+    way)."""
+    return "direct" if transport in ("flat", "poll", "norelay") else transport
+
+
+def _nesting(launched: Any, transport: str) -> Any:
+    """The nesting a benchmark transport drafts with: the launched cascade's (nested, relayed), nested without
+    relays (`norelay`), or none (`flat`, `compiled`, `call`: the coordinator makes every call)."""
+    from specray.serve.actors import RemoteNesting
+
+    if transport in ("direct", "poll"):
+        return launched
+    return RemoteNesting(relay=False) if transport == "norelay" and launched is not None else None
 
 
 def path_label(path: str, transport: str) -> str:
@@ -907,7 +943,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-tokens-large", type=int, default=None, help="new tokens at batch >= 64 (default: same)")
     ap.add_argument("--overlap", choices=("both", "on", "off"), default="both")
     ap.add_argument("--preset", choices=tuple(PRESET_LEVELS), default="gpu")
-    ap.add_argument("--transports", nargs="+", choices=("direct", "poll", "flat", "compiled", "call"),
+    ap.add_argument("--transports", nargs="+", choices=("direct", "poll", "norelay", "flat", "compiled", "call"),
                     default=["direct", "flat", "compiled", "call"],
                     help="how the Ray paths reach the level actors (each configuration runs once per transport)")
     ap.add_argument("--k", type=int, default=4, help="tokens each level proposes per round")

@@ -343,6 +343,12 @@ class CascadeConfig(_Strict):
         "below directly (direct transport): one hop from the coordinator per round instead of two per inner round. "
         "Off: the coordinator makes every call.",
     )
+    relay: bool = Field(
+        True, description="With nested drafting, the middle level right below the target sends its drafts to the "
+        "target's actor itself, and the target replies to the coordinator (direct transport): one transfer and the "
+        "coordinator's work between the two calls come off every round of a cascade without overlap. Off: the "
+        "drafts come back through the coordinator.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> CascadeConfig:

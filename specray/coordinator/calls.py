@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +25,10 @@ from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyRes
 from specray.spec.params import VerifyMethod
 from specray.spec.tree import DraftTree
 
-__all__ = ["LevelCalls", "longest_path"]
+if TYPE_CHECKING:
+    from specray.coordinator.inner import Nesting, PendingVerify
+
+__all__ = ["LevelCalls", "Relayed", "longest_path"]
 
 #: a call in which some row first catches up on more tokens than this (a level that sat out rounds, or starts a
 #: sequence) runs a prefill-sized forward: its time says nothing about a step, so the planner is not fed it
@@ -113,6 +117,42 @@ class LevelCalls:
                                     timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP))
         return res
 
+    def verify_later(
+        self, i: int, lower: int, rows: Sequence[Seq], override: VerifyMethod | None, fill: list[int],
+        nesting: Nesting,
+    ) -> Relayed:
+        """Ask level `i` (the target) to verify the rows once the middle level `lower` sends it their drafts
+        (`fill`: the rows that get drafts, in the middle level's order); finished by `finish_relayed`, or
+        `abandon`ed."""
+        worker = self.levels[i].worker
+        syncs = [self.sync(i, s, ()) for s in rows]
+        method = self.method(i, lower, override)
+        pending = self.call(i, nesting.verify_later, worker, [s.seq_id for s in rows], [s.sampling for s in rows],
+                            method, level=i, sync=syncs, fill=fill)
+        return Relayed(pending, _catch_up(syncs, [()] * len(rows)) <= UNTIMED_CATCH_UP)
+
+    def finish_relayed(
+        self, i: int, lower: int, rows: Sequence[Seq], relayed: Relayed, drafts: Sequence[Sequence[int]],
+    ) -> VerifyResult:
+        """The target's verdict on a relayed verification (`verify_later`), accounted like `verify`'s. Its time
+        for the planner runs from the middle level's reply to the verdict: about the target's call, which began
+        when the drafts reached it, just before that reply."""
+        res = self.call(i, relayed.pending.result)
+        seconds = time.perf_counter() - relayed.since
+        for s, toks in zip(rows, res.token_ids):
+            s.mirror[i].extend(toks)
+        self.feed.verified(Verified(i, lower, drafts, res, seconds, None, timed=relayed.timed))
+        return res
+
+    def abandon(self, i: int, rows: Sequence[Seq], relayed: Relayed, reason: str) -> None:
+        """A relayed verification whose drafts will not come: the target drops it, and each row starts again
+        at its next call there (the target may or may not have applied the verification's syncs)."""
+        try:
+            relayed.pending.abort(reason)
+        finally:
+            for s in rows:
+                s.epoch[i] = -1  # never a level's epoch: `holds` is False, the next sync restarts the row
+
     def verify_tree(
         self, i: int, lower: int | None, rows: Sequence[Seq], trees: Sequence[DraftTree | None],
         probs: torch.Tensor | None,  # [B, N + 1, V] (rejection only)
@@ -199,6 +239,20 @@ class LevelCalls:
             if worker is not None:
                 _free_quietly(worker, s.seq_id)
             del s.mirror[i]
+
+
+@dataclass
+class Relayed:
+    """A target's verification in flight whose drafts a middle level sends it (`LevelCalls.verify_later`).
+    `timed`: no row catches up on a long text in it (the planner is fed its time); `since`: when the middle
+    level's reply came (`arrived`)."""
+
+    pending: PendingVerify
+    timed: bool
+    since: float = 0.0
+
+    def arrived(self) -> None:
+        self.since = time.perf_counter()
 
 
 def longest_path(tree: DraftTree | None) -> list[int]:

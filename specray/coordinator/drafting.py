@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specray.coordinator.calls import LevelCalls, longest_path
+from specray.coordinator.calls import LevelCalls, Relayed, longest_path
 from specray.coordinator.failover import LevelCallError
 from specray.coordinator.feed import Verified, fed_lengths
 from specray.coordinator.inner import InnerLog, NestedDraft, Nesting, inner_rounds
@@ -100,6 +100,8 @@ class RoundState:
     tree: TreeShape | None = None
     #: children per node of the trees drafted for the target this round (1: chains; set by `new_round`)
     tree_width: int = 1
+    #: the target's verification is under way, its drafts relayed by the middle level (`Drafter._nested`)
+    relayed: Relayed | None = None
 
     @property
     def chain(self) -> tuple[int, ...]:
@@ -164,11 +166,12 @@ class Drafter:
 
     def produce(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int],
-        until: Until | None = None,
+        until: Until | None = None, relay: bool = False,
     ) -> Drafts:
         """Level r.chain[ci] drafts want[b] tokens beyond each row's context (its tokens + tails[b]) for the
         level above it. `until` (a bounded draft): once it is set, the rows it marks stop at the next step
-        boundary with what they have (at least one step runs); no probabilities then."""
+        boundary with what they have (at least one step runs); no probabilities then. `relay`: these are the
+        round's drafts for the target, which a nested middle level may send to it directly (`r.relayed`)."""
         i = r.chain[ci]
         lvl = self.levels[i]
         if lvl.is_ngram:
@@ -185,7 +188,7 @@ class Drafter:
                 return Drafts(self._propose_bounded(r, rows, tails, want, until))
             prop = self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
             return prop
-        return self._inner_rounds(r, ci, rows, tails, want, until)
+        return self._inner_rounds(r, ci, rows, tails, want, until, relay)
 
     def tree_width(self, r: RoundState, ci: int) -> int:
         """Children per node of the trees level r.chain[ci] drafts this round (1: chains; `tree_shape`)."""
@@ -300,6 +303,7 @@ class Drafter:
 
     def _inner_rounds(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], until: Until | None,
+        relay: bool = False,
     ) -> Drafts:
         """A middle level: inner rounds (`specray.coordinator.inner`) until each row has want[b] tokens, or
         stopped (a token it was unsure of, `Level.confidence`; or `until` set after an inner round). Run beside
@@ -312,7 +316,7 @@ class Drafter:
         nestable = low.worker is not None or (low.ngram is not None and self.tree_width(r, ci - 1) == 1)
         if (self.nesting is not None and not bounded and nestable
                 and self.nesting.reaches(lvl.worker, low.worker)):
-            return self._nested(r, ci, rows, tails, want, need_probs)
+            return self._nested(r, ci, rows, tails, want, need_probs, relay)
 
         def propose(idx: list[int], outs: list[list[int]], k: list[int]) -> Drafts:
             return self.produce(r, ci - 1, [rows[b] for b in idx], [tails[b] + o for b, o in zip(idx, outs)], k)
@@ -335,15 +339,36 @@ class Drafter:
 
     def _nested(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], need_probs: bool,
+        relay: bool = False,
     ) -> Drafts:
         """The middle level runs the inner rounds beside its model; its log is replayed here into the mirrors,
-        the statistics and the planner feed, as if the calls had been made from here."""
+        the statistics and the planner feed, as if the calls had been made from here. `relay` (the round's
+        drafts for the target): where the transport allows, the target's verification is asked for first and
+        the middle level sends it the drafts itself (`r.relayed`; the round then only waits for the verdict)."""
+        idx = [b for b in range(len(rows)) if want[b] > 0]
+        if not idx:
+            return Drafts([[] for _ in rows])
+        assert self.nesting is not None
+        relayed = None
+        if (relay and r.tree_width == 1 and not r.plan.hybrid and r.chain[ci + 1] == r.top
+                and self.nesting.relays(self.levels[r.chain[ci]].worker, self.levels[r.top].worker)):
+            relayed = self.calls.verify_later(r.top, r.chain[ci], rows, r.override, idx, self.nesting)
+        try:
+            out = self._nested_call(r, ci, rows, tails, want, need_probs, idx, relayed)
+        except BaseException:
+            if relayed is not None:  # the drafts will not come: the target drops the verification
+                self.calls.abandon(r.top, rows, relayed, "the middle level's drafting failed")
+            raise
+        r.relayed = relayed
+        return out
+
+    def _nested_call(
+        self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], need_probs: bool,
+        idx: list[int], relayed: Relayed | None,
+    ) -> Drafts:
         i, lower = r.chain[ci], r.chain[ci - 1]
         lvl, low = self.levels[i], self.levels[lower]
-        idx = [b for b in range(len(rows)) if want[b] > 0]
         out = Drafts([[] for _ in rows])
-        if not idx:
-            return out
         sub, sub_tails = [rows[b] for b in idx], [tails[b] for b in idx]
         # an n-gram level below runs beside the middle level's model, on its own copy of each row's text
         low_key = lower if low.ngram is None else -1 - i
@@ -356,7 +381,13 @@ class Drafter:
             [want[b] for b in idx], r.k(lower), self.calls.method(i, lower, r.override),
             DraftMode.for_method(self.calls.method(i, lower, r.override)), need_probs, lvl.confidence,
             low.confidence, lvl.caps.vocab_size, lvl.inner_min_share, low.ngram)
-        got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call)
+        if relayed is None:
+            got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call)
+        else:
+            got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call, relay=relayed.pending)
+            relayed.arrived()
+            if got.low_error is None and not got.relayed:  # the middle level could not reach the target
+                relayed.pending.send_drafts(got.drafts)
         for s, mh, lh in zip(sub, got.mid_held, got.low_held):
             s.mirror[i].extend(mh)
             s.mirror[low_key].extend(lh)
@@ -432,7 +463,7 @@ class Immediate:
         if r.plan.hybrid:
             drafts, r.drafters = self.drafter.hybrid(r)
             return drafts
-        return self.drafter.produce(r, len(r.chain) - 2, r.rows, [[] for _ in r.rows], r.want)
+        return self.drafter.produce(r, len(r.chain) - 2, r.rows, [[] for _ in r.rows], r.want, relay=True)
 
     def start_ahead(self, r: RoundState, drafts: Drafts) -> None:
         return None

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from specray.engine.protocol import Worker
     from specray.spec.tree import DraftTree
 
-__all__ = ["InnerLog", "LookupHolder", "NestedDraft", "NestedOutcome", "Nesting", "inner_rounds", "run_nested"]
+__all__ = ["InnerLog", "LookupHolder", "NestedDraft", "NestedOutcome", "Nesting", "PendingVerify", "inner_rounds",
+           "run_nested"]
 
 #: (rows of this inner round, each row's draft so far, tokens asked of the level below per row) -> its drafts
 Propose = Callable[[list[int], list[list[int]], list[int]], DraftProposal]
@@ -160,17 +161,49 @@ class NestedOutcome:
     low_held: list[list[int]]
     logs: list[InnerLog] = field(default_factory=list)
     low_error: BaseException | None = None
+    #: the middle level sent the drafts on to the target itself (`Nesting.verify_later`)
+    relayed: bool = False
+
+
+class PendingVerify(Protocol):
+    """The target's verification of a round, asked for before its drafts exist (`Nesting.verify_later`): the
+    middle level sends them to the target itself, and the target's verdict comes back here."""
+
+    def send_drafts(self, drafts: DraftProposal) -> None:
+        """Send the drafts from here (the middle level could not: `NestedOutcome.relayed` is False)."""
+
+    def result(self) -> VerifyResult:
+        """Wait for the target's verdict (raises what the target's call raises)."""
+
+    def abort(self, reason: str) -> None:
+        """The drafts will never come: the target drops the verification; returns once it has (or failed)."""
 
 
 class Nesting(Protocol):
     """A transport that lets a middle level run its inner rounds beside its model (`run_nested`). `low` None: the
-    level below is an n-gram lookup (`NestedDraft.lookup`), which the middle level runs itself (`LookupHolder`)."""
+    level below is an n-gram lookup (`NestedDraft.lookup`), which the middle level runs itself (`LookupHolder`).
+
+    Relays: where the middle level can reach the target too (`relays`), the coordinator asks the target for the
+    round's verification first (`verify_later`) and the middle level sends it the drafts when its inner rounds
+    end (`draft(..., relay=)`): the drafts skip a trip through the coordinator."""
 
     def reaches(self, mid: Worker, low: Worker | None) -> bool:
         """Can the middle level's worker call the lower level's directly (or run the n-gram lookup itself)?"""
 
-    def draft(self, mid: Worker, low: Worker | None, call: NestedDraft) -> NestedOutcome:
-        """Run `call` at the middle level; raises if the middle level itself fails."""
+    def relays(self, mid: Worker, target: Worker) -> bool:
+        """Can the middle level send its drafts to the target directly?"""
+
+    def verify_later(
+        self, target: Worker, seq_ids: list[str], sampling: list[SamplingParams], method: VerifyMethod, *,
+        level: int, sync: list[SeqSync], fill: list[int],
+    ) -> PendingVerify:
+        """Ask `target` to verify the rows once their drafts arrive (`fill`: the rows that get drafts, in the
+        order of the middle level's request)."""
+
+    def draft(self, mid: Worker, low: Worker | None, call: NestedDraft,
+              relay: PendingVerify | None = None) -> NestedOutcome:
+        """Run `call` at the middle level (sending its drafts on to `relay`'s target); raises if the middle level
+        itself fails."""
 
 
 class LookupHolder:

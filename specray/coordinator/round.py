@@ -86,7 +86,9 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
     drafts = r.source.drafts(r)
     ahead = r.source.start_ahead(r, drafts)
     try:
-        if drafts.trees is not None:  # token trees (`Drafter.tree_shape`)
+        if r.relayed is not None:  # the middle level sent its drafts to the target itself (`Drafter._nested`)
+            res = calls.finish_relayed(r.top, r.lower, r.rows, r.relayed, drafts.token_ids)
+        elif drafts.trees is not None:  # token trees (`Drafter.tree_shape`)
             res = calls.verify_tree(r.top, r.lower, r.rows, drafts.trees, drafts.probs, r.override,
                                     width=r.tree_width)
         else:

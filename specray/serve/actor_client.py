@@ -22,11 +22,13 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
 
 from specray.engine.protocol import SeqSync, WorkerCaps
-from specray.serve.direct import FrameClient, TransportError
+from specray.serve.direct import FrameClient, PendingReply, TransportError
 from specray.serve.wire import (
+    Endpoint,
     LevelRequest,
     NestedCall,
     ProposeCall,
+    RelayedVerifyCall,
     TreeProposeCall,
     TreeVerifyCall,
     VerifyCall,
@@ -159,7 +161,9 @@ class ActorClient:
         return exc
 
     # ----- transport ------------------------------------------------------------------------------
-    def _request(self, call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> LevelRequest:
+    def _request(
+        self, call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall | RelayedVerifyCall,
+    ) -> LevelRequest:
         with self._frees_lock:
             frees, self._frees = tuple(self._frees), []
         return LevelRequest(frees, call)
@@ -219,15 +223,49 @@ class ActorClient:
                     self._direct = FrameClient(*self._direct_at, timeout_s=self.timeout_s, poll=self.poll)
                 request = self._request(call)
                 return self._direct.call(request, request.shape() if self.poll else None)
-            except TransportError as e:
-                self._drop_direct()
-                raise LevelUnavailable(self.level, str(e)) from e
-            except KeyError as e:  # an unknown sequence: a restarted actor lost them all
-                self._forget_samplings()
-                if self.check_restarted():
-                    raise LevelRestarted(self.level, "its actor was restarted and lost every sequence; re-add them") \
-                        from e
+            except (TransportError, KeyError) as e:
+                mapped = self._direct_failed(e)
+                if mapped is e:
+                    raise
+                raise mapped from e
+
+    def _begin_direct(self, call: RelayedVerifyCall) -> tuple[PendingReply, Endpoint]:
+        """Send `call` over the direct connection without waiting for its reply (read by `_finish_direct`, which
+        must follow: the connection is the call's until then); also the endpoint it went to."""
+        self._direct_lock.acquire()
+        try:
+            if self._direct is None:
+                self._direct = FrameClient(*self._direct_at, timeout_s=self.timeout_s, poll=self.poll)
+            return self._direct.begin(self._request(call)), self._direct_at
+        except TransportError as e:
+            try:
+                raise self._direct_failed(e) from e
+            finally:
+                self._direct_lock.release()
+        except BaseException:
+            self._direct_lock.release()
+            raise
+
+    def _finish_direct(self, pending: PendingReply) -> Any:
+        try:
+            return pending.result()
+        except (TransportError, KeyError) as e:
+            mapped = self._direct_failed(e)
+            if mapped is e:
                 raise
+            raise mapped from e
+        finally:
+            self._direct_lock.release()
+
+    def _direct_failed(self, e: TransportError | KeyError) -> BaseException:
+        """The exception for a failed direct call (with the connection lock held)."""
+        if isinstance(e, TransportError):
+            self._drop_direct()
+            return LevelUnavailable(self.level, str(e))
+        self._forget_samplings()  # an unknown sequence: a restarted actor lost them all
+        if self.check_restarted():
+            return LevelRestarted(self.level, "its actor was restarted and lost every sequence; re-add them")
+        return e
 
     def _drop_direct(self) -> None:
         """Close the connection; the next call connects to wherever the actor (maybe restarted) listens now."""

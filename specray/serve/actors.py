@@ -9,7 +9,8 @@
   (`specray.serve.actor_client`); the coordinator acts on `LevelUnavailable` (drop the level, or re-add its
   sequences).
 - `RemoteNesting` lets a middle level run its inner rounds in its actor, calling the level below directly
-  (`specray.coordinator.inner`; direct transport).
+  (`specray.coordinator.inner`; direct transport), and send its drafts straight to the target's actor
+  (`ActorWorker.verify_later`, `RelayedVerify`; specray.serve.relay).
 
 Transport. A round's calls (`propose`, `propose_tree`, `verify`, `verify_tree`) travel as one `LevelRequest` each,
 by one of three transports (`cascade.transport`), compared side by side in benchmarks/bench_overhead.py:
@@ -34,19 +35,25 @@ on a half-updated worker would not be safe.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from specray.coordinator.inner import NestedDraft, NestedOutcome
+from specray.coordinator.inner import NestedDraft, NestedOutcome, PendingVerify
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, Worker, WorkerCaps, WorkerStats
 from specray.serve.actor_client import TRANSPORTS, ActorClient, LevelRestarted, LevelUnavailable
+from specray.serve.direct import PendingReply, TransportError
 from specray.serve.level_actor import LevelActor, LevelStartError, WorkerFactory
 from specray.serve.wire import (
+    Endpoint,
     NestedCall,
     ProposeCall,
+    RelayedDrafts,
+    RelayedVerifyCall,
     TreeProposeCall,
     TreeVerifyCall,
     VerifyCall,
@@ -56,6 +63,8 @@ from specray.serve.wire import (
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.tree import DraftTree
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "TRANSPORTS",
     "ActorWorker",
@@ -63,6 +72,7 @@ __all__ = [
     "LevelRestarted",
     "LevelStartError",
     "LevelUnavailable",
+    "RelayedVerify",
     "RemoteNesting",
     "WorkerFactory",
 ]
@@ -143,20 +153,37 @@ class ActorWorker(ActorClient):
         return self._send(TreeVerifyCall(ids, wire_trees(trees), draft_probs, sp, method, level, sy, return_probs,
                                          confidence))
 
-    def nested(self, draft: NestedDraft, low: ActorWorker | None) -> NestedOutcome:
+    def verify_later(
+        self, seq_ids: Sequence[str], sampling: Sequence[SamplingParams], method: VerifyMethod, level: int,
+        sync: Sequence[SeqSync | None] | None, fill: Sequence[int],
+    ) -> RelayedVerify:
+        """Ask this level to verify the rows once a middle level sends it their drafts (`fill`: the rows that get
+        drafts, in the order sent; specray.serve.relay); direct transport only."""
+        if self.transport != "direct":
+            raise ValueError("a relayed verification needs the direct transport")
+        ids = list(seq_ids)
+        sp, sy = self._wire(ids, sampling, sync)
+        key = uuid.uuid4().hex
+        pending, at = self._begin_direct(RelayedVerifyCall(key, ids, sp, method, level, sy, list(fill)))
+        return RelayedVerify(self, pending, at, key)
+
+    def nested(self, draft: NestedDraft, low: ActorWorker | None, relay: RelayedVerify | None = None) -> NestedOutcome:
         """This (middle) level runs `draft`'s inner rounds beside its model, calling `low`'s actor directly
         (`specray.coordinator.inner`), or with `low` None drafting with the n-gram lookup `draft.lookup` itself;
         direct transport only. A failure of `low` comes back as `NestedOutcome.low_error` (`LevelUnavailable` or
-        `LevelRestarted`), one of this level raises."""
+        `LevelRestarted`), one of this level raises. `relay`: send the drafts on to that target's verification."""
         if self.transport != "direct" or (low is not None and low.transport != "direct"):
             raise ValueError("nested drafting needs the direct transport on both levels")
         mid_sp, _ = self._wire(draft.seq_ids, draft.sampling, draft.mid_syncs)
+        to = None if relay is None else (relay.at, relay.key)
         if low is None:
-            return self._send_direct(NestedCall(replace(draft, sampling=[]), mid_sp, [], None, (), poll=self.poll))
+            return self._send_direct(NestedCall(replace(draft, sampling=[]), mid_sp, [], None, (), poll=self.poll,
+                                                relay=to))
         low_sp, _ = low._wire(draft.seq_ids, draft.sampling, draft.low_syncs)
         with low._frees_lock:
             frees, low._frees = tuple(low._frees), []
-        call = NestedCall(replace(draft, sampling=[]), mid_sp, low_sp, low._direct_at, frees, poll=self.poll)
+        call = NestedCall(replace(draft, sampling=[]), mid_sp, low_sp, low._direct_at, frees, poll=self.poll,
+                          relay=to)
         try:
             out: NestedOutcome = self._send_direct(call)
         except BaseException:
@@ -219,14 +246,72 @@ class ActorWorker(ActorClient):
         return f"ActorWorker({self.level!r}, node={str(self._info_cache.get('node_id'))[:8]}, {self.transport})"
 
 
+class RelayedVerify:
+    """A relayed verification in flight at a target's actor (`ActorWorker.verify_later`, `PendingVerify`): `at`
+    and `key` tell the middle level where to send the drafts."""
+
+    def __init__(self, target: ActorWorker, pending: PendingReply, at: Endpoint, key: str) -> None:
+        self.target = target
+        self.at = at
+        self.key = key
+        self._pending: PendingReply | None = pending
+
+    def send_drafts(self, drafts: DraftProposal) -> None:
+        self._post(RelayedDrafts(self.key, drafts.token_ids, drafts.probs))
+
+    def result(self) -> VerifyResult:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("the relayed verification's result was read already")
+        return self.target._finish_direct(pending)
+
+    def abort(self, reason: str) -> None:
+        if self._pending is None:
+            return
+        try:
+            self._post(RelayedDrafts(self.key, [], None, abort=reason))
+        finally:
+            try:
+                self.result()  # RelayAborted, or the verdict if it ran already: either way the call is over
+            except Exception as exc:
+                log.debug("%s: relayed verification aborted: %s", self.target.level, exc)
+
+    def _post(self, drafts: RelayedDrafts) -> None:
+        if self._pending is None:
+            raise RuntimeError("the relayed verification is over")
+        try:
+            self._pending.post(drafts)
+        except TransportError as e:  # the connection broke: `result` reports the failure
+            log.debug("%s: sending the relayed drafts failed: %s", self.target.level, e)
+
+
 class RemoteNesting:
     """`Nesting` over level actors: a middle level reaches the level below it directly when both are actors on
-    the direct transport (`ActorWorker.nested`)."""
+    the direct transport (`ActorWorker.nested`), and sends its drafts straight to the target when that is one too
+    and `relay` is on (`ActorWorker.verify_later`, specray.serve.relay)."""
+
+    def __init__(self, relay: bool = True) -> None:
+        self.relay = relay
 
     def reaches(self, mid: Worker, low: Worker | None) -> bool:
-        return (isinstance(mid, ActorWorker) and mid.transport == "direct"
-                and (low is None or (isinstance(low, ActorWorker) and low.transport == "direct")))
+        return _direct(mid) and (low is None or _direct(low))
 
-    def draft(self, mid: Worker, low: Worker | None, call: NestedDraft) -> NestedOutcome:
+    def relays(self, mid: Worker, target: Worker) -> bool:
+        return self.relay and _direct(mid) and _direct(target)
+
+    def verify_later(
+        self, target: Worker, seq_ids: list[str], sampling: list[SamplingParams], method: VerifyMethod, *,
+        level: int, sync: list[SeqSync], fill: list[int],
+    ) -> RelayedVerify:
+        assert isinstance(target, ActorWorker)
+        return target.verify_later(seq_ids, sampling, method, level, sync, fill)
+
+    def draft(self, mid: Worker, low: Worker | None, call: NestedDraft,
+              relay: PendingVerify | None = None) -> NestedOutcome:
         assert isinstance(mid, ActorWorker) and (low is None or isinstance(low, ActorWorker))
-        return mid.nested(call, low)
+        assert relay is None or isinstance(relay, RelayedVerify)
+        return mid.nested(call, low, relay)
+
+
+def _direct(worker: Worker | None) -> bool:
+    return isinstance(worker, ActorWorker) and worker.transport == "direct"

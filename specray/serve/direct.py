@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["FrameClient", "FrameServer", "FrameClock", "TransportError"]
+__all__ = ["FrameClient", "FrameServer", "FrameClock", "PendingReply", "Reply", "TransportError"]
 
 #: start polling this long before a frame is due
 POLL_LEAD_S = 0.0003
@@ -50,16 +50,17 @@ POLL_UNDER_S = 0.05
 
 log = logging.getLogger(__name__)
 
-_LEN = "!Q"  # frame header: payload length
+_LEN = "!Q"  # frame header: payload length, with `_ONE_WAY` set on a frame that gets no reply
 _LEN_SIZE = struct.calcsize(_LEN)
+_ONE_WAY = 1 << 63
 
 
 class TransportError(ConnectionError):
     """The connection failed (closed by the peer, refused, timed out): the request's fate is unknown."""
 
 
-def _send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(struct.pack(_LEN, len(payload)) + payload)
+def _send(sock: socket.socket, payload: bytes, one_way: bool = False) -> None:
+    sock.sendall(struct.pack(_LEN, len(payload) | (_ONE_WAY if one_way else 0)) + payload)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -75,8 +76,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _recv(sock: socket.socket) -> bytes:
+    return _recv_frame(sock)[0]
+
+
+def _recv_frame(sock: socket.socket) -> tuple[bytes, bool]:
+    """A frame's payload, and whether it is one-way (no reply)."""
     (n,) = struct.unpack(_LEN, _recv_exact(sock, _LEN_SIZE))
-    return _recv_exact(sock, n)
+    return _recv_exact(sock, n & ~_ONE_WAY), bool(n & _ONE_WAY)
 
 
 def _dumps_exception(exc: BaseException) -> bytes:
@@ -140,17 +146,50 @@ class FrameClock:
                     return
 
 
+class Reply:
+    """The reply to one request (`FrameServer` with `replies=True`). The handler either returns its result, which
+    the server sends as usual, or calls `defer()` and returns: some thread sends the reply later (`send` / `fail`)
+    on the same connection, while the connection's thread reads the next frames (one-way ones: the client waits
+    for this reply before its next request). This lets two requests meet: a level's verification that waits for
+    drafts another level sends it (specray.serve.relay)."""
+
+    def __init__(self, conn: socket.socket, lock: threading.Lock) -> None:
+        self._conn = conn
+        self._lock = lock
+        self.deferred = False
+
+    def defer(self) -> Reply:
+        self.deferred = True
+        return self
+
+    def send(self, value: Any) -> None:
+        self._write(pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def fail(self, exc: BaseException) -> None:
+        self._write(_dumps_exception(exc))
+
+    def _write(self, payload: bytes) -> None:
+        try:
+            with self._lock:
+                _send(self._conn, payload)
+        except OSError as exc:  # the client went away: nobody is waiting for it
+            log.debug("direct transport: a deferred reply found its connection closed: %s", exc)
+
+
 class FrameServer:
     """Serves `handler(request) -> result` on a listening socket, one thread per connection.
 
     `on_thread_start` runs first in every connection thread (the level sets its torch thread count there).
     `poll`: poll for a request that is due soon (module docstring), on connections whose client asks for it.
+    `replies`: call `handler(request, reply)` with the request's `Reply` (None for a one-way frame, whose result
+    is dropped), so that it can defer it; else `handler(request)`, and a one-way frame's exception is logged.
     """
 
-    def __init__(self, host: str, handler: Callable[[Any], Any],
-                 on_thread_start: Callable[[], None] | None = None, poll: bool = True) -> None:
+    def __init__(self, host: str, handler: Callable[..., Any],
+                 on_thread_start: Callable[[], None] | None = None, poll: bool = True, replies: bool = False) -> None:
         self.handler = handler
         self.poll = poll
+        self.replies = replies
         self._clocks: set[FrameClock] = set()  # one per open connection (when its requests come)
         self._done = [0, 0]  # polled / caught of the closed connections
         self._stats_lock = threading.Lock()
@@ -189,25 +228,40 @@ class FrameServer:
                     self.on_thread_start()
                 clock, replied = FrameClock(), None
                 self._clocks.add(clock)
+                send_lock = threading.Lock()  # a deferred reply is sent from another thread
                 while True:
                     if replied is not None and wants_poll and self.poll:
                         clock.wait(conn, "request", replied)
-                    frame = _recv(conn)
+                    frame, one_way = _recv_frame(conn)
                     got = time.perf_counter()
+                    request = pickle.loads(frame)
+                    if one_way:
+                        self._one_way(request)
+                        continue
                     if replied is not None and wants_poll:  # the clock is only kept for polling
                         clock.record("request", got - replied)
-                    request = pickle.loads(frame)
+                    later = Reply(conn, send_lock) if self.replies else None
                     try:
-                        reply = pickle.dumps((True, self.handler(request)), protocol=pickle.HIGHEST_PROTOCOL)
+                        value = self.handler(request, later) if later is not None else self.handler(request)
+                        reply = None if later is not None and later.deferred else pickle.dumps(
+                            (True, value), protocol=pickle.HIGHEST_PROTOCOL)
                     except Exception as exc:  # the request failed: the client raises it
-                        reply = _dumps_exception(exc)
+                        if later is not None and later.deferred:  # whoever completes it replies
+                            log.exception("direct transport: a handler failed after deferring its reply")
+                            reply = None
+                        else:
+                            reply = _dumps_exception(exc)
                     with self._stats_lock:  # before the reply: a caller that has it sees the request counted
                         self._served += 1
                         self._busy_s += time.perf_counter() - got
                         if replied is not None:
                             self._idle_s += got - replied
                             self._idles.append(got - replied)
-                    _send(conn, reply)
+                    if reply is None:  # deferred: sent by whoever completes it
+                        replied = None
+                        continue
+                    with send_lock:
+                        _send(conn, reply)
                     replied = time.perf_counter()
             except (ConnectionError, OSError):
                 return  # the client went away
@@ -216,6 +270,15 @@ class FrameServer:
                     self._clocks.discard(clock)
                     self._done[0] += clock.polled
                     self._done[1] += clock.caught
+
+    def _one_way(self, request: Any) -> None:
+        try:
+            if self.replies:
+                self.handler(request, None)
+            else:
+                self.handler(request)
+        except Exception:  # nobody waits for its result: log it
+            log.exception("direct transport: a one-way request failed")
 
     def stats(self) -> dict[str, float]:
         """Requests served, seconds spent serving them and seconds idle between a reply and the next request on
@@ -274,13 +337,68 @@ class FrameClient:
                     self.clock.record(shape, time.perf_counter() - t0)
             except OSError as exc:  # closed, reset, timed out
                 raise TransportError(f"{type(exc).__name__}: {exc}") from exc
-        ok, value = pickle.loads(reply)
-        if not ok:
-            raise value
-        return value
+        return _unwrap(reply)
+
+    def begin(self, request: Any) -> PendingReply:
+        """Send `request` and return at once; its reply is read by `PendingReply.result`, which must be called:
+        the connection is the request's until then (other calls wait)."""
+        payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        self._lock.acquire()
+        try:
+            _send(self._sock, payload)
+        except OSError as exc:
+            self._lock.release()
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+        return PendingReply(self)
+
+    def post(self, request: Any) -> None:
+        """Send a one-way request: the server runs it and replies nothing."""
+        payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            try:
+                _send(self._sock, payload, one_way=True)
+            except OSError as exc:
+                raise TransportError(f"{type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         try:
             self._sock.close()
         except OSError:
             pass
+
+
+class PendingReply:
+    """A request in flight on a `FrameClient` (`begin`): `post` sends one-way requests on the same connection
+    meanwhile (for example, to tell the server to give up on it), `result` reads the reply and frees the
+    connection. Call `result` exactly once."""
+
+    def __init__(self, client: FrameClient) -> None:
+        self._client = client
+        self._open = True
+
+    def post(self, request: Any) -> None:
+        payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            _send(self._client._sock, payload, one_way=True)
+        except OSError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+
+    def result(self) -> Any:
+        if not self._open:
+            raise RuntimeError("the reply was read already")
+        self._open = False
+        try:
+            reply = _recv(self._client._sock)
+        except OSError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            self._client._lock.release()
+        return _unwrap(reply)
+
+
+def _unwrap(reply: bytes) -> Any:
+    ok, value = pickle.loads(reply)
+    if not ok:
+        raise value
+    return value
+

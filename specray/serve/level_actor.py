@@ -22,8 +22,9 @@ import ray
 import torch
 
 from specray.engine.protocol import DraftProposal, VerifyResult, Worker, WorkerStats
-from specray.serve.direct import FrameClient, FrameServer, TransportError
-from specray.serve.wire import Endpoint, LevelRequest, Samplings
+from specray.serve.direct import FrameClient, FrameServer, Reply, TransportError
+from specray.serve.relay import Rendezvous
+from specray.serve.wire import Endpoint, LevelRequest, RelayedDrafts, RelayedVerifyCall, Samplings
 
 __all__ = ["LevelActor", "LevelStartError", "WorkerFactory"]
 
@@ -49,11 +50,13 @@ class LevelActor:
         self.worker = factory()
         self._lock = threading.Lock()
         self._samplings = Samplings()
-        #: other levels' actors this one calls (nested drafting), per endpoint and polling choice
-        self._peers: dict[tuple[Endpoint, bool], FrameClient] = {}
+        #: other levels' actors this one calls (nested drafting, relays)
+        self._peers = PeerLinks()
+        #: relayed verifications (this level as a target) meet their drafts here
+        self._relay = Rendezvous(self.run, self.free_many)
         threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the server's threads set it too
-        self._server = FrameServer(ray.util.get_node_ip_address(), self.run,
-                                   on_thread_start=lambda: torch.set_num_threads(threads))
+        self._server = FrameServer(ray.util.get_node_ip_address(), self._frame,
+                                   on_thread_start=lambda: torch.set_num_threads(threads), replies=True)
         self.incarnation = uuid.uuid4().hex  # changes on every (re)start; lets clients detect restarts
         self.caps = self.worker.capabilities()
         tok = getattr(self.worker, "tokenizer", None)  # backends without text (test fakes) have None
@@ -83,19 +86,19 @@ class LevelActor:
             for seq_id in request.frees:
                 self.worker.free(seq_id)
                 self._samplings.forget(seq_id)
-            return request.call.run(self.worker, self._samplings, self._peer_call)
+            return request.call.run(self.worker, self._samplings, self._peers)
 
-    def _peer_call(self, at: Endpoint, request: LevelRequest, poll: bool = False) -> Any:
-        """A request to another level's actor over its direct transport (a middle level's `NestedCall`)."""
-        client = self._peers.get((at, poll))
-        if client is None:
-            client = self._peers[(at, poll)] = FrameClient(*at, poll=poll)
-        try:
-            return client.call(request, request.shape() if poll else None)
-        except TransportError:
-            self._peers.pop((at, poll), None)
-            client.close()
-            raise
+    def _frame(self, request: LevelRequest | RelayedDrafts, reply: Reply | None) -> Any:
+        """A frame of the direct transport: a round's call, or either half of a relayed verification
+        (specray.serve.relay), whose reply may be deferred until the other half comes."""
+        if isinstance(request, RelayedDrafts):
+            self._relay.drafts(request)
+            return None
+        if isinstance(request.call, RelayedVerifyCall):
+            if reply is None:
+                raise ValueError("a relayed verification needs a reply")
+            return self._relay.verify(request, reply)
+        return self.run(request)
 
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
         with self._lock:
@@ -144,6 +147,46 @@ class LevelActor:
 
     def ping(self) -> str:
         return self.incarnation
+
+
+class PeerLinks:
+    """Connections from a level actor to other level actors' direct transports (`wire.Peers`), one per endpoint
+    and polling choice, made on first use and dropped when broken."""
+
+    def __init__(self) -> None:
+        self._clients: dict[tuple[Endpoint, bool], FrameClient] = {}
+        self._lock = threading.Lock()
+
+    def call(self, at: Endpoint, request: LevelRequest, poll: bool = False) -> Any:
+        """A request to another level's actor (a middle level's proposes to the level below)."""
+        client = self._client(at, poll)
+        try:
+            return client.call(request, request.shape() if poll else None)
+        except TransportError:
+            self._drop(at, poll, client)
+            raise
+
+    def post(self, at: Endpoint, request: Any) -> None:
+        """A one-way request to another level's actor (a middle level's relayed drafts)."""
+        client = self._client(at, False)
+        try:
+            client.post(request)
+        except TransportError:
+            self._drop(at, False, client)
+            raise
+
+    def _client(self, at: Endpoint, poll: bool) -> FrameClient:
+        with self._lock:
+            client = self._clients.get((at, poll))
+            if client is None:
+                client = self._clients[(at, poll)] = FrameClient(*at, poll=poll)
+            return client
+
+    def _drop(self, at: Endpoint, poll: bool, client: FrameClient) -> None:
+        with self._lock:
+            if self._clients.get((at, poll)) is client:
+                del self._clients[(at, poll)]
+        client.close()
 
 
 def _rss_bytes() -> int | None:

@@ -8,9 +8,10 @@ GPU step's share of the round.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -19,8 +20,9 @@ from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult, Worker
 from specray.engine.tree_rows import TokenTree
 from specray.spec.params import SamplingParams, VerifyMethod
 
-__all__ = ["LevelRequest", "NestedCall", "ProposeCall", "Samplings", "TreeProposeCall", "TreeVerifyCall", "VerifyCall",
-           "WireSampling", "WireSync", "WireTree", "syncs", "wire_syncs", "wire_trees"]
+__all__ = ["LevelRequest", "NestedCall", "Peers", "ProposeCall", "RelayedDrafts", "RelayedVerifyCall", "Samplings",
+           "TreeProposeCall", "TreeVerifyCall", "VerifyCall", "WireSampling", "WireSync", "WireTree", "syncs",
+           "wire_syncs", "wire_trees"]
 
 WireSync = tuple[int, tuple[int, ...]] | None
 #: a draft tree as (token_ids, parents) (`specray.spec.tree.DraftTree`'s layout); None: no draft
@@ -28,9 +30,18 @@ WireTree = tuple[tuple[int, ...], tuple[int, ...]] | None
 WireSampling = SamplingParams | None  # None: the actor has it
 #: (address, token) of a level actor's direct transport
 Endpoint = tuple[tuple[str, int], str]
-#: sends a `LevelRequest` to the level actor at an endpoint, polling for the reply or not (`specray.serve.direct`),
-#: and returns its result (raises its exception)
-PeerCall = Callable[[Endpoint, "LevelRequest", bool], Any]
+
+log = logging.getLogger(__name__)
+
+
+class Peers(Protocol):
+    """How a level actor reaches other level actors over their direct transport (nested drafting, relays)."""
+
+    def call(self, at: Endpoint, request: LevelRequest, poll: bool = False) -> Any:
+        """Send a `LevelRequest`, polling for the reply or not (`specray.serve.direct`); its result or exception."""
+
+    def post(self, at: Endpoint, request: Any) -> None:
+        """Send a one-way request (no reply)."""
 
 
 class Samplings:
@@ -76,7 +87,7 @@ class ProposeCall:
     sync: list[WireSync] | None
     stop_below: float
 
-    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> DraftProposal:
+    def run(self, worker: Worker, samplings: Samplings, peer: Peers | None = None) -> DraftProposal:
         return worker.propose(self.seq_ids, self.k, samplings.resolve(self.seq_ids, self.sampling), mode=self.mode,
                               level=self.level, sync=syncs(self.sync), stop_below=self.stop_below)
 
@@ -98,7 +109,7 @@ class TreeProposeCall:
     width: int
     max_nodes: list[int] | None
 
-    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> DraftProposal:
+    def run(self, worker: Worker, samplings: Samplings, peer: Peers | None = None) -> DraftProposal:
         prop = worker.propose_tree(self.seq_ids, self.depth, samplings.resolve(self.seq_ids, self.sampling),
                                    mode=self.mode, level=self.level, sync=syncs(self.sync), width=self.width,
                                    max_nodes=self.max_nodes)
@@ -122,7 +133,7 @@ class VerifyCall:
     return_probs: bool
     confidence: bool
 
-    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> VerifyResult:
+    def run(self, worker: Worker, samplings: Samplings, peer: Peers | None = None) -> VerifyResult:
         return worker.verify(self.seq_ids, self.draft_ids, self.draft_probs,
                              samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
                              sync=syncs(self.sync), return_probs=self.return_probs, confidence=self.confidence)
@@ -145,7 +156,7 @@ class TreeVerifyCall:
     return_probs: bool = False
     confidence: bool = False
 
-    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> VerifyResult:
+    def run(self, worker: Worker, samplings: Samplings, peer: Peers | None = None) -> VerifyResult:
         trees = [None if t is None else TokenTree(*t) for t in self.trees]
         return worker.verify_tree(self.seq_ids, trees, self.draft_probs,
                                   samplings.resolve(self.seq_ids, self.sampling), self.method, level=self.level,
@@ -169,13 +180,16 @@ class NestedCall:
     low_at: Endpoint | None
     low_frees: tuple[str, ...]
     poll: bool = False  # the connection to the level below polls for replies (the coordinator's own choice)
+    #: send the drafts to the target's actor at this endpoint, for the relayed verification with this key
+    #: (`RelayedVerifyCall`; specray.serve.relay)
+    relay: tuple[Endpoint, str] | None = None
 
-    def run(self, worker: Worker, samplings: Samplings, peer: PeerCall | None = None) -> NestedOutcome:
+    def run(self, worker: Worker, samplings: Samplings, peer: Peers | None = None) -> NestedOutcome:
         draft = replace(self.draft, sampling=samplings.resolve(self.draft.seq_ids, self.mid_sampling))
         if self.low_at is None:
             if draft.lookup is None:
                 raise ValueError("a nested draft without a level below to call needs an n-gram lookup")
-            return run_nested(draft, worker, samplings.lookups.proposer(draft.lookup))
+            return self._relay(run_nested(draft, worker, samplings.lookups.proposer(draft.lookup)), peer)
         if peer is None:
             raise ValueError("a nested draft needs the direct transport to reach the level below")
         first = [True]
@@ -187,12 +201,73 @@ class NestedCall:
                 first[0] = False
                 frees, wire_sp = self.low_frees, self.low_sampling
             call = ProposeCall(seq_ids, k, wire_sp, mode, level, wire_syncs(sync), stop_below)
-            return peer(self.low_at, LevelRequest(frees, call), self.poll)
+            return peer.call(self.low_at, LevelRequest(frees, call), self.poll)
 
-        return run_nested(draft, worker, propose_low)
+        return self._relay(run_nested(draft, worker, propose_low), peer)
+
+    def _relay(self, out: NestedOutcome, peer: Peers | None) -> NestedOutcome:
+        """Send the drafts on to the target (`relay`), unless the level below failed (the coordinator then aborts
+        the verification). A failed send is reported, not raised: the coordinator then sends them itself."""
+        if self.relay is None or out.low_error is not None or peer is None:
+            return out
+        at, key = self.relay
+        try:
+            peer.post(at, RelayedDrafts(key, out.drafts.token_ids, out.drafts.probs))
+            out.relayed = True
+        except Exception as exc:  # the target's connection is broken: the coordinator will see it too
+            log.debug("relay to %s failed: %s", at, exc)
+        return out
 
     def shape(self) -> tuple[int, int]:
         return len(self.draft.seq_ids), max(self.draft.want, default=0)
+
+
+@dataclass(frozen=True)
+class RelayedVerifyCall:
+    """`Worker.verify` without its drafts, which another level sends to the same actor (`RelayedDrafts` with the
+    same `key`; specray.serve.relay): the coordinator's half of a relayed verification. `fill`: the rows the
+    relayed drafts are for, in their order (the other rows get none). Direct transport only."""
+
+    key: str
+    seq_ids: list[str]
+    sampling: list[WireSampling]
+    method: VerifyMethod
+    level: int
+    sync: list[WireSync] | None
+    fill: list[int]
+    return_probs: bool = False
+    confidence: bool = False
+
+    def with_drafts(self, d: RelayedDrafts) -> VerifyCall:
+        """The whole `VerifyCall`, once the drafts are here."""
+        n = len(self.seq_ids)
+        ids: list[list[int]] = [[] for _ in range(n)]
+        for j, b in enumerate(self.fill):
+            ids[b] = list(d.draft_ids[j])
+        probs = None
+        if d.draft_probs is not None and self.method is VerifyMethod.REJECTION:
+            probs = d.draft_probs.new_zeros(n, *d.draft_probs.shape[1:])  # [B, K, V]
+            probs[self.fill] = d.draft_probs
+        return VerifyCall(self.seq_ids, ids, probs, self.sampling, self.method, self.level, self.sync,
+                          self.return_probs, self.confidence)
+
+    def run(self, worker: Worker, samplings: Samplings, peer: Peers | None = None) -> VerifyResult:
+        raise ValueError("a relayed verification needs the direct transport (its drafts meet it in the actor)")
+
+    def shape(self) -> tuple[int, int]:
+        return len(self.seq_ids), 0
+
+
+@dataclass(frozen=True)
+class RelayedDrafts:
+    """The drafts of a relayed verification (`RelayedVerifyCall` with the same `key`), one-way to the target's
+    actor: from the middle level that made them, or from the coordinator when the middle level could not send
+    them. `abort`: they will never come (why), and the verification is dropped unrun."""
+
+    key: str
+    draft_ids: list[list[int]]
+    draft_probs: torch.Tensor | None = None  # [len(fill), K, V] (rejection only)
+    abort: str | None = None
 
 
 @dataclass(frozen=True)
@@ -200,7 +275,7 @@ class LevelRequest:
     """One message to a level actor: sequences the coordinator finished (freed first), then the call."""
 
     frees: tuple[str, ...]
-    call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall
+    call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall | RelayedVerifyCall
 
     def shape(self) -> tuple[str, int, int]:
         """What the call's duration depends on: its kind, its rows (to the next power of two) and its tokens per

@@ -106,3 +106,64 @@ def test_a_server_polls_for_requests_that_come_at_a_steady_pace():
     finally:
         client.close()
         server.close()
+
+
+def test_a_deferred_reply_is_sent_by_another_connection_and_one_way_frames_get_none():
+    """Two clients meet in the server (`replies=True`): the first one's request waits for the second one's
+    one-way frame, whose handler thread sends the first one's reply on the first connection."""
+    parked: dict[str, object] = {}
+
+    def handler(request, reply):
+        kind, key, value = request
+        if kind == "wait":
+            parked[key] = reply.defer()
+            return None
+        if kind == "give":  # one-way: reply is None
+            assert reply is None
+            parked.pop(key).send(("got", value))
+            return "ignored"
+        if kind == "fail-later":
+            parked[key] = reply.defer()
+            return None
+        if kind == "fail":
+            assert reply is None
+            parked.pop(key).fail(KeyError(value))
+            return None
+        return ("echo", value)
+
+    server = FrameServer("127.0.0.1", handler, poll=False, replies=True)
+    a = FrameClient(server.address, server.token)
+    b = FrameClient(server.address, server.token)
+    try:
+        pending = a.begin(("wait", "k1", None))
+        b.post(("give", "k1", 7))
+        assert pending.result() == ("got", 7)
+        assert a.call(("echo", None, 3)) == ("echo", 3)  # the connection is free again
+        pending = a.begin(("fail-later", "k2", None))
+        pending.post(("fail", "k2", "gone"))  # a one-way frame on the waiting connection itself
+        with pytest.raises(KeyError, match="gone"):
+            pending.result()
+        with pytest.raises(RuntimeError, match="read already"):
+            pending.result()
+        assert a.call(("echo", None, 4)) == ("echo", 4)
+    finally:
+        a.close()
+        b.close()
+        server.close()
+
+
+def test_a_one_way_frame_that_fails_is_logged_and_the_connection_goes_on(caplog):
+    def handler(request):
+        if request == "boom":
+            raise RuntimeError("boom")
+        return request
+
+    server = _server(handler, poll=False)
+    client = FrameClient(server.address, server.token)
+    try:
+        client.post("boom")
+        assert client.call("after") == "after"
+        assert any("one-way request failed" in r.message for r in caplog.records)
+    finally:
+        client.close()
+        server.close()

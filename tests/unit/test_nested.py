@@ -28,6 +28,9 @@ class LocalNesting:
     def reaches(self, mid: Worker, low: Worker) -> bool:
         return True
 
+    def relays(self, mid: Worker, target: Worker) -> bool:
+        return False
+
     def draft(self, mid: Worker, low: Worker | None, call: NestedDraft) -> NestedOutcome:
         self.calls.append(call)
         before = mid.verifies
@@ -201,3 +204,117 @@ def test_a_restart_of_the_middle_level_restarts_the_lookup_text():
     eng.failover.epoch[1] += 1  # the middle level failed: it (and the text beside it) may have lost the row
     assert calls.lookup_sync(1, s, [4]) == SeqSync(0, (1, 2, 3, 4))
     assert calls.sync(0, s, []) == SeqSync(0, (1, 2, 3))  # the n-gram level's own key is another mirror
+
+
+class LocalPending:
+    """A relayed verification in this process: the target verifies when the drafts are sent to it."""
+
+    def __init__(self, nesting: RelayNesting, target: Worker, args: tuple, kwargs: dict) -> None:
+        self.nesting, self.target, self.args, self.kwargs = nesting, target, args, kwargs
+        self.verdict = None
+
+    def deliver(self, drafts) -> None:
+        seq_ids, sampling, method = self.args
+        fill = self.kwargs["fill"]
+        ids = [[] for _ in seq_ids]
+        for j, b in enumerate(fill):
+            ids[b] = list(drafts.token_ids[j])
+        probs = None
+        if drafts.probs is not None and method is VerifyMethod.REJECTION:
+            probs = drafts.probs.new_zeros(len(seq_ids), *drafts.probs.shape[1:])
+            probs[fill] = drafts.probs
+        self.verdict = self.target.verify(seq_ids, ids, probs, sampling, method, level=self.kwargs["level"],
+                                          sync=self.kwargs["sync"])
+
+    def send_drafts(self, drafts) -> None:
+        self.nesting.sent_by_coordinator += 1
+        self.deliver(drafts)
+
+    def result(self):
+        assert self.verdict is not None, "the drafts never reached the target"
+        return self.verdict
+
+    def abort(self, reason: str) -> None:
+        self.nesting.aborts.append(reason)
+
+
+class RelayNesting(LocalNesting):
+    """`LocalNesting` whose middle level sends its drafts straight to the target (`post`: it can reach it)."""
+
+    def __init__(self, post: bool = True) -> None:
+        super().__init__()
+        self.post = post
+        self.relayed = 0
+        self.sent_by_coordinator = 0
+        self.aborts: list[str] = []
+
+    def relays(self, mid: Worker, target: Worker) -> bool:
+        return True
+
+    def verify_later(self, target, seq_ids, sampling, method, *, level, sync, fill):
+        return LocalPending(self, target, (seq_ids, sampling, method), {"level": level, "sync": sync, "fill": fill})
+
+    def draft(self, mid, low, call, relay=None):
+        out = super().draft(mid, low, call)
+        if relay is not None and out.low_error is None and self.post:
+            relay.deliver(out.drafts)
+            out.relayed = True
+            self.relayed += 1
+        return out
+
+
+@pytest.mark.parametrize("method,sampling", [
+    (VerifyMethod.GREEDY, None),
+    (VerifyMethod.REJECTION, SAMPLED),
+    (VerifyMethod.COUPLED, SAMPLED),
+])
+@pytest.mark.parametrize("post", [True, False])
+def test_relayed_drafts_give_the_same_tokens_and_statistics(method, sampling, post):
+    """The middle level sends its drafts to the target itself (or, when it cannot reach it, the coordinator
+    sends them after its reply): the same tokens and per-level statistics as drafts back through the
+    coordinator, with one relayed verification per drafted round."""
+    plain, _ = run(method, sampling, LocalNesting())
+    nest = RelayNesting(post=post)
+    relayed, lv = run(method, sampling, nest)
+    assert [r.token_ids for r in relayed.results] == [r.token_ids for r in plain.results]
+    assert {n: s.as_dict() for n, s in relayed.stats.items()} == {n: s.as_dict() for n, s in plain.stats.items()}
+    assert nest.calls and (nest.relayed if post else nest.sent_by_coordinator) == len(nest.calls)
+    assert not nest.aborts
+    # the target verified once per round, relayed or not: its verifications equal the rounds of the run
+    assert lv[2].worker.verifies == max(r.rounds for r in relayed.results)
+
+
+def test_a_failure_below_a_relay_aborts_the_verification_and_the_target_restarts_its_rows():
+    """The level below fails inside the middle level's inner rounds: the drafts never go to the target, the
+    coordinator aborts the relayed verification (its syncs unapplied), drops the failed level and the rows start
+    again at the target on its next call; every row still gets the plain target's tokens."""
+    lv = levels(VerifyMethod.GREEDY)
+    nest = RelayNesting()
+    eng = CascadeEngine(lv, nesting=nest)
+    eng.retry_after_s = 0.0
+    seqs = [eng.new_sequence(p, SamplingParams(), 40) for p in PROMPTS]
+    small = lv[0].worker
+    r = 0
+    while any(not s.finished for s in seqs):
+        if r == 2:
+            small.dead = True
+        if r == 5:
+            small.dead = False
+        eng.step(seqs)
+        r += 1
+    assert nest.aborts and "drafting failed" in nest.aborts[0]
+    assert eng.level_status()["d1"] == "up" and nest.relayed > 0
+    ref = generate([Level("t", worker=FakeWorker("t", vocab=16, order=2, table_seed=0))], PROMPTS, max_tokens=40,
+                   ignore_eos=True)
+    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
+    for s in seqs:
+        eng.release(s)
+    assert all(x.worker.stats().live_sequences == 0 for x in lv)
+
+
+def test_a_look_ahead_is_not_relayed():
+    """Only a round's own drafts for the target are relayed: with overlap the look-ahead drafts the next round
+    while the target verifies this one, and its drafts are there before the round asks the target."""
+    nest = RelayNesting()
+    run(VerifyMethod.GREEDY, None, nest, overlap="unbounded")
+    assert nest.relayed <= 1  # at most the first round, which has nothing drafted ahead
