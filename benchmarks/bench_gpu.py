@@ -386,8 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="with actors: also run the cascade without nested drafting (the coordinator makes the "
                          "middle level's inner-round calls, as before n-gram levels could nest)")
     ap.add_argument("--norelay", action="store_true",
-                    help="with actors: also run the cascade with nested drafting but without relays (the middle "
-                         "level's drafts back through the coordinator instead of straight to the target)")
+                    help="with actors: also run the drafted plans without relays (the drafts back through the "
+                         "coordinator instead of straight from the level below the target to it)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -539,8 +539,9 @@ def actors_path(args: argparse.Namespace, small: str, big: str, dev: torch.devic
         forwards = RemoteForwards({n: launched.workers[n] for n in (small, big)}, paths)
         sets = {"plain": [lv[big]], "draft": [lv[small], lv[big]], "cascade": [lv["ngram"], lv[small], lv[big]]}
         run_jobs("actors", sets, forwards, launched.nesting)
-        if args.norelay:  # the cascade again, nested, with the drafts back through the coordinator
-            run_jobs("actors-norelay", sets, forwards, RemoteNesting(relay=False), only="cascade")
+        if args.norelay:  # the drafted plans again, with the drafts back through the coordinator
+            for name in ("draft", "cascade"):
+                run_jobs("actors-norelay", sets, forwards, RemoteNesting(relay=False), only=name)
         if args.flat:  # the cascade again with the coordinator making every inner round's call
             run_jobs("actors-flat", sets, forwards, None, only="cascade")
         report["fit_actors"] = {name: fit(calls) for name, calls in forwards.fit.items()}

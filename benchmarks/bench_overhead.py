@@ -212,6 +212,9 @@ class ClientLog:
             if fn is None or getattr(fn, "_overhead_timed", False):
                 continue
             setattr(worker, m, self._wrap(level, m, fn))
+        relayed = getattr(worker, "propose_relayed", None)  # a propose that also sends its drafts to the target
+        if relayed is not None and not getattr(relayed, "_overhead_timed", False):
+            worker.propose_relayed = self._wrap(level, "propose", relayed)
         later = getattr(worker, "verify_later", None)
         if later is not None and not getattr(later, "_overhead_timed", False):
             worker.verify_later = self._wrap_later(level, later)

@@ -61,15 +61,24 @@ class LevelCalls:
 
     def propose(
         self, i: int, upper: int, rows: Sequence[Seq], tails: Sequence[Sequence[int]], want: Sequence[int],
-        override: VerifyMethod | None,
+        override: VerifyMethod | None, relay: Relayed | None = None,
     ) -> DraftProposal:
-        """Model level `i` drafts want[b] tokens beyond each row's context, for level `upper`, in one call."""
+        """Model level `i` drafts want[b] tokens beyond each row's context, for level `upper`, in one call.
+        `relay`: it also sends them to the target for that verification (`verify_later`; sent from here if it
+        could not)."""
         lvl = self.levels[i]
         syncs = [self.sync(i, s, t) for s, t in zip(rows, tails)]
         mode = DraftMode.for_method(self.method(upper, i, override))
         t0 = time.perf_counter()
-        prop = self.call(i, lvl.worker.propose, [s.seq_id for s in rows], list(want), [s.sampling for s in rows],
-                         mode=mode, level=i, sync=syncs, stop_below=lvl.confidence)
+        args = ([s.seq_id for s in rows], list(want), [s.sampling for s in rows])
+        kwargs = {"mode": mode, "level": i, "sync": syncs, "stop_below": lvl.confidence}
+        if relay is None:
+            prop = self.call(i, lvl.worker.propose, *args, **kwargs)
+        else:
+            prop, sent = self.call(i, relay.via.propose, lvl.worker, relay.pending, *args, **kwargs)
+            relay.arrived()
+            if not sent:
+                relay.pending.send_drafts(prop)
         if _catch_up(syncs, tails) <= UNTIMED_CATCH_UP:
             self.feed.proposed(i, len(rows), max(want, default=0), time.perf_counter() - t0)
         for s, toks in zip(rows, prop.token_ids):
@@ -129,7 +138,7 @@ class LevelCalls:
         method = self.method(i, lower, override)
         pending = self.call(i, nesting.verify_later, worker, [s.seq_id for s in rows], [s.sampling for s in rows],
                             method, level=i, sync=syncs, fill=fill)
-        return Relayed(pending, _catch_up(syncs, [()] * len(rows)) <= UNTIMED_CATCH_UP)
+        return Relayed(pending, nesting, _catch_up(syncs, [()] * len(rows)) <= UNTIMED_CATCH_UP)
 
     def finish_relayed(
         self, i: int, lower: int, rows: Sequence[Seq], relayed: Relayed, drafts: Sequence[Sequence[int]],
@@ -243,11 +252,12 @@ class LevelCalls:
 
 @dataclass
 class Relayed:
-    """A target's verification in flight whose drafts a middle level sends it (`LevelCalls.verify_later`).
-    `timed`: no row catches up on a long text in it (the planner is fed its time); `since`: when the middle
-    level's reply came (`arrived`)."""
+    """A target's verification in flight whose drafts the level below sends it (`LevelCalls.verify_later`), over
+    the transport `via`. `timed`: no row catches up on a long text in it (the planner is fed its time); `since`:
+    when the drafting level's reply came (`arrived`)."""
 
     pending: PendingVerify
+    via: Nesting
     timed: bool
     since: float = 0.0
 

@@ -186,8 +186,9 @@ class Drafter:
                 return self._propose_trees(r, rows, want, shape)
             if until is not None and any(until.rows):
                 return Drafts(self._propose_bounded(r, rows, tails, want, until))
-            prop = self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
-            return prop
+            if relay and self._relays(r, ci):
+                return self._propose_relayed(r, rows, want)
+            return self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
         return self._inner_rounds(r, ci, rows, tails, want, until, relay)
 
     def tree_width(self, r: RoundState, ci: int) -> int:
@@ -350,8 +351,7 @@ class Drafter:
             return Drafts([[] for _ in rows])
         assert self.nesting is not None
         relayed = None
-        if (relay and r.tree_width == 1 and not r.plan.hybrid and r.chain[ci + 1] == r.top
-                and self.nesting.relays(self.levels[r.chain[ci]].worker, self.levels[r.top].worker)):
+        if relay and self._relays(r, ci):
             relayed = self.calls.verify_later(r.top, r.chain[ci], rows, r.override, idx, self.nesting)
         try:
             out = self._nested_call(r, ci, rows, tails, want, need_probs, idx, relayed)
@@ -361,6 +361,26 @@ class Drafter:
             raise
         r.relayed = relayed
         return out
+
+    def _relays(self, r: RoundState, ci: int) -> bool:
+        """Can level r.chain[ci], drafting the round's chains for the target right above it, send them to the
+        target itself (`Nesting.relays`)?"""
+        return (self.nesting is not None and r.tree_width == 1 and not r.plan.hybrid and r.chain[ci + 1] == r.top
+                and self.nesting.relays(self.levels[r.chain[ci]].worker, self.levels[r.top].worker))
+
+    def _propose_relayed(self, r: RoundState, rows: list[Seq], want: list[int]) -> Drafts:
+        """The first model level of a two-level plan drafts, and sends its drafts to the target itself, whose
+        verification the round asked for first (`r.relayed`)."""
+        assert self.nesting is not None
+        i = r.chain[0]
+        relayed = self.calls.verify_later(r.top, i, rows, r.override, list(range(len(rows))), self.nesting)
+        try:
+            prop = self.calls.propose(i, r.top, rows, [[] for _ in rows], want, r.override, relay=relayed)
+        except BaseException:
+            self.calls.abandon(r.top, rows, relayed, "the drafting level failed")
+            raise
+        r.relayed = relayed
+        return prop
 
     def _nested_call(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], need_probs: bool,

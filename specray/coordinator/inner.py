@@ -183,15 +183,16 @@ class Nesting(Protocol):
     """A transport that lets a middle level run its inner rounds beside its model (`run_nested`). `low` None: the
     level below is an n-gram lookup (`NestedDraft.lookup`), which the middle level runs itself (`LookupHolder`).
 
-    Relays: where the middle level can reach the target too (`relays`), the coordinator asks the target for the
-    round's verification first (`verify_later`) and the middle level sends it the drafts when its inner rounds
-    end (`draft(..., relay=)`): the drafts skip a trip through the coordinator."""
+    Relays: where the level drafting for the target can reach it (`relays`), the coordinator asks the target for
+    the round's verification first (`verify_later`) and the drafting level sends it the drafts when it has them
+    (a middle level when its inner rounds end: `draft(..., relay=)`; a first level after its `propose`): the
+    drafts skip a trip through the coordinator."""
 
     def reaches(self, mid: Worker, low: Worker | None) -> bool:
         """Can the middle level's worker call the lower level's directly (or run the n-gram lookup itself)?"""
 
-    def relays(self, mid: Worker, target: Worker) -> bool:
-        """Can the middle level send its drafts to the target directly?"""
+    def relays(self, drafter: Worker, target: Worker) -> bool:
+        """Can the level right below the target send its drafts to the target directly?"""
 
     def verify_later(
         self, target: Worker, seq_ids: list[str], sampling: list[SamplingParams], method: VerifyMethod, *,
@@ -199,6 +200,13 @@ class Nesting(Protocol):
     ) -> PendingVerify:
         """Ask `target` to verify the rows once their drafts arrive (`fill`: the rows that get drafts, in the
         order of the middle level's request)."""
+
+    def propose(
+        self, worker: Worker, relay: PendingVerify, seq_ids: list[str], k: list[int], sampling: list[SamplingParams],
+        *, mode: str, level: int, sync: list[SeqSync], stop_below: float,
+    ) -> tuple[DraftProposal, bool]:
+        """`Worker.propose` at the level right below the target, which also sends the drafts to `relay`'s target;
+        the drafts, and whether they were sent."""
 
     def draft(self, mid: Worker, low: Worker | None, call: NestedDraft,
               relay: PendingVerify | None = None) -> NestedOutcome:

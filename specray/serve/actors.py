@@ -153,6 +153,21 @@ class ActorWorker(ActorClient):
         return self._send(TreeVerifyCall(ids, wire_trees(trees), draft_probs, sp, method, level, sy, return_probs,
                                          confidence))
 
+    def propose_relayed(
+        self, relay: RelayedVerify, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams],
+        mode: str = DraftMode.GREEDY, level: int = 0, sync: Sequence[SeqSync | None] | None = None,
+        stop_below: float = 0.0,
+    ) -> tuple[DraftProposal, bool]:
+        """`propose`, the actor also sending the drafts to `relay`'s target; the drafts, and whether it sent
+        them. Direct transport only."""
+        if self.transport != "direct":
+            raise ValueError("relayed drafts need the direct transport")
+        ids = list(seq_ids)
+        sp, sy = self._wire(ids, sampling, sync)
+        prop, sent = self._send_direct(ProposeCall(ids, list(k), sp, mode, level, sy, stop_below,
+                                                   relay=(relay.at, relay.key)))
+        return prop, sent
+
     def verify_later(
         self, seq_ids: Sequence[str], sampling: Sequence[SamplingParams], method: VerifyMethod, level: int,
         sync: Sequence[SeqSync | None] | None, fill: Sequence[int],
@@ -296,8 +311,16 @@ class RemoteNesting:
     def reaches(self, mid: Worker, low: Worker | None) -> bool:
         return _direct(mid) and (low is None or _direct(low))
 
-    def relays(self, mid: Worker, target: Worker) -> bool:
-        return self.relay and _direct(mid) and _direct(target)
+    def relays(self, drafter: Worker, target: Worker) -> bool:
+        return self.relay and _direct(drafter) and _direct(target)
+
+    def propose(
+        self, worker: Worker, relay: PendingVerify, seq_ids: list[str], k: list[int], sampling: list[SamplingParams],
+        *, mode: str, level: int, sync: list[SeqSync], stop_below: float,
+    ) -> tuple[DraftProposal, bool]:
+        assert isinstance(worker, ActorWorker) and isinstance(relay, RelayedVerify)
+        return worker.propose_relayed(relay, seq_ids, k, sampling, mode=mode, level=level, sync=sync,
+                                      stop_below=stop_below)
 
     def verify_later(
         self, target: Worker, seq_ids: list[str], sampling: list[SamplingParams], method: VerifyMethod, *,

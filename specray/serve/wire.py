@@ -86,10 +86,17 @@ class ProposeCall:
     level: int
     sync: list[WireSync] | None
     stop_below: float
+    #: also send the drafts to the target's actor at this endpoint, for the relayed verification with this key
+    #: (specray.serve.relay); the reply is then (drafts, whether they were sent)
+    relay: tuple[Endpoint, str] | None = None
 
-    def run(self, worker: Worker, samplings: Samplings, peer: Peers | None = None) -> DraftProposal:
-        return worker.propose(self.seq_ids, self.k, samplings.resolve(self.seq_ids, self.sampling), mode=self.mode,
+    def run(self, worker: Worker, samplings: Samplings,
+            peer: Peers | None = None) -> DraftProposal | tuple[DraftProposal, bool]:
+        prop = worker.propose(self.seq_ids, self.k, samplings.resolve(self.seq_ids, self.sampling), mode=self.mode,
                               level=self.level, sync=syncs(self.sync), stop_below=self.stop_below)
+        if self.relay is None:
+            return prop
+        return prop, _post_drafts(peer, self.relay, prop)
 
     def shape(self) -> tuple[int, int]:
         return len(self.seq_ids), max(self.k, default=0)
@@ -207,19 +214,27 @@ class NestedCall:
 
     def _relay(self, out: NestedOutcome, peer: Peers | None) -> NestedOutcome:
         """Send the drafts on to the target (`relay`), unless the level below failed (the coordinator then aborts
-        the verification). A failed send is reported, not raised: the coordinator then sends them itself."""
-        if self.relay is None or out.low_error is not None or peer is None:
-            return out
-        at, key = self.relay
-        try:
-            peer.post(at, RelayedDrafts(key, out.drafts.token_ids, out.drafts.probs))
-            out.relayed = True
-        except Exception as exc:  # the target's connection is broken: the coordinator will see it too
-            log.debug("relay to %s failed: %s", at, exc)
+        the verification)."""
+        if self.relay is not None and out.low_error is None:
+            out.relayed = _post_drafts(peer, self.relay, out.drafts)
         return out
 
     def shape(self) -> tuple[int, int]:
         return len(self.draft.seq_ids), max(self.draft.want, default=0)
+
+
+def _post_drafts(peer: Peers | None, relay: tuple[Endpoint, str], drafts: DraftProposal) -> bool:
+    """Send a relayed verification its drafts; False if that failed (reported, not raised: the coordinator then
+    sends them itself, and sees the target's failure if there is one)."""
+    at, key = relay
+    if peer is None:
+        return False
+    try:
+        peer.post(at, RelayedDrafts(key, drafts.token_ids, drafts.probs))
+        return True
+    except Exception as exc:
+        log.debug("relay to %s failed: %s", at, exc)
+        return False
 
 
 @dataclass(frozen=True)

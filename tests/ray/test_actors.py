@@ -312,6 +312,40 @@ def test_nested_drafting_over_actors_equals_in_process(fakes, setup):
         del mid.nested
 
 
+@pytest.mark.parametrize("setup", ["draft", "models3", "cascade3"])
+def test_relayed_drafts_over_actors_equal_in_process(fakes, setup):
+    """The level right below the target sends its drafts to the target's actor itself (`cascade.relay`, on by
+    default: d2's `propose`, or d2's nested inner rounds over d1 or the n-gram), and the target replies to the
+    coordinator: the same tokens and per-level statistics as the in-process loop, every round relayed."""
+    from specray.coordinator.cascade import CascadeEngine
+
+    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(len(PROMPTS))]
+    target = fakes.workers["target"]
+    relayed = {"n": 0}
+    orig = target.verify_later
+
+    def counted(*a, **kw):
+        relayed["n"] += 1
+        return orig(*a, **kw)
+
+    target.verify_later = counted
+    try:
+        for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.REJECTION, sp), (VerifyMethod.COUPLED, sp)]:
+            want = generate(fake_cascade(setup, method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
+                            ignore_eos=True)
+            relayed["n"] = 0
+            eng = CascadeEngine(fake_cascade(setup, method, fakes.workers), nesting=fakes.nesting)
+            got = generate(eng, PROMPTS, max_tokens=20, sampling=sampling, ignore_eos=True)
+            assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], method
+            assert {n: st.as_dict() for n, st in got.stats.items()} == {n: st.as_dict() for n, st in want.stats.items()}
+            # every round that drafts is relayed: all but maybe the last (every row owes one token: nothing to draft)
+            rounds = max(r.rounds for r in got.results)
+            assert rounds - 1 <= relayed["n"] <= rounds, method
+            assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
+    finally:
+        del target.verify_later
+
+
 def test_penalties_min_p_and_logprobs_over_actors_equal_in_process(fakes):
     """Per-sequence penalties, min_p and logprobs travel with the sampling parameters (sent once per sequence)
     to every level's actor, the nested middle level's included; the log-probabilities come back with the

@@ -254,6 +254,13 @@ class RelayNesting(LocalNesting):
     def verify_later(self, target, seq_ids, sampling, method, *, level, sync, fill):
         return LocalPending(self, target, (seq_ids, sampling, method), {"level": level, "sync": sync, "fill": fill})
 
+    def propose(self, worker, relay, seq_ids, k, sampling, *, mode, level, sync, stop_below):
+        prop = worker.propose(seq_ids, k, sampling, mode=mode, level=level, sync=sync, stop_below=stop_below)
+        if self.post:
+            relay.deliver(prop)
+            self.relayed += 1
+        return prop, self.post
+
     def draft(self, mid, low, call, relay=None):
         out = super().draft(mid, low, call)
         if relay is not None and out.low_error is None and self.post:
@@ -318,3 +325,46 @@ def test_a_look_ahead_is_not_relayed():
     nest = RelayNesting()
     run(VerifyMethod.GREEDY, None, nest, overlap="unbounded")
     assert nest.relayed <= 1  # at most the first round, which has nothing drafted ahead
+
+
+@pytest.mark.parametrize("method,sampling", [
+    (VerifyMethod.GREEDY, None),
+    (VerifyMethod.REJECTION, SAMPLED),
+    (VerifyMethod.COUPLED, SAMPLED),
+])
+@pytest.mark.parametrize("post", [True, False])
+def test_a_first_level_right_below_the_target_relays_its_drafts_too(method, sampling, post):
+    """d2 -> t: the drafting level's `propose` also sends its drafts to the target (or the coordinator does,
+    when it could not): the same tokens and statistics as without relays, one relayed verification per round."""
+    out = []
+    for nesting in (None, RelayNesting(post=post)):
+        lv = levels(method)[1:]
+        eng = CascadeEngine(lv, nesting=nesting)
+        out.append(generate(eng, PROMPTS, max_tokens=23, sampling=sampling, ignore_eos=True))
+        assert all(x.worker.stats().live_sequences == 0 for x in lv)
+    plain, relayed = out
+    assert [r.token_ids for r in relayed.results] == [r.token_ids for r in plain.results]
+    assert {n: s.as_dict() for n, s in relayed.stats.items()} == {n: s.as_dict() for n, s in plain.stats.items()}
+    rounds = max(r.rounds for r in relayed.results)
+    assert (nesting.relayed if post else nesting.sent_by_coordinator) == rounds
+    assert lv[1].worker.verifies == rounds
+
+
+def test_a_first_level_that_fails_aborts_its_relayed_verification():
+    lv = levels(VerifyMethod.GREEDY)[1:]
+    nest = RelayNesting()
+    eng = CascadeEngine(lv, nesting=nest)
+    eng.retry_after_s = 0.0
+    seqs = [eng.new_sequence(p, SamplingParams(), 30) for p in PROMPTS]
+    r = 0
+    while any(not s.finished for s in seqs):
+        lv[0].worker.dead = r in (2, 3)
+        eng.step(seqs)
+        r += 1
+    assert nest.aborts and "drafting level failed" in nest.aborts[0]
+    ref = generate([Level("t", worker=FakeWorker("t", vocab=16, order=2, table_seed=0))], PROMPTS, max_tokens=30,
+                   ignore_eos=True)
+    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
+    for s in seqs:
+        eng.release(s)
+    assert all(x.worker.stats().live_sequences == 0 for x in lv)
