@@ -6,6 +6,8 @@ rows commit what it emitted, and the statistics are recorded.
                                                      #   during the previous round's verification (overlap)
     ahead = r.source.start_ahead(r, drafts)          # overlap: the next round's drafts beside the verification
     result = calls.verify(target, rows, drafts)      # accept a prefix + one correction/bonus token per row
+                                                     #   (relayed: the level below sent the target its drafts
+                                                     #   itself, and the round only waits for the verdict)
     looks = r.source.settle(r, ahead)                # the look-ahead stops at its next step
     commit, record, keep the look-ahead that continues the committed text
     calls.feed.shadowed(rows, plan)                  # an n-gram level the target did not verify: its shadow drafts
