@@ -19,10 +19,12 @@ max_tokens, ignore_eos=True)`):
              nodes by custom resources, placement SPREAD): cross-raylet calls, still over loopback
 On the Ray paths each configuration runs once per transport (`--transports`, side by side, same actors; see
 specray/serve/actors.py): `direct` (the level's own socket, the default, with nested drafting: the middle level
-of the cascade runs its inner rounds in its actor, calling the level below directly), `flat` (direct, the
-coordinator making every call), `poll` (direct and nested, both ends polling near a due frame instead of parking
-in `recv`: `cascade.poll`), `compiled` (a Ray Compiled Graph per level) and `call` (plain actor calls), labelled
-`actors` / `actors-flat` / `actors-poll` / `actors-compiled` / `actors-call` (and `multinode...`).
+of the cascade runs its inner rounds in its actor, calling the level below directly; and relays: the level right
+below the target sends it the drafts itself, specray/serve/relay.py), `norelay` (direct and nested, the drafts
+back through the coordinator), `flat` (direct, the coordinator making every call), `poll` (direct, nested and
+relayed, both ends polling near a due frame instead of parking in `recv`: `cascade.poll`), `compiled` (a Ray
+Compiled Graph per level) and `call` (plain actor calls), labelled `actors` / `actors-norelay` / `actors-flat` /
+`actors-poll` / `actors-compiled` / `actors-call` (and `multinode...`).
 Plans: plain (target alone), draft (8B K -> 70B-TP4), cascade (1B K -> 8B K -> 70B-TP4), ngram-cascade (n-gram
 lookup K -> 8B K -> 70B-TP4: the lookup runs in the coordinator, or beside the 8B with nested drafting; its
 rounds are reported but not held to the targets below); greedy, K per level,

@@ -116,3 +116,30 @@ def test_bench_inproc_measurement_smoke():
     assert r["per_level"]["llama-1b"]["calls"]["propose"] >= 1
     assert set(r["acceptance"]) == {"llama-1b->llama-8b", "llama-8b->llama-70b-tp4"}
     assert r["bound"]["bound"] > 0
+
+
+def test_the_client_log_times_relayed_calls_as_their_kind():
+    """A relayed verification counts as a `verify` from when the coordinator waits for the verdict, and a propose
+    that relays its drafts as a `propose` (bench_overhead's per-level calls and hops)."""
+    b = load_bench("bench_overhead")
+
+    class Pending:
+        def result(self):
+            return "verdict"
+
+    class Worker:
+        def verify_later(self, *a, **kw):
+            return Pending()
+
+        def propose_relayed(self, *a, **kw):
+            return "drafts", True
+
+    client = b.ClientLog()
+    w = Worker()
+    client.patch("t", w)
+    client.patch("t", w)  # patched once only
+    pending = w.verify_later(["a"], fill=[0])
+    assert client.calls == []  # not yet waiting
+    assert pending.result() == "verdict"
+    assert w.propose_relayed() == ("drafts", True)
+    assert [(c.level, c.method) for c in client.calls] == [("t", "verify"), ("t", "propose")]
