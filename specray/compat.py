@@ -222,7 +222,7 @@ _LLM_CONFIG_NEUTRAL: dict[str, tuple[Any, ...]] = {"lora_config": (None,), "serv
 #: engine_kwargs that specray maps (the rest go to a vLLM level's engine_args)
 _ENGINE_MAPPED = ("max_model_len", "max_num_seqs", "dtype", "speculative_config", "served_model_name")
 #: experimental_configs.specray: what it may hold
-_EXTENSION_KEYS = {"kind", "level_defaults", "server", "policy", "placement", "transport", "nested",
+_EXTENSION_KEYS = {"kind", "level_defaults", "server", "policy", "placement", "transport", "nested", "relay",
                    "start_timeout_s"}
 
 
@@ -313,7 +313,7 @@ def app_from_llm_config(entry: Any, where: str = "llm_configs[0]") -> tuple[dict
         flat["server"] = ext.pop("server")
     if ext.get("policy"):
         flat["policy"] = ext.pop("policy")
-    cascade = {k: ext.pop(k) for k in ("placement", "transport", "nested", "start_timeout_s") if k in ext}
+    cascade = {k: ext.pop(k) for k in ("placement", "transport", "nested", "relay", "start_timeout_s") if k in ext}
     pg = cfg.get("placement_group_config")
     if pg:
         if set(pg) - {"strategy"}:

@@ -344,10 +344,10 @@ class CascadeConfig(_Strict):
         "Off: the coordinator makes every call.",
     )
     relay: bool = Field(
-        True, description="With nested drafting, the middle level right below the target sends its drafts to the "
-        "target's actor itself, and the target replies to the coordinator (direct transport): one transfer and the "
-        "coordinator's work between the two calls come off every round of a cascade without overlap. Off: the "
-        "drafts come back through the coordinator.",
+        True, description="With nested drafting, the level right below the target (a middle level after its inner "
+        "rounds, or a plan's only drafter after its propose) sends its drafts to the target's actor itself, and the "
+        "target replies to the coordinator (direct transport): one transfer and the coordinator's work between the "
+        "two calls come off every round without overlap. Off: the drafts come back through the coordinator.",
     )
 
     @model_validator(mode="after")
