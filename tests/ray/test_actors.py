@@ -582,6 +582,53 @@ def test_killed_level_is_restarted_and_reports_lost_sequences():
         assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
 
 
+@pytest.mark.parametrize("chain", [("d2",), ("d1", "d2")])
+def test_a_target_killed_during_relayed_rounds_fails_its_round_and_serves_again(chain):
+    """Relayed rounds (the level below the target sends it the drafts): killing the target fails the round in
+    flight with the target's error (its requests end, as the failure table says) instead of hanging on a
+    verification whose drafts went nowhere; once Ray has restarted it, new requests are exact and relayed again."""
+    from specray.coordinator.cascade import CascadeEngine
+    from specray.coordinator.failover import LevelCallError
+
+    names = (*chain, "target")
+    cfg = CascadeConfig(levels=[level(n, num_speculative_tokens=3) for n in chain] + [level("target")])
+    with launch_levels(cfg, [fake(n, *FAKES[n]) for n in names], name_prefix=f"kr{len(chain)}") as lc:
+        eng = CascadeEngine(lc.levels, nesting=lc.nesting)
+        target = lc.workers["target"]
+        relayed = {"n": 0}
+        orig = target.verify_later
+
+        def counted(*a, **kw):
+            relayed["n"] += 1
+            return orig(*a, **kw)
+
+        target.verify_later = counted
+        seqs = [eng.new_sequence(p, SamplingParams(), 40) for p in PROMPTS]
+        eng.step(seqs)
+        eng.step(seqs)
+        assert relayed["n"] == 2
+        os.kill(lc.info["target"]["pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(LevelCallError) as err:
+            eng.step(seqs)
+        assert err.value.level == len(names) - 1 and time.monotonic() - t0 < 30
+        for s in seqs:
+            eng.release(s)
+        want = generate([Level("target", worker=in_process()["target"])], PROMPTS, max_tokens=12, ignore_eos=True)
+        deadline = time.monotonic() + 60
+        while True:  # Ray restarts the target; a request before it is back fails like the one above
+            try:
+                got = generate(eng, PROMPTS, max_tokens=12, ignore_eos=True)
+                break
+            except LevelCallError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
+        assert relayed["n"] > 2 and target.info()["reconstructed"]
+        assert all(w.stats().live_sequences == 0 for w in lc.workers.values())
+
+
 def test_unsatisfiable_placement_fails_fast_with_a_clear_error():
     cfg = CascadeConfig(levels=[level("d"), level("t", resources={"no-such-gpu": 1})])
     t0 = time.monotonic()
