@@ -76,9 +76,7 @@ class LevelCalls:
             prop = self.call(i, lvl.worker.propose, *args, **kwargs)
         else:
             prop, sent = self.call(i, relay.via.propose, lvl.worker, relay.pending, *args, **kwargs)
-            relay.arrived()
-            if not sent:
-                relay.pending.send_drafts(prop)
+            relay.drafted(prop, sent)
         if _catch_up(syncs, tails) <= UNTIMED_CATCH_UP:
             self.feed.proposed(i, len(rows), max(want, default=0), time.perf_counter() - t0)
         for s, toks in zip(rows, prop.token_ids):
@@ -254,15 +252,18 @@ class LevelCalls:
 class Relayed:
     """A target's verification in flight whose drafts the level below sends it (`LevelCalls.verify_later`), over
     the transport `via`. `timed`: no row catches up on a long text in it (the planner is fed its time); `since`:
-    when the drafting level's reply came (`arrived`)."""
+    when the drafting level's reply came (`drafted`)."""
 
     pending: PendingVerify
     via: Nesting
     timed: bool
     since: float = 0.0
 
-    def arrived(self) -> None:
+    def drafted(self, drafts: DraftProposal, sent: bool) -> None:
+        """The drafting level replied with `drafts`: sent on to the target by it, or (it could not) from here."""
         self.since = time.perf_counter()
+        if not sent:
+            self.pending.send_drafts(drafts)
 
 
 def longest_path(tree: DraftTree | None) -> list[int]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -186,8 +186,9 @@ class Drafter:
                 return self._propose_trees(r, rows, want, shape)
             if until is not None and any(until.rows):
                 return Drafts(self._propose_bounded(r, rows, tails, want, until))
-            if relay and self._relays(r, ci):
-                return self._propose_relayed(r, rows, want)
+            if relay and self._relays(r, ci):  # the round's drafts: the target verifies what i sends it
+                return self._relaying(r, ci, list(range(len(rows))), lambda rel: self.calls.propose(
+                    i, r.top, rows, tails, want, r.override, relay=rel), "the drafting level failed")
             return self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
         return self._inner_rounds(r, ci, rows, tails, want, until, relay)
 
@@ -349,18 +350,11 @@ class Drafter:
         idx = [b for b in range(len(rows)) if want[b] > 0]
         if not idx:
             return Drafts([[] for _ in rows])
-        assert self.nesting is not None
-        relayed = None
         if relay and self._relays(r, ci):
-            relayed = self.calls.verify_later(r.top, r.chain[ci], rows, r.override, idx, self.nesting)
-        try:
-            out = self._nested_call(r, ci, rows, tails, want, need_probs, idx, relayed)
-        except BaseException:
-            if relayed is not None:  # the drafts will not come: the target drops the verification
-                self.calls.abandon(r.top, rows, relayed, "the middle level's drafting failed")
-            raise
-        r.relayed = relayed
-        return out
+            return self._relaying(r, ci, idx, lambda rel: self._nested_call(r, ci, rows, tails, want, need_probs,
+                                                                            idx, rel),
+                                  "the middle level's drafting failed")
+        return self._nested_call(r, ci, rows, tails, want, need_probs, idx, None)
 
     def _relays(self, r: RoundState, ci: int) -> bool:
         """Can level r.chain[ci], drafting the round's chains for the target right above it, send them to the
@@ -368,19 +362,21 @@ class Drafter:
         return (self.nesting is not None and r.tree_width == 1 and not r.plan.hybrid and r.chain[ci + 1] == r.top
                 and self.nesting.relays(self.levels[r.chain[ci]].worker, self.levels[r.top].worker))
 
-    def _propose_relayed(self, r: RoundState, rows: list[Seq], want: list[int]) -> Drafts:
-        """The first model level of a two-level plan drafts, and sends its drafts to the target itself, whose
-        verification the round asked for first (`r.relayed`)."""
+    def _relaying(self, r: RoundState, ci: int, fill: list[int], draft: Callable[[Relayed], Drafts],
+                  failed: str) -> Drafts:
+        """Ask the target for the round's verification first, then `draft` with level r.chain[ci], which sends the
+        drafts (for the rows `fill`) to the target itself; the round then only waits for the verdict
+        (`r.relayed`). If drafting fails, the drafts will not come: the target drops the verification (`failed`
+        says why)."""
         assert self.nesting is not None
-        i = r.chain[0]
-        relayed = self.calls.verify_later(r.top, i, rows, r.override, list(range(len(rows))), self.nesting)
+        relayed = self.calls.verify_later(r.top, r.chain[ci], r.rows, r.override, fill, self.nesting)
         try:
-            prop = self.calls.propose(i, r.top, rows, [[] for _ in rows], want, r.override, relay=relayed)
+            out = draft(relayed)
         except BaseException:
-            self.calls.abandon(r.top, rows, relayed, "the drafting level failed")
+            self.calls.abandon(r.top, r.rows, relayed, failed)
             raise
         r.relayed = relayed
-        return prop
+        return out
 
     def _nested_call(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], need_probs: bool,
@@ -405,9 +401,8 @@ class Drafter:
             got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call)
         else:
             got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call, relay=relayed.pending)
-            relayed.arrived()
-            if got.low_error is None and not got.relayed:  # the middle level could not reach the target
-                relayed.pending.send_drafts(got.drafts)
+            if got.low_error is None:  # else nothing to send: the round fails over
+                relayed.drafted(got.drafts, got.relayed)
         for s, mh, lh in zip(sub, got.mid_held, got.low_held):
             s.mirror[i].extend(mh)
             s.mirror[low_key].extend(lh)

@@ -24,7 +24,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayC
 from specray.engine.protocol import SeqSync, WorkerCaps
 from specray.serve.direct import FrameClient, PendingReply, TransportError
 from specray.serve.wire import (
-    Endpoint,
     LevelRequest,
     NestedCall,
     ProposeCall,
@@ -217,26 +216,19 @@ class ActorClient:
                 raise mapped from e
 
     def _send_direct(self, call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall) -> Any:
-        with self._direct_lock:
-            try:
-                if self._direct is None:
-                    self._direct = FrameClient(*self._direct_at, timeout_s=self.timeout_s, poll=self.poll)
-                request = self._request(call)
-                return self._direct.call(request, request.shape() if self.poll else None)
-            except (TransportError, KeyError) as e:
-                mapped = self._direct_failed(e)
-                if mapped is e:
-                    raise
-                raise mapped from e
+        return self._finish_direct(self._begin_direct(call))
 
-    def _begin_direct(self, call: RelayedVerifyCall) -> tuple[PendingReply, Endpoint]:
-        """Send `call` over the direct connection without waiting for its reply (read by `_finish_direct`, which
-        must follow: the connection is the call's until then); also the endpoint it went to."""
+    def _begin_direct(
+        self, call: ProposeCall | TreeProposeCall | VerifyCall | TreeVerifyCall | NestedCall | RelayedVerifyCall,
+    ) -> PendingReply:
+        """Send `call` over the direct connection; its reply is read by `_finish_direct`, which must follow (the
+        connection is the call's until then: `_direct_at` is where it went)."""
         self._direct_lock.acquire()
         try:
             if self._direct is None:
                 self._direct = FrameClient(*self._direct_at, timeout_s=self.timeout_s, poll=self.poll)
-            return self._direct.begin(self._request(call)), self._direct_at
+            request = self._request(call)
+            return self._direct.begin(request, request.shape() if self.poll else None)
         except TransportError as e:
             try:
                 raise self._direct_failed(e) from e

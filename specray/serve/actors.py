@@ -112,9 +112,16 @@ class ActorWorker(ActorClient):
         mode: str = DraftMode.GREEDY, level: int = 0, sync: Sequence[SeqSync | None] | None = None,
         stop_below: float = 0.0,
     ) -> DraftProposal:
+        return self._send(self._propose_call(seq_ids, k, sampling, mode, level, sync, stop_below))
+
+    def _propose_call(
+        self, seq_ids: Sequence[str], k: Sequence[int], sampling: Sequence[SamplingParams], mode: str, level: int,
+        sync: Sequence[SeqSync | None] | None, stop_below: float, relay: RelayedVerify | None = None,
+    ) -> ProposeCall:
         ids = list(seq_ids)
         sp, sy = self._wire(ids, sampling, sync)
-        return self._send(ProposeCall(ids, list(k), sp, mode, level, sy, stop_below))
+        return ProposeCall(ids, list(k), sp, mode, level, sy, stop_below,
+                           relay=None if relay is None else (relay.at, relay.key))
 
     def propose_tree(
         self, seq_ids: Sequence[str], depth: Sequence[int], sampling: Sequence[SamplingParams],
@@ -162,11 +169,7 @@ class ActorWorker(ActorClient):
         them. Direct transport only."""
         if self.transport != "direct":
             raise ValueError("relayed drafts need the direct transport")
-        ids = list(seq_ids)
-        sp, sy = self._wire(ids, sampling, sync)
-        prop, sent = self._send_direct(ProposeCall(ids, list(k), sp, mode, level, sy, stop_below,
-                                                   relay=(relay.at, relay.key)))
-        return prop, sent
+        return self._send_direct(self._propose_call(seq_ids, k, sampling, mode, level, sync, stop_below, relay))
 
     def verify_later(
         self, seq_ids: Sequence[str], sampling: Sequence[SamplingParams], method: VerifyMethod, level: int,
@@ -179,8 +182,8 @@ class ActorWorker(ActorClient):
         ids = list(seq_ids)
         sp, sy = self._wire(ids, sampling, sync)
         key = uuid.uuid4().hex
-        pending, at = self._begin_direct(RelayedVerifyCall(key, ids, sp, method, level, sy, list(fill)))
-        return RelayedVerify(self, pending, at, key)
+        pending = self._begin_direct(RelayedVerifyCall(key, ids, sp, method, level, sy, list(fill)))
+        return RelayedVerify(self, pending, self._direct_at, key)  # where it went (the connection is ours)
 
     def nested(self, draft: NestedDraft, low: ActorWorker | None, relay: RelayedVerify | None = None) -> NestedOutcome:
         """This (middle) level runs `draft`'s inner rounds beside its model, calling `low`'s actor directly

@@ -324,24 +324,11 @@ class FrameClient:
         """Send `request`, return the handler's result or raise its exception. `shape`: what the call's duration
         depends on (calls of one shape take about as long), for polling near its reply. A `TransportError` leaves
         the connection unusable: close it."""
-        payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            try:
-                _send(self._sock, payload)
-                t0 = time.perf_counter()
-                timed = shape is not None and self.poll  # the clock is only kept for polling
-                if timed:
-                    self.clock.wait(self._sock, shape, t0)
-                reply = _recv(self._sock)
-                if timed:
-                    self.clock.record(shape, time.perf_counter() - t0)
-            except OSError as exc:  # closed, reset, timed out
-                raise TransportError(f"{type(exc).__name__}: {exc}") from exc
-        return _unwrap(reply)
+        return self.begin(request, shape).result()
 
-    def begin(self, request: Any) -> PendingReply:
+    def begin(self, request: Any, shape: Hashable | None = None) -> PendingReply:
         """Send `request` and return at once; its reply is read by `PendingReply.result`, which must be called:
-        the connection is the request's until then (other calls wait)."""
+        the connection is the request's until then (other calls wait). `shape`: as for `call`."""
         payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         self._lock.acquire()
         try:
@@ -349,7 +336,10 @@ class FrameClient:
         except OSError as exc:
             self._lock.release()
             raise TransportError(f"{type(exc).__name__}: {exc}") from exc
-        return PendingReply(self)
+        except BaseException:
+            self._lock.release()
+            raise
+        return PendingReply(self, shape if self.poll else None)
 
     def post(self, request: Any) -> None:
         """Send a one-way request: the server runs it and replies nothing."""
@@ -372,8 +362,10 @@ class PendingReply:
     meanwhile (for example, to tell the server to give up on it), `result` reads the reply and frees the
     connection. Call `result` exactly once."""
 
-    def __init__(self, client: FrameClient) -> None:
+    def __init__(self, client: FrameClient, shape: Hashable | None) -> None:
         self._client = client
+        self._shape = shape  # polled for near its due time (only kept when the client polls)
+        self._sent = time.perf_counter()
         self._open = True
 
     def post(self, request: Any) -> None:
@@ -387,12 +379,17 @@ class PendingReply:
         if not self._open:
             raise RuntimeError("the reply was read already")
         self._open = False
+        client, shape = self._client, self._shape
         try:
-            reply = _recv(self._client._sock)
-        except OSError as exc:
+            if shape is not None:
+                client.clock.wait(client._sock, shape, self._sent)
+            reply = _recv(client._sock)
+            if shape is not None:
+                client.clock.record(shape, time.perf_counter() - self._sent)
+        except OSError as exc:  # closed, reset, timed out
             raise TransportError(f"{type(exc).__name__}: {exc}") from exc
         finally:
-            self._client._lock.release()
+            client._lock.release()
         return _unwrap(reply)
 
 

@@ -279,24 +279,22 @@ def test_a_middle_level_actor_verifies_trees_and_equals_in_process(fakes):
     assert any(t is not None and t.num_nodes and not t.is_chain for t in trees)
 
 
-@pytest.mark.parametrize("setup", ["models3", "cascade3"])
-def test_nested_drafting_over_actors_equals_in_process(fakes, setup):
-    """The middle level runs its inner rounds in its actor, calling the level below's actor directly (models3:
-    d1 -> d2 -> target), or drafting with the n-gram level below itself (cascade3: n-gram -> d2 -> target): the
-    same tokens and per-level statistics as the in-process loop, one coordinator call to it per round."""
+def _equal_in_process_counting(fakes, setup: str, worker: str, method_name: str, check_calls) -> None:
+    """The fake cascade `setup` over the actors equals the in-process loop (tokens and per-level statistics) for
+    greedy, rejection and coupled verification, with `fakes.workers[worker].<method_name>` calls counted per run:
+    `check_calls(calls, rounds, method)` asserts on them."""
     from specray.coordinator.cascade import CascadeEngine
 
-    assert fakes.nesting is not None  # cascade.nested is on by default
     sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(len(PROMPTS))]
-    mid = fakes.workers["d2"]
+    counted_on = fakes.workers[worker]
     calls = {"n": 0}
-    orig = mid.nested
+    orig = getattr(counted_on, method_name)
 
     def counted(*a, **kw):
         calls["n"] += 1
         return orig(*a, **kw)
 
-    mid.nested = counted
+    setattr(counted_on, method_name, counted)
     try:
         for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.REJECTION, sp), (VerifyMethod.COUPLED, sp)]:
             want = generate(fake_cascade(setup, method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
@@ -306,10 +304,23 @@ def test_nested_drafting_over_actors_equals_in_process(fakes, setup):
             got = generate(eng, PROMPTS, max_tokens=20, sampling=sampling, ignore_eos=True)
             assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], method
             assert {n: st.as_dict() for n, st in got.stats.items()} == {n: st.as_dict() for n, st in want.stats.items()}
-            assert 0 < calls["n"] <= max(r.rounds for r in got.results)
+            check_calls(calls["n"], max(r.rounds for r in got.results), method)
             assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
     finally:
-        del mid.nested
+        delattr(counted_on, method_name)
+
+
+@pytest.mark.parametrize("setup", ["models3", "cascade3"])
+def test_nested_drafting_over_actors_equals_in_process(fakes, setup):
+    """The middle level runs its inner rounds in its actor, calling the level below's actor directly (models3:
+    d1 -> d2 -> target), or drafting with the n-gram level below itself (cascade3: n-gram -> d2 -> target): the
+    same tokens and per-level statistics as the in-process loop, one coordinator call to it per round."""
+    assert fakes.nesting is not None  # cascade.nested is on by default
+
+    def check(calls: int, rounds: int, method) -> None:
+        assert 0 < calls <= rounds
+
+    _equal_in_process_counting(fakes, setup, "d2", "nested", check)
 
 
 @pytest.mark.parametrize("setup", ["draft", "models3", "cascade3"])
@@ -317,33 +328,12 @@ def test_relayed_drafts_over_actors_equal_in_process(fakes, setup):
     """The level right below the target sends its drafts to the target's actor itself (`cascade.relay`, on by
     default: d2's `propose`, or d2's nested inner rounds over d1 or the n-gram), and the target replies to the
     coordinator: the same tokens and per-level statistics as the in-process loop, every round relayed."""
-    from specray.coordinator.cascade import CascadeEngine
 
-    sp = [SamplingParams(temperature=0.9, top_k=10, seed=s) for s in range(len(PROMPTS))]
-    target = fakes.workers["target"]
-    relayed = {"n": 0}
-    orig = target.verify_later
+    def check(relayed: int, rounds: int, method) -> None:
+        # every round that drafts is relayed: all but maybe the last (every row owes one token: nothing to draft)
+        assert rounds - 1 <= relayed <= rounds, method
 
-    def counted(*a, **kw):
-        relayed["n"] += 1
-        return orig(*a, **kw)
-
-    target.verify_later = counted
-    try:
-        for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.REJECTION, sp), (VerifyMethod.COUPLED, sp)]:
-            want = generate(fake_cascade(setup, method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
-                            ignore_eos=True)
-            relayed["n"] = 0
-            eng = CascadeEngine(fake_cascade(setup, method, fakes.workers), nesting=fakes.nesting)
-            got = generate(eng, PROMPTS, max_tokens=20, sampling=sampling, ignore_eos=True)
-            assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], method
-            assert {n: st.as_dict() for n, st in got.stats.items()} == {n: st.as_dict() for n, st in want.stats.items()}
-            # every round that drafts is relayed: all but maybe the last (every row owes one token: nothing to draft)
-            rounds = max(r.rounds for r in got.results)
-            assert rounds - 1 <= relayed["n"] <= rounds, method
-            assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
-    finally:
-        del target.verify_later
+    _equal_in_process_counting(fakes, setup, "target", "verify_later", check)
 
 
 def test_penalties_min_p_and_logprobs_over_actors_equal_in_process(fakes):

@@ -117,28 +117,39 @@ def test_nested_with_confidence_and_short_rows_matches():
     assert {n: s.as_dict() for n, s in nested.stats.items()} == {n: s.as_dict() for n, s in flat.stats.items()}
 
 
-def test_a_failing_lower_level_inside_a_nested_call_is_dropped_and_taken_back():
-    lv = levels(VerifyMethod.GREEDY)
-    eng = CascadeEngine(lv, nesting=LocalNesting())
+def run_with_a_failure(lv: list[Level], nesting, max_tokens: int, at_round) -> CascadeEngine:
+    """Step a greedy batch of PROMPTS through `lv` to the end, calling `at_round(r, eng)` before round r (it kills
+    and revives levels); every row must get the plain target's tokens and every level end up holding nothing."""
+    eng = CascadeEngine(lv, nesting=nesting)
     eng.retry_after_s = 0.0
-    seqs = [eng.new_sequence(p, SamplingParams(), 40) for p in PROMPTS]
-    small = lv[0].worker
+    seqs = [eng.new_sequence(p, SamplingParams(), max_tokens) for p in PROMPTS]
     r = 0
     while any(not s.finished for s in seqs):
+        at_round(r, eng)
+        eng.step(seqs)
+        r += 1
+    ref = generate([Level("t", worker=FakeWorker("t", vocab=16, order=2, table_seed=0))], PROMPTS,
+                   max_tokens=max_tokens, ignore_eos=True)
+    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
+    for s in seqs:
+        eng.release(s)
+    assert all(x.worker.stats().live_sequences == 0 for x in lv)
+    return eng
+
+
+def test_a_failing_lower_level_inside_a_nested_call_is_dropped_and_taken_back():
+    lv = levels(VerifyMethod.GREEDY)
+    small = lv[0].worker
+
+    def at_round(r: int, eng: CascadeEngine) -> None:
         if r == 2:
             small.dead = True
         if r == 5:
             assert eng.level_status()["d1"] == "down"
             small.dead = False  # back, and still holding its sequences: the epoch makes them start again
-        eng.step(seqs)
-        r += 1
+
+    eng = run_with_a_failure(lv, LocalNesting(), 40, at_round)
     assert eng.level_status()["d1"] == "up"
-    ref = generate([Level("t", worker=FakeWorker("t", vocab=16, order=2, table_seed=0))], PROMPTS, max_tokens=40,
-                   ignore_eos=True)
-    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
-    for s in seqs:
-        eng.release(s)
-    assert all(x.worker.stats().live_sequences == 0 for x in lv)
 
 
 def ngram_levels(method: VerifyMethod) -> list[Level]:
@@ -297,26 +308,17 @@ def test_a_failure_below_a_relay_aborts_the_verification_and_the_target_restarts
     again at the target on its next call; every row still gets the plain target's tokens."""
     lv = levels(VerifyMethod.GREEDY)
     nest = RelayNesting()
-    eng = CascadeEngine(lv, nesting=nest)
-    eng.retry_after_s = 0.0
-    seqs = [eng.new_sequence(p, SamplingParams(), 40) for p in PROMPTS]
     small = lv[0].worker
-    r = 0
-    while any(not s.finished for s in seqs):
+
+    def at_round(r: int, eng: CascadeEngine) -> None:
         if r == 2:
             small.dead = True
         if r == 5:
             small.dead = False
-        eng.step(seqs)
-        r += 1
+
+    eng = run_with_a_failure(lv, nest, 40, at_round)
     assert nest.aborts and "drafting failed" in nest.aborts[0]
     assert eng.level_status()["d1"] == "up" and nest.relayed > 0
-    ref = generate([Level("t", worker=FakeWorker("t", vocab=16, order=2, table_seed=0))], PROMPTS, max_tokens=40,
-                   ignore_eos=True)
-    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
-    for s in seqs:
-        eng.release(s)
-    assert all(x.worker.stats().live_sequences == 0 for x in lv)
 
 
 def test_a_look_ahead_is_not_relayed():
@@ -353,18 +355,9 @@ def test_a_first_level_right_below_the_target_relays_its_drafts_too(method, samp
 def test_a_first_level_that_fails_aborts_its_relayed_verification():
     lv = levels(VerifyMethod.GREEDY)[1:]
     nest = RelayNesting()
-    eng = CascadeEngine(lv, nesting=nest)
-    eng.retry_after_s = 0.0
-    seqs = [eng.new_sequence(p, SamplingParams(), 30) for p in PROMPTS]
-    r = 0
-    while any(not s.finished for s in seqs):
+
+    def at_round(r: int, eng: CascadeEngine) -> None:
         lv[0].worker.dead = r in (2, 3)
-        eng.step(seqs)
-        r += 1
+
+    run_with_a_failure(lv, nest, 30, at_round)
     assert nest.aborts and "drafting level failed" in nest.aborts[0]
-    ref = generate([Level("t", worker=FakeWorker("t", vocab=16, order=2, table_seed=0))], PROMPTS, max_tokens=30,
-                   ignore_eos=True)
-    assert [s.output for s in seqs] == [x.token_ids for x in ref.results]
-    for s in seqs:
-        eng.release(s)
-    assert all(x.worker.stats().live_sequences == 0 for x in lv)
