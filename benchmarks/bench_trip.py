@@ -86,15 +86,22 @@ def main(argv: list[str] | None = None) -> int:
         actor = ray.remote(num_cpus=0)(TimedLevel).remote(sim_factory("level", PRESETS[args.preset], vocab=64), 1)
         worker = ActorWorker(actor, poll=True)  # the connection asks for polling; the phases switch it
         sent: list[tuple[float, float]] = []
-        call = direct.FrameClient.call
+        begin, result = direct.FrameClient.begin, direct.PendingReply.result
 
-        def timed_call(self: Any, request: Any, shape: Any = None) -> Any:
+        def timed_begin(self: Any, request: Any, shape: Any = None) -> Any:
             t0 = time.monotonic()
-            out = call(self, request, shape)
-            sent.append((t0, time.monotonic()))
-            return out
+            pending = begin(self, request, shape)
+            pending.trip_t0 = t0
+            return pending
 
-        direct.FrameClient.call = timed_call  # the driver's side of each call, in this process only
+        def timed_result(self: Any) -> Any:
+            try:
+                return result(self)
+            finally:
+                sent.append((self.trip_t0, time.monotonic()))
+
+        # the driver's side of each call (sent, then its reply read), in this process only
+        direct.FrameClient.begin, direct.PendingReply.result = timed_begin, timed_result
         sp, prompt, b = SamplingParams(), list(range(1, 17)), args.batch
         seqs = [f"s{i}" for i in range(b)]
         first = worker.verify(seqs, [[]] * b, None, [sp] * b, VerifyMethod.GREEDY, level=1,
