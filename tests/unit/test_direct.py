@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -110,25 +111,39 @@ def test_a_server_polls_for_requests_that_come_at_a_steady_pace():
 
 def test_a_deferred_reply_is_sent_by_another_connection_and_one_way_frames_get_none():
     """Two clients meet in the server (`replies=True`): the first one's request waits for the second one's
-    one-way frame, whose handler thread sends the first one's reply on the first connection."""
-    parked: dict[str, object] = {}
+    one-way frame, whose handler thread sends the first one's reply on the first connection. The two frames
+    travel on different connections, so either may reach its server thread first: the handler meets them in
+    either order, as the target's rendezvous does."""
+    lock = threading.Lock()
+    parked: dict[str, object] = {}  # key -> a deferred reply whose one-way frame has not come yet
+    early: dict[str, tuple[str, object]] = {}  # key -> a one-way frame that came before its request
+
+    def complete(deferred, kind, value):
+        if kind == "give":
+            deferred.send(("got", value))
+        else:
+            deferred.fail(KeyError(value))
 
     def handler(request, reply):
         kind, key, value = request
-        if kind == "wait":
-            parked[key] = reply.defer()
+        if kind in ("wait", "fail-later"):
+            deferred = reply.defer()
+            with lock:
+                came = early.pop(key, None)
+                if came is None:
+                    parked[key] = deferred
+                    return None
+            complete(deferred, *came)
             return None
-        if kind == "give":  # one-way: reply is None
+        if kind in ("give", "fail"):  # one-way: reply is None
             assert reply is None
-            parked.pop(key).send(("got", value))
+            with lock:
+                deferred = parked.pop(key, None)
+                if deferred is None:
+                    early[key] = (kind, value)
+                    return "ignored"
+            complete(deferred, kind, value)
             return "ignored"
-        if kind == "fail-later":
-            parked[key] = reply.defer()
-            return None
-        if kind == "fail":
-            assert reply is None
-            parked.pop(key).fail(KeyError(value))
-            return None
         return ("echo", value)
 
     server = FrameServer("127.0.0.1", handler, poll=False, replies=True)
@@ -139,6 +154,8 @@ def test_a_deferred_reply_is_sent_by_another_connection_and_one_way_frames_get_n
         b.post(("give", "k1", 7))
         assert pending.result() == ("got", 7)
         assert a.call(("echo", None, 3)) == ("echo", 3)  # the connection is free again
+        b.post(("give", "k3", 8))  # the one-way frame sent first
+        assert a.begin(("wait", "k3", None)).result() == ("got", 8)
         pending = a.begin(("fail-later", "k2", None))
         pending.post(("fail", "k2", "gone"))  # a one-way frame on the waiting connection itself
         with pytest.raises(KeyError, match="gone"):
