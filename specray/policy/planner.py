@@ -55,7 +55,8 @@ class Planner:
     `patience` consecutive calls, so noise cannot make it flap (one call suffices to fall back to plain
     decoding when it is predicted better by more than `decisive`, relative: a 2x gap between two measured
     costs is not noise, and a losing plan can cost many times a round -- speculation scored on a vLLM target
-    at batch 16 costs ~8 plain rounds). Exploration: every `explore_every` calls (once it fits `explore_budget`),
+    at batch 16 costs ~8 plain rounds; and one suffices for a switch that starts or stops no model drafter,
+    `_free_switch`). Exploration: every `explore_every` calls (once it fits `explore_budget`),
     the (verifier, drafter) pair (or plain decoding) measured least recently, if not within the last
     `explore_every // 2` rounds, gets one round in the best plan containing it, so a switched-off level comes
     back once its acceptance recovers; plain decoding is also measured once at every new batch bucket (powers
@@ -206,6 +207,19 @@ class Planner:
         eff = _effective(plan)
         return [(plan.levels[eff[j + 1]], plan.levels[eff[j]]) for j in range(len(eff) - 1)]
 
+    def _drafters(self, plan: Plan) -> frozenset[int]:
+        """The model levels below the target that a round of `plan` runs (a lookup level keeps no state)."""
+        return frozenset(lo for _up, lo in self._pairs(plan) if not self.is_ngram[lo])
+
+    def _free_switch(self, best: Plan) -> bool:
+        """Whether switching from the held plan to `best` needs no `patience`: both run the same model drafters
+        (they differ in K, or in the lookup level, or both are plain decoding or a lookup). Such a switch brings
+        no level's cache up to date and a wrong one costs one round, so it follows the ranking at once; holding
+        a lookup's old K or plain decoding for `patience` rounds is what loses on text that moves between
+        copying and not copying every few rounds (code at T > 0). A switch that starts or stops a model drafter
+        waits: the drafter catches up on every row's text first, a cost paid again on every switch back."""
+        return self._drafters(best) == self._drafters(self._current)
+
     def _items(self, plan: Plan) -> list[tuple[int, ...]]:
         """What a round of `plan` measures: its pairs, and (verifier, 0, width) where its suffix level drafts trees
         (a tree round measures its chain pair too: `on_tree`)."""
@@ -354,7 +368,7 @@ class Planner:
                     # at every new batch bucket): switch at once instead of paying `patience` more rounds of a
                     # plan that loses big. A speculative plan's cost here may be an extrapolation: patience.
                     decisive = best == self.plain and best_gp > cur_gp * (1.0 + self.decisive)
-                    if self._streak >= self.patience or decisive:
+                    if self._streak >= self.patience or decisive or self._free_switch(best):
                         self._current, self._streak = best, 0
                 else:
                     self._streak = 0

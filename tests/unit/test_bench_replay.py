@@ -65,3 +65,21 @@ def test_the_cost_curve_is_flat_to_its_knee():
     assert c(1, 1) == c(1, 9) == pytest.approx(0.16)
     assert c(1, 17) == pytest.approx(0.16 + 8 * 0.006)
     assert c(2, 5) == pytest.approx(0.16 + 0.006 + 0.01)
+
+
+def test_samples_of_one_prompt_replay_their_own_paths():
+    """Sampled records: several outputs of one prompt. Each replayed request leads with a marker of its own, so the
+    scripted target follows that request's path, in every mode and served together too."""
+    kwargs, k_max, ngram = replay_mod.policy_kwargs(None)
+    cost = replay_mod.CostCurve(base=0.001, per_token=0.0, knee=9, per_row=0.0)
+    base = _rows(1, seed=2)[0]
+    rng = random.Random(3)
+    samples = [{"prompt": base["prompt"], "output": base["output"][:4 + s] + [rng.randrange(3, 60) for _ in range(9)],
+                "sample": s} for s in range(3)]
+    assert len({tuple(r["output"]) for r in samples}) == 3
+    marked = replay_mod._distinct_prompts(samples + _rows(1, seed=4), vocab=64)
+    assert [r["prompt"][0] for r in marked[:3]] == [63, 62, 61] and marked[3]["prompt"] == _rows(1, seed=4)[0]["prompt"]
+    for batch in (1, 3):
+        res = replay_mod.replay(samples, cost=cost, fixed=[4], planner_kwargs=kwargs, k_max=k_max, ngram=ngram,
+                                vocab=64, scale=1.0, noise=0.0, batch=batch)
+        assert all(m["tokens"] == sum(len(r["output"]) for r in samples) for m in res["modes"].values())

@@ -452,6 +452,37 @@ def test_a_decisive_gap_to_plain_switches_at_once_others_wait_for_patience():
     assert chosen[:2] == [p.default_plan] * 2 and chosen[2] == p.plain
 
 
+def test_switches_that_start_no_model_drafter_follow_the_ranking_at_once():
+    """Patience guards switches that start or stop a model drafter (its cache catches up on every row first). A
+    lookup's K, the lookup on or off, plain decoding: such switches cost nothing and follow the ranking on the
+    round it changes, since holding the old K for `patience` rounds loses on text that moves between copying and
+    not copying every few rounds."""
+    levels = [Level("ngram", ngram=NgramConfig(8, 1, 3)), Level("mid", worker=_dummy("mid"), k=4),
+              Level("target", worker=_dummy("target"))]
+    p = Planner(levels, k_choices=[2, 8], explore_every=0, patience=3, warmup=0, hysteresis=0.05)
+    p._current = p.plain
+    for _ in range(20):  # the lookup's long drafts all accepted, its steps twice as dear as plain ones
+        p.on_call(2, "verify", 1, 1, 0.1)
+        p.on_call(2, "verify", 1, 9, 0.2)
+        p.on_verify(2, 0, [8], [8])
+        p.on_verify(2, 1, [4], [0])
+    lookup8 = Plan((0, 2), (8,))
+    assert p.explain(1)[0][0] == lookup8
+    assert p.plan(1) == lookup8  # plain -> the lookup: at once
+    for _ in range(60):  # the copy ended: each lookup draft rejected at its first token
+        p.on_verify(2, 0, [8], [0])
+    assert p.explain(1)[0][0] == p.plain
+    assert p.plan(1) == p.plain  # and back, at once
+    # a model drafter predicted far ahead: patience applies, as before
+    for _ in range(20):
+        p.on_verify(2, 1, [4], [4])
+        p.on_call(1, "propose", 1, 4, 0.004)
+        p.on_call(2, "verify", 1, 5, 0.1)
+    best = p.explain(1)[0][0]
+    assert 1 in best.levels
+    assert [p.plan(1) for _ in range(3)] == [p.plain, p.plain, best]
+
+
 def test_exploration_brings_a_level_back():
     p = Planner(two_levels(), explore_every=20)
     sim = Sim(p, {1: linear_cost(0.02, 0.0), 0: linear_cost(0.003, 0.0)}, {(1, 0): 0.05})
