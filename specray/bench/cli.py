@@ -64,6 +64,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="top-k at temperature > 0 (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="top-p at temperature > 0 (1: off)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed of every request (temperature > 0)")
+    g.add_argument("--samples", type=int, default=1, metavar="N",
+                   help="temperature > 0: each workload's requests N times over (all of them, then again), each "
+                        "request a sample path of its own for every mode and peer (unseeded rows draw on the "
+                        "engine's generator; vLLM's peers seed each request by its index). One run follows one "
+                        "path per prompt, and a path decides how much a draft can copy: compare plans and engines "
+                        "over several")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed short request each mode and peer gets first")
     g = p.add_argument_group("the in-process target (default): the cascade")
@@ -244,6 +250,15 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         raise ValueError("--max-tokens must be at least 1")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
+    if args.samples < 1:
+        raise ValueError("--samples must be at least 1")
+    if args.samples > 1 and args.temperature == 0:
+        raise ValueError("--samples needs --temperature > 0: a greedy output is one path")
+    if args.samples > 1 and args.seed is not None:
+        raise ValueError("--samples with --seed: every sample would take the same seed, hence the same path")
+    if args.samples > 1:  # each workload's requests, then again: a stream stays in file order within a pass
+        rows = [r for w in dict.fromkeys(r["workload"] for r in rows)
+                for r in [r for r in rows if r["workload"] == w] * args.samples]
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     by_workload: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
@@ -381,7 +396,8 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
                         skipped.append({"name": f"{p}:{w}:{b}", "reason": str(exc)})
                     bar.update(1)
     settings = {"modes": modes, "peers": peers, "batches": list(batches), "batch_kind": batch_kind,
-                "temperature": args.temperature, "seed": args.seed, "max_tokens": args.max_tokens,
+                "temperature": args.temperature, "seed": args.seed, "samples": args.samples,
+                "max_tokens": args.max_tokens,
                 "workloads": {w: len(r) for w, r in by_workload.items()}}
     return build_report(list(cells.values()), target=target.describe(), settings=settings, skipped=skipped,
                         check_outputs=args.temperature == 0, versions=_versions(),

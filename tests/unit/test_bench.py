@@ -150,7 +150,7 @@ def test_two_modes_at_batch_1_and_2_report_validates_with_plots(tiny, workload, 
                                            "--out", str(out))]) == 0
     report = json.loads((out / "report.json").read_text())
     validate(report)
-    assert report["schema"] == "specray.bench/2" and report["target"]["kind"] == "in_process"
+    assert report["schema"] == "specray.bench/3" and report["target"]["kind"] == "in_process"
     assert report["settings"]["batches"] == [1, 2] and report["settings"]["workloads"] == {"copy": 2, "chat": 1}
     keys = {(r["workload"], r["batch"], r["name"]) for r in report["results"]}
     assert keys == {(w, b, m) for w in ("copy", "chat") for b in (1, 2) for m in ("none", "cascade")}
@@ -279,6 +279,44 @@ def test_vllm_peers_run_at_every_batch_size_on_the_modes_chunks(tiny, workload, 
     assert sorted(calls) == sorted(("vllm_plain", max(k, b), b) for k in n.values() for b in (1, 3))
     cells = {(r["workload"], r["batch"]) for r in report["results"] if r["name"] == "vllm_plain"}
     assert cells == {(w, b) for w in n for b in (1, 3)}
+
+
+def test_samples_send_each_workloads_requests_over_again_each_a_path_of_its_own(tiny, workload, monkeypatch):
+    """--samples N at T > 0: each workload's requests N times over, in file order per pass, for every mode and peer;
+    a vLLM peer seeds each request by its index, so every sample of a prompt gets a seed of its own."""
+    from specray.bench.runner import Chunk
+
+    monkeypatch.setattr(peers_mod, "installed", lambda module: True)
+    seen = []
+
+    def fake_run_vllm(peer, model, rows, *, batch=1, temperature=0.0, **kw):
+        seen.append([(i, tuple(ids)) for i, ids, _ in rows])
+        return Chunk(0.5, [RequestResult(i, 4, 0.5, 0.1, [1, 2, 3, 4]) for i, _, _ in rows])
+
+    monkeypatch.setattr(peers_mod, "run_vllm", fake_run_vllm)
+    report = run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "ngram", "--no-warmup", "--temperature",
+                                          "0.8", "--samples", "3", "--peers", "vllm_plain")))
+    validate(report)
+    n: dict[str, int] = {}
+    for row in load_workloads(files=[str(workload)]):
+        n[row["workload"]] = n.get(row["workload"], 0) + 1
+    assert report["settings"]["samples"] == 3 and report["settings"]["workloads"] == {w: 3 * k for w, k in n.items()}
+    for r in report["results"]:
+        assert r["requests"] == 3 * n[r["workload"]]
+    for rows in seen:  # one call per workload: its requests three times over, each with an index of its own
+        k = len(rows) // 3
+        assert len({i for i, _ in rows}) == len(rows)
+        assert [ids for _, ids in rows] == [ids for _, ids in rows[:k]] * 3
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--samples", "2"], "--samples needs --temperature > 0"),
+    (["--samples", "2", "--temperature", "0.7", "--seed", "3"], "the same seed"),
+    (["--samples", "0", "--temperature", "0.7"], "--samples must be at least 1"),
+])
+def test_samples_refuses_what_would_repeat_one_path(tiny, workload, extra, message):
+    with pytest.raises(ValueError, match=message):
+        run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "--no-warmup", *extra)))
 
 
 def test_without_matplotlib_the_report_is_written_and_plots_skipped(tiny, workload, tmp_path, monkeypatch, capsys):
