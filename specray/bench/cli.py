@@ -256,13 +256,12 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         raise ValueError("--samples needs --temperature > 0: a greedy output is one path")
     if args.samples > 1 and args.seed is not None:
         raise ValueError("--samples with --seed: every sample would take the same seed, hence the same path")
-    if args.samples > 1:  # each workload's requests, then again: a stream stays in file order within a pass
-        rows = [r for w in dict.fromkeys(r["workload"] for r in rows)
-                for r in [r for r in rows if r["workload"] == w] * args.samples]
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     by_workload: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by_workload.setdefault(r["workload"], []).append(r)
+    for w in by_workload:  # --samples: the workload's requests, then again (a stream in file order each pass)
+        by_workload[w] *= args.samples
 
     if args.url:
         if args.batch:
