@@ -70,6 +70,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "engine's generator; vLLM's peers seed each request by its index). One run follows one "
                         "path per prompt, and a path decides how much a draft can copy: compare plans and engines "
                         "over several")
+    g.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="every mode's and peer's pass over a workload R times, in reverse order on every other "
+                        "repetition (modes then peers, then peers then modes backwards), summed in the report: a "
+                        "box whose speed drifts during the run then slows every mode and peer alike. At "
+                        "temperature > 0 each repetition is another sample path per request")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed short request each mode and peer gets first")
     g = p.add_argument_group("the in-process target (default): the cascade")
@@ -254,6 +259,8 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         raise ValueError("--samples must be at least 1")
     if args.samples > 1 and args.temperature == 0:
         raise ValueError("--samples needs --temperature > 0: a greedy output is one path")
+    if args.repeat < 1:
+        raise ValueError("--repeat must be at least 1")
     if args.samples > 1 and args.seed is not None:
         raise ValueError("--samples with --seed: every sample would take the same seed, hence the same path")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -362,40 +369,67 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
             cells[key] = Cell(w, b, name, kind, per_position=target.per_position if kind == "mode" else False)
         return cells[key]
 
-    steps = sum(len(_chunks(wrows, b)) * (len(modes) + (len(hf_peers) if b == 1 else 0))
-                for wrows in by_workload.values() for b in batches) + len(vllm_peers) * len(by_workload) * len(batches)
+    steps = args.repeat * (
+        sum(len(_chunks(wrows, b)) * (len(modes) + (len(hf_peers) if b == 1 else 0))
+            for wrows in by_workload.values() for b in batches) + len(vllm_peers) * len(by_workload) * len(batches))
+
+    def mode_passes(w: str, wrows: list[dict[str, Any]], b: int, order: Sequence[str], rep: int) -> None:
+        for m in order:
+            target.new_stream()
+            for chunk in _chunks(wrows, b):
+                bar.set_postfix_str(f"{w} {batch_kind} {b} {m}{rep_tag(rep)}")
+                res = target.run(m, chunk, b, args.max_tokens)
+                cell(w, b, m, "mode").add(res.seconds, res.requests)
+                bar.update(1)
+
+    def hf_passes(w: str, wrows: list[dict[str, Any]], order: Sequence[str], rep: int) -> None:
+        for chunk in _chunks(wrows, 1):  # the hf peers decode one request at a time
+            for p in order:
+                bar.set_postfix_str(f"{w} {p}{rep_tag(rep)}")
+                res = hf.run(p, ids_rows(chunk))
+                cell(w, 1, p, "peer").add(res.seconds, res.requests)
+                bar.update(1)
+
+    def vllm_passes(w: str, wrows: list[dict[str, Any]], order: Sequence[str], rep: int) -> None:
+        # at T > 0 a repetition seeds the peer's requests anew (vLLM's peers seed each request by its index)
+        shift = rep * len(wrows) if args.temperature > 0 else 0
+        for p in order:
+            for b in batches:  # the same chunks of b requests as the modes, each one generate call
+                bar.set_postfix_str(f"{w} {batch_kind} {b} {p} (fresh process){rep_tag(rep)}")
+                rows_b = [(i + shift, ids, mt) for i, ids, mt in ids_rows([r for c in _chunks(wrows, b) for r in c])]
+                try:
+                    res = peers_mod.run_vllm(
+                        p, peer_model, rows_b, threads=args.peer_threads, dtype=peer_dtype,
+                        draft=peer_draft[0] if peer_draft else None, k=peer_draft[1] if peer_draft else 4,
+                        temperature=args.temperature, batch=b, log=log)
+                    for r in res.requests:
+                        r.index -= shift
+                    cell(w, b, p, "peer").add(res.seconds, res.requests)
+                except RuntimeError as exc:
+                    skipped.append({"name": f"{p}:{w}:{b}", "reason": str(exc)})
+                bar.update(1)
+
+    def rep_tag(rep: int) -> str:
+        return f" (repetition {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
+
     with tqdm(total=steps, desc="bench", unit="run", disable=args.quiet, file=log) as bar:
-        for w, wrows in by_workload.items():
-            for b in batches:
-                for m in modes:
-                    target.new_stream()
-                    for chunk in _chunks(wrows, b):
-                        bar.set_postfix_str(f"{w} {batch_kind} {b} {m}")
-                        res = target.run(m, chunk, b, args.max_tokens)
-                        cell(w, b, m, "mode").add(res.seconds, res.requests)
-                        bar.update(1)
-                if b == 1:  # the hf peers decode one request at a time
-                    for chunk in _chunks(wrows, b):
-                        for p in hf_peers:
-                            bar.set_postfix_str(f"{w} {p}")
-                            res = hf.run(p, ids_rows(chunk))
-                            cell(w, b, p, "peer").add(res.seconds, res.requests)
-                            bar.update(1)
-            for p in vllm_peers:
-                for b in batches:  # the same chunks of b requests as the modes, each one generate call
-                    bar.set_postfix_str(f"{w} {batch_kind} {b} {p} (fresh process)")
-                    try:
-                        res = peers_mod.run_vllm(
-                            p, peer_model, ids_rows([r for c in _chunks(wrows, b) for r in c]),
-                            threads=args.peer_threads, dtype=peer_dtype,
-                            draft=peer_draft[0] if peer_draft else None, k=peer_draft[1] if peer_draft else 4,
-                            temperature=args.temperature, batch=b, log=log)
-                        cell(w, b, p, "peer").add(res.seconds, res.requests)
-                    except RuntimeError as exc:
-                        skipped.append({"name": f"{p}:{w}:{b}", "reason": str(exc)})
-                    bar.update(1)
+        for rep in range(args.repeat):
+            forward = rep % 2 == 0  # odd repetitions run everything in reverse order
+            for w, wrows in by_workload.items():
+                if forward:
+                    for b in batches:
+                        mode_passes(w, wrows, b, modes, rep)
+                        if b == 1:
+                            hf_passes(w, wrows, hf_peers, rep)
+                    vllm_passes(w, wrows, vllm_peers, rep)
+                else:
+                    vllm_passes(w, wrows, vllm_peers[::-1], rep)
+                    for b in batches:
+                        if b == 1:
+                            hf_passes(w, wrows, hf_peers[::-1], rep)
+                        mode_passes(w, wrows, b, modes[::-1], rep)
     settings = {"modes": modes, "peers": peers, "batches": list(batches), "batch_kind": batch_kind,
-                "temperature": args.temperature, "seed": args.seed, "samples": args.samples,
+                "temperature": args.temperature, "seed": args.seed, "samples": args.samples, "repeat": args.repeat,
                 "max_tokens": args.max_tokens,
                 "workloads": {w: len(r) for w, r in by_workload.items()}}
     return build_report(list(cells.values()), target=target.describe(), settings=settings, skipped=skipped,

@@ -29,7 +29,7 @@ from specray.spec.bound import speedup_bound
 __all__ = ["SCHEMA_VERSION", "Cell", "alphas", "build_report", "load_schema", "plot_report", "validate"]
 
 #: bump on any change of the report's shape (the schema's `schema` const follows it)
-SCHEMA_VERSION = "specray.bench/3"
+SCHEMA_VERSION = "specray.bench/4"
 
 
 def alphas(st: LevelStats) -> list[float]:

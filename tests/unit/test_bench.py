@@ -150,7 +150,7 @@ def test_two_modes_at_batch_1_and_2_report_validates_with_plots(tiny, workload, 
                                            "--out", str(out))]) == 0
     report = json.loads((out / "report.json").read_text())
     validate(report)
-    assert report["schema"] == "specray.bench/3" and report["target"]["kind"] == "in_process"
+    assert report["schema"] == "specray.bench/4" and report["target"]["kind"] == "in_process"
     assert report["settings"]["batches"] == [1, 2] and report["settings"]["workloads"] == {"copy": 2, "chat": 1}
     keys = {(r["workload"], r["batch"], r["name"]) for r in report["results"]}
     assert keys == {(w, b, m) for w in ("copy", "chat") for b in (1, 2) for m in ("none", "cascade")}
@@ -317,6 +317,51 @@ def test_samples_send_each_workloads_requests_over_again_each_a_path_of_its_own(
 def test_samples_refuses_what_would_repeat_one_path(tiny, workload, extra, message):
     with pytest.raises(ValueError, match=message):
         run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "--no-warmup", *extra)))
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_repeat_runs_every_pass_again_in_reverse_order_and_sums_them(tiny, workload, monkeypatch, temperature):
+    """--repeat 2: the modes' and peers' passes over each workload twice, the second time peers first and modes
+    backwards (drift then hits every side alike); the report sums both. At T > 0 a vLLM peer's second pass seeds
+    its requests anew (its seed is the request's index), and the report keeps the workload's own indices."""
+    from specray.bench.runner import Chunk, InProcessTarget
+
+    monkeypatch.setattr(peers_mod, "installed", lambda module: True)
+    calls: list[tuple[str, str, tuple[int, ...]]] = []
+    run_mode = InProcessTarget.run
+
+    def spy_mode(self, mode, rows, batch, max_tokens):
+        calls.append(("mode", mode, tuple(i for i, _ in rows)))
+        return run_mode(self, mode, rows, batch, max_tokens)
+
+    def fake_run_vllm(peer, model, rows, *, batch=1, temperature=0.0, **kw):
+        calls.append(("peer", peer, tuple(i for i, _, _ in rows)))
+        return Chunk(0.5, [RequestResult(i, 4, 0.5, 0.1, [1, 2, 3, 4]) for i, _, _ in rows])
+
+    monkeypatch.setattr(InProcessTarget, "run", spy_mode)
+    monkeypatch.setattr(peers_mod, "run_vllm", fake_run_vllm)
+    report = run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "ngram", "--no-warmup", "--temperature",
+                                          temperature, "--repeat", "2", "--peers", "vllm_plain", "vllm_ngram")))
+    validate(report)
+    assert report["settings"]["repeat"] == 2
+    n: dict[str, int] = {}
+    for row in load_workloads(files=[str(workload)]):
+        n[row["workload"]] = n.get(row["workload"], 0) + 1
+    for r in report["results"]:  # both passes in every cell
+        assert r["requests"] == 2 * n[r["workload"]]
+    expected = []
+    for rep in range(2):
+        for k in n.values():  # workloads in file order; batch 1: one mode call per request, one peer call
+            modes = [("mode", m, (i,)) for m in ("none", "ngram") for i in range(k)]
+            shift = rep * k if temperature != "0" else 0
+            peers = [("peer", p, tuple(range(shift, shift + k))) for p in ("vllm_plain", "vllm_ngram")]
+            if rep == 0:
+                expected += modes + peers
+            else:
+                expected += peers[::-1] + [("mode", m, (i,)) for m in ("ngram", "none") for i in range(k)]
+    assert calls == expected
+    for r in report["results"]:  # the peers' results keep the workload's own indices
+        assert r["requests"] == 2 * n[r["workload"]]
 
 
 def test_without_matplotlib_the_report_is_written_and_plots_skipped(tiny, workload, tmp_path, monkeypatch, capsys):
