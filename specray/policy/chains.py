@@ -82,7 +82,11 @@ class ChainTable:
                 inner = np.ceil(kk[:, i] / elen(lvl, levels[i - 1])[k_low] - 1e-9)
                 produce = inner * (produce + step(lvl)[k_low + 1])
             k = kk[:, -1]
-            t = produce + verify[k] + pricing.overhead
+            if m.is_ngram[levels[-2]] and not m.chain_fed(m.top, levels[-2]):  # Pricing._lookup_verify_time
+                none = (1.0 - pricing.chain_match_rate()) ** batch
+                t = produce + ((1.0 - none) * verify[k] + none * pricing.plain_verify_time(batch)) + pricing.overhead
+            else:
+                t = produce + verify[k] + pricing.overhead
             out[idx] = np.divide(elen(m.top, levels[-2])[k] * batch, t, out=np.full(len(t), np.inf), where=t > 0)
             covered[idx] = True
         return out, covered

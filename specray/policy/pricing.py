@@ -5,7 +5,9 @@ Goodput of a plan at batch B is E[L] * B / T_round, extended to cascades:
 
 - plain decoding [target]: E[L] = 1, T_round = T_t(B, 1).
 - [d(K), target]: E[L] = 1 + sum_{i<=K} prod_{j<=i} alpha_j(target | d), T_round = P_d(K) + T_t(B, K+1), where
-  P_d(K), the cost for d to produce K tokens, is K * T_d(B, 1) for a model and ~0 for the n-gram.
+  P_d(K), the cost for d to produce K tokens, is K * T_d(B, 1) for a model and ~0 for the n-gram. An n-gram
+  drafts nothing for a row without a match, so its T_t(B, K+1) becomes (1 - u) T_t(B, K+1) + u T_t(B, 1), u =
+  (1 - m)^B the chance that no row matched at match rate m (`chain_match_rate`).
 - N levels l_0 < ... < l_m (target l_m), K_i proposed by l_i to l_{i+1}: a middle level l_i (i >= 1)
   produces K_i tokens in ceil(K_i / E_i) inner rounds with E_i = E[L](alpha(l_i | l_{i-1}), K_{i-1}), each
   costing P_{l_{i-1}}(K_{i-1}) + T_{l_i}(B, K_{i-1}+1); so recursively
@@ -218,6 +220,32 @@ class Pricing:
         hits, rows = m.match
         return (hits + 2.0 * m.prior_match) / (rows + 2.0)
 
+    def chain_match_rate(self) -> float:
+        """`match_rate` for pricing what an n-gram chain's verification feeds: with two pseudo-rows that matched
+        (the price of every row feeding K + 1) until lookups have been measured, so an unmeasured lookup is not
+        priced as free."""
+        hits, rows = self.measured.match
+        return (hits + 2.0) / (rows + 2.0)
+
+    def plain_verify_time(self, batch: int) -> float:
+        """The target's step when no row has a draft: on the engine's decode path where it has one."""
+        m = self.measured
+        if m.native_cost is None or not m.engine_verify:
+            return self.step_time(m.top, batch, 1)
+        key = ("v0", batch)
+        t = m.memo.get(key)
+        if t is None:
+            t = m.memo[key] = m.native_cost.predict(batch, 1)
+        return t
+
+    def _lookup_verify_time(self, batch: int, k: int) -> float:
+        """The target verifying an n-gram level's K-token drafts: a row without a match drafts nothing, so a call
+        in which no row matched (probability (1 - m)^B at match rate m) is a plain step, not a K + 1 one. Priced
+        at K + 1 regardless, a lookup that matches half the time looked dearer the longer its K, and on a CPU
+        target, whose step grows with the tokens fed, the planner held K short into copies."""
+        none = (1.0 - self.chain_match_rate()) ** batch
+        return (1.0 - none) * self._verify_time(batch, k) + none * self.plain_verify_time(batch)
+
     def _hybrid(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(E[L], T) of a round of a hybrid plan (module docstring)."""
         memo = self.measured.memo
@@ -268,6 +296,8 @@ class Pricing:
         width, lower = self.width(plan, len(plan.levels) - 2), plan.levels[-2]
         if width > 1 or m.chain_fed(m.top, lower):  # priced at what it feeds
             verify = self.step_time(m.top, batch, self._fed(m.top, lower, k, width))
+        elif m.is_ngram[lower]:
+            verify = self._lookup_verify_time(batch, k)
         else:
             verify = self._verify_time(batch, k)
         return self._produce(plan, len(plan.levels) - 2, batch, k) + verify + self.overhead

@@ -188,6 +188,31 @@ def test_goodput_formulas():
     assert p.round_time(Plan((0, 1, 2), (2, 4)), 1) == pytest.approx(inner * 0.2 + 1.0)
 
 
+def test_an_ngram_round_without_a_match_is_priced_as_a_plain_step():
+    """An n-gram drafts nothing where it finds no match, so at match rate m a batch-B round feeds K + 1 tokens per
+    row only when some row matched (1 - (1 - m)^B): priced at K + 1 regardless, a long K looked dear on a target
+    whose step grows with the tokens fed. Until lookups are measured every row is priced as matched."""
+    levels = [Level("ngram", ngram=NgramConfig(8, 1, 3)), Level("target", worker=_dummy("target"))]
+    p = Planner(levels, decay=1.0)
+    p.costs[1] = StepCost(prior=(0.1, 0.01, 0.0))
+    t = p.costs[1].predict
+    assert p.round_time(Plan((0, 1), (8,)), 1) == pytest.approx(t(1, 9))  # nothing measured yet
+    for _ in range(48):  # the lookup matched one row in four
+        p.on_verify(1, 0, [0, 0, 0, 8], [0, 0, 0, 2], asked=8)
+    m = p.measurements.match[0] / p.measurements.match[1]
+    assert m == pytest.approx(0.25)
+    m2 = (48 + 2.0) / (4 * 48 + 2.0)  # two pseudo-rows that matched
+    for batch in (1, 4):
+        none = (1.0 - m2) ** batch
+        assert p.round_time(Plan((0, 1), (8,)), batch) == pytest.approx(
+            (1.0 - none) * t(batch, 9) + none * t(batch, 1))
+    # the ranking's table prices the same, bit for bit
+    ranked = dict(p.explain(1))
+    for k in (2, 8):
+        plan = Plan((0, 1), (k,))
+        assert ranked[plan] == p.goodput(plan, 1)
+
+
 def test_overlap_is_priced():
     """With an overlapping engine a model-drafted round costs (1 - hit) * draft(K) + max(verify, draft(K + 1)),
     hit = prod alpha_1..K+1 (the look-ahead holds); n-gram-only plans and plain decoding are unchanged."""
