@@ -70,6 +70,7 @@ class ChainTable:
             verify = np.concatenate([[0.0], step(m.top)[2:]])
         else:
             verify = np.array([0.0] + [pricing._verify_time(batch, k) for k in range(1, kmax + 1)])
+        lookup_verify = None  # Pricing._lookup_verify_time per K, made when an n-gram chain needs it
         for levels, first, idx, kk in self.groups:
             if pricing._overlapped(first) or pricing._tree_priced(first):
                 continue  # overlapped; or priced from token-tree measurements (the tokens fed, a tree's acceptance)
@@ -82,9 +83,11 @@ class ChainTable:
                 inner = np.ceil(kk[:, i] / elen(lvl, levels[i - 1])[k_low] - 1e-9)
                 produce = inner * (produce + step(lvl)[k_low + 1])
             k = kk[:, -1]
-            if m.is_ngram[levels[-2]] and not m.chain_fed(m.top, levels[-2]):  # Pricing._lookup_verify_time
-                none = (1.0 - pricing.chain_match_rate()) ** batch
-                t = produce + ((1.0 - none) * verify[k] + none * pricing.plain_verify_time(batch)) + pricing.overhead
+            if m.is_ngram[levels[-2]] and not m.chain_fed(m.top, levels[-2]):  # no match: a plain step
+                if lookup_verify is None:
+                    per_k = [pricing._lookup_verify_time(batch, j) for j in range(1, kmax + 1)]
+                    lookup_verify = np.array([0.0, *per_k])
+                t = produce + lookup_verify[k] + pricing.overhead
             else:
                 t = produce + verify[k] + pricing.overhead
             out[idx] = np.divide(elen(m.top, levels[-2])[k] * batch, t, out=np.full(len(t), np.inf), where=t > 0)

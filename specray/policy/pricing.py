@@ -7,7 +7,7 @@ Goodput of a plan at batch B is E[L] * B / T_round, extended to cascades:
 - [d(K), target]: E[L] = 1 + sum_{i<=K} prod_{j<=i} alpha_j(target | d), T_round = P_d(K) + T_t(B, K+1), where
   P_d(K), the cost for d to produce K tokens, is K * T_d(B, 1) for a model and ~0 for the n-gram. An n-gram
   drafts nothing for a row without a match, so its T_t(B, K+1) becomes (1 - u) T_t(B, K+1) + u T_t(B, 1), u =
-  (1 - m)^B the chance that no row matched at match rate m (`chain_match_rate`).
+  (1 - m)^B the chance that no row matched at match rate m (`match_rate`, prior 1).
 - N levels l_0 < ... < l_m (target l_m), K_i proposed by l_i to l_{i+1}: a middle level l_i (i >= 1)
   produces K_i tokens in ceil(K_i / E_i) inner rounds with E_i = E[L](alpha(l_i | l_{i-1}), K_{i-1}), each
   costing P_{l_{i-1}}(K_{i-1}) + T_{l_i}(B, K_{i-1}+1); so recursively
@@ -213,19 +213,14 @@ class Pricing:
         return inner * (self._produce(plan, i - 1, batch, k_low) +
                         self.step_time(lvl, batch, self._fed(lvl, low, k_low, width)))
 
-    def match_rate(self) -> float:
+    def match_rate(self, prior: float | None = None) -> float:
         """The share of rows on which the lookup level (level 0) finds a match: decayed counts over the rounds
-        in which it drafted, with `prior_match` as two pseudo-rows."""
+        in which it drafted, with `prior` (default `prior_match`) as two pseudo-rows. An n-gram chain's
+        verification is priced with prior 1 (every row feeding K + 1 until measured), so an unmeasured lookup
+        is not priced as free."""
         m = self.measured
         hits, rows = m.match
-        return (hits + 2.0 * m.prior_match) / (rows + 2.0)
-
-    def chain_match_rate(self) -> float:
-        """`match_rate` for pricing what an n-gram chain's verification feeds: with two pseudo-rows that matched
-        (the price of every row feeding K + 1) until lookups have been measured, so an unmeasured lookup is not
-        priced as free."""
-        hits, rows = self.measured.match
-        return (hits + 2.0) / (rows + 2.0)
+        return (hits + 2.0 * (m.prior_match if prior is None else prior)) / (rows + 2.0)
 
     def plain_verify_time(self, batch: int) -> float:
         """The target's step when no row has a draft: on the engine's decode path where it has one."""
@@ -243,7 +238,7 @@ class Pricing:
         in which no row matched (probability (1 - m)^B at match rate m) is a plain step, not a K + 1 one. Priced
         at K + 1 regardless, a lookup that matches half the time looked dearer the longer its K, and on a CPU
         target, whose step grows with the tokens fed, the planner held K short into copies."""
-        none = (1.0 - self.chain_match_rate()) ** batch
+        none = (1.0 - self.match_rate(prior=1.0)) ** batch
         return (1.0 - none) * self._verify_time(batch, k) + none * self.plain_verify_time(batch)
 
     def _hybrid(self, plan: Plan, batch: int) -> tuple[float, float]:
