@@ -196,8 +196,8 @@ def replay(rows: Sequence[dict[str, Any]], *, cost: CostCurve, fixed: Sequence[i
             planner = Planner(levels, k_max=k_max, **planner_kwargs).attach(engine)
             ask = planner.plan
 
-            def plan(batch: int, ask=ask, planner=planner, chosen=chosen) -> Any:
-                p = ask(batch)
+            def plan(batch: int, backlog: Any = None, ask=ask, planner=planner, chosen=chosen) -> Any:
+                p = ask(batch, backlog)
                 chosen[planner.plan_name(p)] += 1
                 return p
 

@@ -40,6 +40,11 @@ def _catch_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:
     return max((len(y.append) - len(t) for y, t in zip(syncs, tails)), default=0)
 
 
+def _caught_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:
+    """The tokens of canonical text all rows appended before the call's own work (what a prefill-sized call fed)."""
+    return sum(max(0, len(y.append) - len(t)) for y, t in zip(syncs, tails))
+
+
 class LevelCalls:
     """Sync, call, map failures, time: the only place that talks to workers during a round."""
 
@@ -77,8 +82,11 @@ class LevelCalls:
         else:
             prop, sent = self.call(i, relay.via.propose, lvl.worker, relay.pending, *args, **kwargs)
             relay.drafted(prop, sent)
+        seconds = time.perf_counter() - t0
         if _catch_up(syncs, tails) <= UNTIMED_CATCH_UP:
-            self.feed.proposed(i, len(rows), max(want, default=0), time.perf_counter() - t0)
+            self.feed.proposed(i, len(rows), max(want, default=0), seconds)
+        else:
+            self.feed.caught_up(i, "propose", len(rows), max(want, default=0), _caught_up(syncs, tails), seconds)
         for s, toks in zip(rows, prop.token_ids):
             s.mirror[i].extend(toks)
         return prop
@@ -121,7 +129,8 @@ class LevelCalls:
         for s, toks in zip(rows, res.token_ids):
             s.mirror[i].extend(toks)
         self.feed.verified(Verified(i, lower, drafts, res, seconds, drafters,
-                                    timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP))
+                                    timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP,
+                                    caught_up=_caught_up(syncs, tails)))
         return res
 
     def verify_later(
@@ -183,8 +192,29 @@ class LevelCalls:
             s.mirror[i].extend(toks)
         chains = [longest_path(t) for t in trees]
         self.feed.verified(Verified(i, lower, chains, res, seconds, timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP,
-                                    trees=list(trees), width=width))
+                                    trees=list(trees), width=width, caught_up=_caught_up(syncs, tails)))
         return res
+
+    def uncovered(self, i: int, rows: Sequence[Seq]) -> int:
+        """The tokens of committed text level `i` lacks over `rows`, counting the rows that lack more than
+        `UNTIMED_CATCH_UP` (its next call catches each of them up in a prefill-sized forward); the rest is a
+        round's ordinary work."""
+        total = 0
+        for s in rows:
+            n = len(s.tokens) - (self._kept(i, s) if self.holds(i, s) else 0)
+            if n > UNTIMED_CATCH_UP:
+                total += n
+        return total
+
+    @staticmethod
+    def _kept(i: int, s: Seq) -> int:
+        """How much of `s.tokens` level `i` holds: the agreed length, and as far beyond it as its mirror matches
+        (the drafts it made that were accepted since)."""
+        mirror, base = s.mirror[i], s.tokens
+        keep, lim = s.agreed.get(i, 0), min(len(mirror), len(base))
+        while keep < lim and mirror[keep] == base[keep]:
+            keep += 1
+        return keep
 
     def sync(self, i: int, s: Seq, tail: Sequence[int]) -> SeqSync:
         """What level `i` must do to hold `s.tokens + tail`; updates the mirror of what it holds."""
@@ -210,9 +240,7 @@ class LevelCalls:
         mirror = s.mirror[i]
         base = s.tokens
         n, m = len(base), len(mirror)
-        keep, lim = s.agreed.get(i, 0), min(m, n)
-        while keep < lim and mirror[keep] == base[keep]:
-            keep += 1
+        keep = self._kept(i, s)
         if keep == n:  # the worker holds the whole canonical text: compare the tail
             j = 0
             while keep < m and j < len(tail) and mirror[keep] == tail[j]:

@@ -21,7 +21,7 @@ from specray.coordinator.feed import Observer, PlannerFeed
 from specray.coordinator.inner import Nesting
 from specray.coordinator.lookahead import LookAhead
 from specray.coordinator.round import new_round, run_round
-from specray.coordinator.state import Level, Plan, Seq, check_plan, plan_name
+from specray.coordinator.state import Backlog, Level, Plan, Planning, Seq, check_plan, plan_name
 from specray.coordinator.stats import LevelStats
 from specray.spec.params import SamplingParams, TokenLogprob, TreeShape, VerifyMethod
 
@@ -134,6 +134,14 @@ class CascadeEngine:
         """Free the sequence on every level that has seen it (idempotent)."""
         self.calls.release(seq)
 
+    def backlog(self, seqs: Sequence[Seq]) -> Backlog:
+        """What each model drafter lacks of these sequences' text, and their remaining tokens: a planner's price
+        of starting a drafter on them (`specray.coordinator.state.Backlog`)."""
+        live = [s for s in seqs if not s.finished]
+        uncovered = {i: n for i in range(self.top) if not self.levels[i].is_ngram
+                     and (n := self.calls.uncovered(i, live)) > 0}
+        return Backlog(uncovered, sum(max(0, s.remaining) for s in live))
+
     # ----- one round -----------------------------------------------------------------------------
     def step(
         self, seqs: Sequence[Seq], plan: Plan | None = None, method: VerifyMethod | None = None,
@@ -191,11 +199,16 @@ def run_to_completion(
 ) -> None:
     """Step until every sequence finishes, then free them on every level.
 
-    `plan` may be a callable (a planner): it is asked for the plan of every round with the batch size.
+    `plan` may be a callable (a planner): it is asked for the plan of every round with the batch size (a `Planning`
+    one with the rows' `Backlog` too: its first group's plan runs the round).
     """
     try:
         while any(not s.finished for s in seqs):
-            this = plan(sum(not s.finished for s in seqs)) if callable(plan) else plan
+            n = sum(not s.finished for s in seqs)
+            if isinstance(plan, Planning):
+                this = plan.plan_groups(n, engine.backlog(seqs))[0][0]
+            else:
+                this = plan(n) if callable(plan) else plan
             new = engine.step(seqs, this)
             if on_tokens is not None:
                 for s, toks in zip(seqs, new):

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
     from specray.spec.tree import DraftTree
 
-__all__ = ["SHADOW_LOOKUPS", "NativeObserver", "Observer", "PlannerFeed", "ShadowObserver", "TreeObserver",
-           "TreeProposeObserver", "TreeWalk", "Verified", "fed_lengths", "tree_walk"]
+__all__ = ["SHADOW_LOOKUPS", "CatchUpObserver", "NativeObserver", "Observer", "PlannerFeed", "ShadowObserver",
+           "TreeObserver", "TreeProposeObserver", "TreeWalk", "Verified", "fed_lengths", "tree_walk"]
 
 #: at most this many rows of a round start a shadow lookup (an n-gram scan of the row's text each): a sample of the
 #: batch measures the same acceptance, and the coordinator's work per round stays bounded at large batches
@@ -60,6 +60,14 @@ class NativeObserver(Protocol):
 class ShadowObserver(Protocol):
     def on_shadow(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
                   asked: int) -> None: ...
+
+
+@runtime_checkable
+class CatchUpObserver(Protocol):
+    """Gets the calls that also caught rows up on earlier text (`caught` tokens in all; a level's first call on a
+    request, or one that sat out rounds): kind and tokens as `on_call`'s, for the call's own work."""
+
+    def on_catch_up(self, level: int, kind: str, batch: int, tokens: int, caught: int, seconds: float) -> None: ...
 
 
 @runtime_checkable
@@ -133,6 +141,8 @@ class Verified:
     #: drafter was asked for (`Plan.tree`)
     trees: Sequence[DraftTree | None] | None = None
     width: int = 1
+    #: tokens of earlier text the call caught its rows up on, in all (an untimed call: `CatchUpObserver`)
+    caught_up: int = 0
 
 
 def fed_lengths(res: VerifyResult, drafts: Sequence[Sequence[int]]) -> list[int]:
@@ -202,6 +212,14 @@ class PlannerFeed:
         for ob in self.observers:
             ob.on_call(level, "propose", batch, steps, seconds)
 
+    def caught_up(self, level: int, kind: str, batch: int, tokens: int, caught: int, seconds: float) -> None:
+        """An untimed call that caught its rows up on `caught` tokens of earlier text (`CatchUpObserver`)."""
+        if caught <= 0:
+            return
+        for ob in self.observers:
+            if isinstance(ob, CatchUpObserver):
+                ob.on_catch_up(level, kind, batch, tokens, caught, seconds)
+
     def proposed_tree(self, level: int, batch: int, depth: int, width: int, nodes: int, seconds: float) -> None:
         """A timed tree proposal of a model level: `depth` forwards (the deepest row's), `width` children per node,
         at most `nodes` nodes per row."""
@@ -230,6 +248,8 @@ class PlannerFeed:
         # a stepped call in which a row's engine request started ran that row's prefill: its time says nothing
         # about a decode step (it would price plain decoding at a prefill's cost), so it is not timed
         timed = ev.timed and not (res.stepped and any(cold))
+        if not timed:
+            self.caught_up(ev.level, kind, len(drafts), tokens, ev.caught_up, ev.seconds)
         walks = None
         for ob in self.observers:
             if timed:

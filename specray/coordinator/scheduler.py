@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from specray.coordinator.cascade import CascadeEngine, Plan, Seq
+from specray.coordinator.state import Planning
 from specray.coordinator.stats import LevelStats, named_stats
 from specray.coordinator.stream import IncrementalDetokenizer, StopChecker
 from specray.spec.params import SamplingParams, TokenLogprob, TreeShape, VerifyMethod
@@ -330,12 +331,11 @@ class Scheduler:
         """[[plan, count], ...] for the sequences without an override (a planner may split them)."""
         if self.planner is None:
             return [[self.engine.default_plan, len(self._active)]]
-        n = sum(1 for live in self._active if live.plan is None)
-        if n == 0:  # every sequence runs its own override: a planner round here would spend a probe on nothing
+        auto = [live.seq for live in self._active if live.plan is None]
+        if not auto:  # every sequence runs its own override: a planner round here would spend a probe on nothing
             return []
-        split = getattr(self.planner, "plan_groups", None)
-        if split is not None:
-            return [[p, c] for p, c in split(n)]
+        if isinstance(self.planner, Planning):
+            return [[p, c] for p, c in self.planner.plan_groups(len(auto), self.engine.backlog(auto))]
         return [[self.planner(len(self._active)), len(self._active)]]
 
     def _run_group(self, plan: Plan, method: VerifyMethod | None, tree: TreeShape | None,

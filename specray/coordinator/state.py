@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from specray.coordinator.stats import LevelStats, StatsKey
 from specray.engine.caps import WorkerCaps
@@ -16,7 +16,7 @@ from specray.spec.suffix import SuffixDrafter
 if TYPE_CHECKING:
     from specray.engine.protocol import Worker
 
-__all__ = ["Level", "Plan", "Seq", "check_plan", "plan_name"]
+__all__ = ["Backlog", "Level", "Plan", "Planning", "Seq", "check_plan", "plan_name"]
 
 
 @dataclass
@@ -150,6 +150,28 @@ def check_plan(plan: Plan, levels: Sequence[Level]) -> None:
             raise ValueError(f"hybrid plan: its first level {first.name!r} must be a lookup level (n-gram or suffix)")
         if second.is_ngram:
             raise ValueError(f"hybrid plan: its second level {second.name!r} must be a model")
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What a plan must do for a group of rows before its first round's own work, and how long it has to pay that
+    back (`CascadeEngine.backlog`): a model level that sat out rounds, or never saw a row, first catches up on that
+    row's text in a prefill-sized forward, which no step measurement prices (at batch 16 on long prompts, seconds).
+
+    uncovered: model level -> tokens of committed text its cache lacks, summed over the rows that lack more than a
+    step's worth (`specray.coordinator.calls.UNTIMED_CATCH_UP`); remaining: the tokens those rows may still
+    produce (their `max_tokens` left), the horizon over which a faster plan earns its catch-up back."""
+
+    uncovered: Mapping[int, int]
+    remaining: int
+
+
+@runtime_checkable
+class Planning(Protocol):
+    """A planner that weighs each round's `Backlog` (the `specray.policy.planner.Planner`): the scheduler and
+    `run_to_completion` ask it through `plan_groups` instead of calling it with the batch size alone."""
+
+    def plan_groups(self, batch_size: int, backlog: Backlog | None = None) -> list[tuple[Plan, int]]: ...
 
 
 @dataclass

@@ -123,6 +123,10 @@ class Measurements:
         #: next one decays the estimate by; `measured_at` (what exploration reads) counts rounds that ran the pair
         self.observed_at: dict[tuple[int, int], int] = {}
         self.plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
+        #: model level -> decayed [tokens caught up, seconds beyond the calls' own work] (`on_catch_up`): what a
+        #: level that sat out rounds, or meets a row for the first time, pays per token of text to catch up
+        self.catch_up: dict[int, list[float]] = {}
+        self.decay_catch_up = decay
 
     def _scaled_prior(self, ratio: float):
         target = self.costs[self.top]
@@ -157,6 +161,27 @@ class Measurements:
                     if tokens == 1:
                         self.measured_at["plain"] = self.clock
                         self.plain_at[batch_bucket(batch)] = self.clock
+
+    def on_catch_up(self, level: int, kind: str, batch: int, tokens: int, caught: int, seconds: float) -> None:
+        """A call that also caught its rows up on `caught` tokens of earlier text (untimed for `on_call`): the
+        seconds beyond the call's own work (kind and tokens as `on_call`'s, predicted from the level's fit once
+        that is measured; before, the whole call counts) are the catch-up's."""
+        with self.lock:
+            if caught <= 0 or level not in self.costs or batch <= 0:
+                return
+            native = kind == "native" and self.native_cost is not None and level == self.top
+            fit = self.native_cost if native and self.native_cost is not None else self.costs[level]
+            if not fit.n_obs:
+                work = 0.0
+            elif kind == "propose":  # `tokens` steps of one token
+                work = tokens * fit.predict(batch, 1)
+            else:
+                work = fit.predict(batch, max(tokens, 1))
+            extra = max(0.0, seconds - work)
+            f = self.decay_catch_up
+            rec = self.catch_up.setdefault(level, [0.0, 0.0])
+            rec[0] = f * rec[0] + caught
+            rec[1] = f * rec[1] + extra
 
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
         """Acceptance of the native target's own speculation on rows it decoded without a specray draft (one

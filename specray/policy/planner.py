@@ -20,6 +20,11 @@ Token trees: a first level that drafts trees (a suffix level with `tree_width`, 
 for a level that verifies them makes each of its plans a candidate twice, as chains (`Plan.tree` = 1) and as trees
 of its configured width, priced from the trees' own acceptance and size (`on_tree`) and, for a model level, the
 timed tree proposals (`on_propose_tree`).
+
+Catch-up: asked with a `Backlog` (the scheduler's rounds: `plan_groups`), a plan whose model drafters lack the rows'
+text (they sat out rounds, or the rows are new) is scored at the goodput it reaches over the rows' remaining tokens
+after catching up (`Pricing.catch_up_time`), so a drafter predicted to win a little is not started on a batch of
+long prompts that it would spend longer prefilling than it saves.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from specray.coordinator.state import Plan
+from specray.coordinator.state import Backlog, Plan
 from specray.policy.measurements import Measurements, batch_bucket
 from specray.policy.pricing import Pricing, _effective
 from specray.policy.ranking import REGIMES, Ranking, regime_of
@@ -167,6 +172,7 @@ class Planner:
         self._plain_probed: set[int] = set()  # buckets given their first plain probe
         self._last_bucket, self._bucket_run = 0, 0  # bucket of the latest plan() call, consecutive calls there
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
+        self._backlog: Backlog | None = None  # the backlog of the plan() call under way
         for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
             plan = None if spec in (*REGIMES, "hybrid") else self._parse(spec, lo)
             if plan is not None and (plan.levels[-1] != self.top or max(plan.levels) > self.top):
@@ -260,12 +266,25 @@ class Planner:
         time is certain: a draft verified at no extra cost (a step flat in the tokens it feeds) cannot lose to plain
         decoding, since a round yields a token per row either way, and needs no margin; one whose round takes
         `margin` more time or beyond must be predicted `margin` better."""
-        gp = self.ranking.goodput(plan, batch, self._current)
+        gp = self._paid_back(plan, self.ranking.goodput(plan, batch, self._current))
         if not (self.margin and self._pairs(plan)):
             return gp
         plain = self.round_time(self.plain, batch)
         extra = max(0.0, self.round_time(plan, batch) / plain - 1.0) if plain > 0 else self.margin
         return gp / (1.0 + min(self.margin, extra))
+
+    def _paid_back(self, plan: Plan, gp: float) -> float:
+        """Goodput `gp` of `plan` over the remaining tokens R of this round's `Backlog` once its model drafters have
+        caught up on the text they lack (C seconds): R / (R / gp + C). Without a backlog, or nothing to catch up
+        on, `gp` itself."""
+        backlog = self._backlog
+        if backlog is None or gp <= 0 or not backlog.uncovered:
+            return gp
+        c = self.pricing.catch_up_time(self._drafters(plan), backlog.uncovered)
+        if c <= 0:
+            return gp
+        r = max(1, backlog.remaining)
+        return r / (r / gp + c)
 
     def _affordable(self, probe: Plan, batch: int) -> bool:
         """Whether a probe round of `probe` fits `explore_budget`: its extra seconds over a round of the held plan
@@ -294,92 +313,103 @@ class Planner:
         return bool(self.rerank_budget) and (time.perf_counter() - self._rank_end) * self.rerank_budget < \
             self._rank_cost
 
-    def plan(self, batch_size: int) -> Plan:
-        """The plan for the next round over `batch_size` sequences (table, warm-up, hysteresis, exploration)."""
+    def plan(self, batch_size: int, backlog: Backlog | None = None) -> Plan:
+        """The plan for the next round over `batch_size` sequences (table, warm-up, hysteresis, exploration).
+        `backlog`: what each model level lacks of those rows' text, and their remaining tokens (catch-up is then
+        priced: module docstring)."""
         batch = max(1, int(batch_size))
         with self._lock:
-            self.answers += 1
-            self._probe_round = False
-            forced = self._override(batch)
-            if forced is not None:
-                self._last, self.last_reason = (batch, forced), "table"
-                return forced
-            self._calls += 1
-            if self._hold(batch):
-                self._unranked += 1  # between rankings: the held plan, priced at the last ranking
-                self._last, self.last_reason = (batch, self._current), "hold"
-                return self._current
-            self._unranked = 0
-            t0 = time.perf_counter()
-            ranked = self.explain(batch)
-            self._rank_end = time.perf_counter()
-            self._rank_cost = self._rank_end - t0
-            best, best_gp = ranked[0]
-            if self.margin and self._pairs(best):
-                plain_gp = self._score(self.plain, batch)
-                best_gp = self._score(best, batch)
-                if plain_gp >= best_gp:
-                    best, best_gp = self.plain, plain_gp
-            if self.measurements.clock < self.warmup:
-                # nothing measured yet: run the configured plan unless even the priors say it loses
-                start = self.default_plan if self._score(self.default_plan, batch) >= self._score(
-                    self.plain, batch) else best
-                self._current, self._streak = start, 0
-                self._last, self.last_reason = (batch, start), "warmup"
-                return start
-            bucket, grew = batch_bucket(batch), 0 < self._last_bucket < batch_bucket(batch)
-            self._bucket_run = self._bucket_run + 1 if bucket == self._last_bucket else 1
-            self._last_bucket = bucket
-            if grew and best == self.plain != self._current and bucket in self.measurements.plain_at:
-                # the batch grew into a larger bucket where plain decoding is measured and predicted to win: patience
-                # guards against noise at one batch size, but the held plan was chosen for a smaller one, and holding
-                # it here for `patience` rounds is what makes a drafter catch up on the rows that grew the batch (a
-                # whole prefill of each, which no step measurement prices) for rounds that lose anyway
-                self._current, self._streak = best, 0
-            if (self.explore_every and self._bucket_run >= 2 and bucket not in self.measurements.plain_at
-                    and bucket not in self._plain_probed and self._pairs(self._current)):
-                # second round at a new batch size while speculating (the first one carries the prefills of
-                # the requests that grew the batch): measure plain decoding here, once
-                self._plain_probed.add(bucket)
-                self._last, self.last_reason = (batch, self._current), "plain_probe"
+            self._backlog = backlog
+            try:
+                return self._choose(batch)
+            finally:
+                self._backlog = None
+
+    def _choose(self, batch: int) -> Plan:
+        self.answers += 1
+        self._probe_round = False
+        forced = self._override(batch)
+        if forced is not None:
+            self._last, self.last_reason = (batch, forced), "table"
+            return forced
+        self._calls += 1
+        if self._hold(batch):
+            self._unranked += 1  # between rankings: the held plan, priced at the last ranking
+            self._last, self.last_reason = (batch, self._current), "hold"
+            return self._current
+        self._unranked = 0
+        t0 = time.perf_counter()
+        ranked = self.explain(batch)
+        if self._backlog is not None and self._backlog.uncovered:
+            ranked = sorted(ranked, key=lambda pg: -self._paid_back(*pg))
+        self._rank_end = time.perf_counter()
+        self._rank_cost = self._rank_end - t0
+        best, best_gp = ranked[0][0], self._paid_back(*ranked[0])
+        if self.margin and self._pairs(best):
+            plain_gp = self._score(self.plain, batch)
+            best_gp = self._score(best, batch)
+            if plain_gp >= best_gp:
+                best, best_gp = self.plain, plain_gp
+        if self.measurements.clock < self.warmup:
+            # nothing measured yet: run the configured plan unless even the priors say it loses
+            start = self.default_plan if self._score(self.default_plan, batch) >= self._score(
+                self.plain, batch) else best
+            self._current, self._streak = start, 0
+            self._last, self.last_reason = (batch, start), "warmup"
+            return start
+        bucket, grew = batch_bucket(batch), 0 < self._last_bucket < batch_bucket(batch)
+        self._bucket_run = self._bucket_run + 1 if bucket == self._last_bucket else 1
+        self._last_bucket = bucket
+        if grew and best == self.plain != self._current and bucket in self.measurements.plain_at:
+            # the batch grew into a larger bucket where plain decoding is measured and predicted to win: patience
+            # guards against noise at one batch size, but the held plan was chosen for a smaller one, and holding
+            # it here for `patience` rounds is what makes a drafter catch up on the rows that grew the batch (a
+            # whole prefill of each, which no step measurement prices) for rounds that lose anyway
+            self._current, self._streak = best, 0
+        if (self.explore_every and self._bucket_run >= 2 and bucket not in self.measurements.plain_at
+                and bucket not in self._plain_probed and self._pairs(self._current)):
+            # second round at a new batch size while speculating (the first one carries the prefills of
+            # the requests that grew the batch): measure plain decoding here, once
+            self._plain_probed.add(bucket)
+            self._last, self.last_reason = (batch, self._current), "plain_probe"
+            self._probe_round = True
+            return self.plain
+        if self.explore_every and self._calls - self._explored_at >= self.explore_every:
+            probe = self._exploration(ranked, batch)
+            if probe is not None and not self._affordable(probe, batch):
+                probe = None  # not yet: checked again next round
+            else:
+                self._explored_at = self._calls
+            if probe is not None:
+                self._last = (batch, self._current)  # regime() reports the held plan, not the probe
+                self.last_reason = "explore"
+                if self._pairs(probe):  # a level's probe: what it costs beyond the held round is measured
+                    self._explore_pending = (self.pricing.round_time(self._current, batch), self._pairs(probe))
+                else:
+                    self._served.clear()
                 self._probe_round = True
-                return self.plain
-            if self.explore_every and self._calls - self._explored_at >= self.explore_every:
-                probe = self._exploration(ranked, batch)
-                if probe is not None and not self._affordable(probe, batch):
-                    probe = None  # not yet: checked again next round
-                else:
-                    self._explored_at = self._calls
-                if probe is not None:
-                    self._last = (batch, self._current)  # regime() reports the held plan, not the probe
-                    self.last_reason = "explore"
-                    if self._pairs(probe):  # a level's probe: what it costs beyond the held round is measured
-                        self._explore_pending = (self.pricing.round_time(self._current, batch), self._pairs(probe))
-                    else:
-                        self._served.clear()
-                    self._probe_round = True
-                    return probe
-            if best != self._current:
-                cur_gp = self._score(self._current, batch)
-                if best_gp > cur_gp * (1.0 + self.hysteresis):
-                    self._streak += 1
-                    # plain decoding predicted to beat the held plan by more than `decisive` (2x by default) is
-                    # not noise -- both costs are measured at this batch (the held plan runs; plain is probed
-                    # at every new batch bucket): switch at once instead of paying `patience` more rounds of a
-                    # plan that loses big. A speculative plan's cost here may be an extrapolation: patience.
-                    decisive = best == self.plain and best_gp > cur_gp * (1.0 + self.decisive)
-                    if self._streak >= self.patience or decisive or self._free_switch(best):
-                        self._current, self._streak = best, 0
-                else:
-                    self._streak = 0
+                return probe
+        if best != self._current:
+            cur_gp = self._score(self._current, batch)
+            if best_gp > cur_gp * (1.0 + self.hysteresis):
+                self._streak += 1
+                # plain decoding predicted to beat the held plan by more than `decisive` (2x by default) is
+                # not noise -- both costs are measured at this batch (the held plan runs; plain is probed
+                # at every new batch bucket): switch at once instead of paying `patience` more rounds of a
+                # plan that loses big. A speculative plan's cost here may be an extrapolation: patience.
+                decisive = best == self.plain and best_gp > cur_gp * (1.0 + self.decisive)
+                if self._streak >= self.patience or decisive or self._free_switch(best):
+                    self._current, self._streak = best, 0
             else:
                 self._streak = 0
-            self._last, self.last_reason = (batch, self._current), "ranked"
-            return self._current
+        else:
+            self._streak = 0
+        self._last, self.last_reason = (batch, self._current), "ranked"
+        return self._current
 
     __call__ = plan
 
-    def plan_groups(self, batch_size: int) -> list[tuple[Plan, int]]:
+    def plan_groups(self, batch_size: int, backlog: Backlog | None = None) -> list[tuple[Plan, int]]:
         """Like `plan`, as [(plan, number of sequences)]: an exploration probe runs on at most `probe_batch`
         sequences while the rest keep the held plan. Measuring a level then costs a small-batch round instead of
         bringing every sequence's cache up to date on that level (a whole batch of prefills at batch 32).
@@ -390,7 +420,7 @@ class Planner:
         batch 2 says little about batch 16 on a CPU, where a 1-token row and a 9-token row cost very
         differently per token."""
         batch = max(1, int(batch_size))
-        chosen = self.plan(batch)
+        chosen = self.plan(batch, backlog)
         if not self._probe_round or batch <= self.probe_batch or not self._pairs(chosen):
             return [(chosen, batch)]
         return [(chosen, self.probe_batch), (self._current, batch - self.probe_batch)]
@@ -441,6 +471,9 @@ class Planner:
 
     def on_propose_tree(self, level: int, batch: int, depth: int, width: int, nodes: int, seconds: float) -> None:
         self.measurements.on_propose_tree(level, batch, depth, width, nodes, seconds)
+
+    def on_catch_up(self, level: int, kind: str, batch: int, tokens: int, caught: int, seconds: float) -> None:
+        self.measurements.on_catch_up(level, kind, batch, tokens, caught, seconds)
 
     @property
     def costs(self) -> dict[int, StepCost]:

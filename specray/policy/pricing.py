@@ -54,6 +54,12 @@ bounded look-ahead is priced as a hit/miss renewal chain (`Pricing._bounded`): a
 before the verification, a hit verifies what the drafter made during the previous verification; unbounded:
 T_round = (1 - hit) * P(K) + max(T_t(B, K+1), P(K+1)), hit = prod alpha_1..K+1.
 
+Catch-up (`catch_up_time`): a model drafter that sat out rounds, or never saw a row, first brings its cache up to
+date on that row's text, a prefill-sized forward no step prices. Its rate per token is measured on such calls
+(`Measurements.on_catch_up`; before that, the target's prefill rate scaled by their decode steps). The planner
+weighs it against the rows' remaining tokens R (`Planner.plan` with a `Backlog`): a plan of goodput g that must
+first catch up for C seconds finishes R tokens at R / (R / g + C).
+
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
 (cascade at small B, one drafter at medium, none at large) fall out of the measurements.
@@ -63,6 +69,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from specray.coordinator.state import Plan
@@ -232,6 +239,26 @@ class Pricing:
         if t is None:
             t = m.memo[key] = m.native_cost.predict(batch, 1)
         return t
+
+    def catch_up_rate(self, level: int) -> float:
+        """Seconds per token for model `level` to catch up on text it lacks (`Measurements.on_catch_up`); until it
+        has caught up on a row, the target's rate scaled by the ratio of their decode steps; until the target has
+        either, the level's fitted cost per token."""
+        m = self.measured
+        rec = m.catch_up.get(level)
+        if rec is not None and rec[0] >= 1.0:
+            return rec[1] / rec[0]
+        top = m.catch_up.get(m.top)
+        if level != m.top and top is not None and top[0] >= 1.0:
+            plain = self.plain_verify_time(1)
+            return top[1] / top[0] * (self.step_time(level, 1, 1) / plain if plain > 0 else 1.0)
+        return m.costs[level].coefficients[1]
+
+    def catch_up_time(self, drafters: Iterable[int], uncovered: Mapping[int, int]) -> float:
+        """Seconds a plan's first round spends bringing its model `drafters` up to date on the `uncovered` tokens
+        (`specray.coordinator.state.Backlog`) before its own work (the target is in step under every plan)."""
+        return sum(uncovered.get(i, 0) * self.catch_up_rate(i) for i in drafters
+                   if uncovered.get(i, 0) > 0 and not self.measured.is_ngram[i])
 
     def _lookup_verify_time(self, batch: int, k: int) -> float:
         """The target verifying an n-gram level's K-token drafts: a row without a match drafts nothing, so a call

@@ -230,7 +230,7 @@ def test_a_planner_split_runs_a_probe_group_beside_the_held_plan_and_stays_exact
         def __call__(self, batch: int) -> Plan:
             raise AssertionError("plan_groups must be used when the planner has it")
 
-        def plan_groups(self, batch: int):
+        def plan_groups(self, batch: int, backlog=None):
             self.calls += 1
             return [(probe, 2), (held, batch - 2)] if batch > 2 and self.calls % 2 else [(held, batch)]
 

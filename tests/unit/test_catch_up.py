@@ -1,0 +1,138 @@
+"""Catch-up: a model drafter that sat out rounds, or never saw a row, first prefills that row's text. The engine
+reports what each level lacks (`CascadeEngine.backlog`) and what catching up cost (`on_catch_up`), and the planner
+weighs that cost against the rows' remaining tokens before it starts the drafter."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specray.coordinator.cascade import CascadeEngine, Level, Plan, run_to_completion
+from specray.coordinator.state import Backlog
+from specray.policy.planner import Planner
+from specray.spec.params import SamplingParams
+from specray.testing.fake import FakeWorker
+
+PROMPT = list(range(1, 8)) * 6  # 42 tokens: more than a step's worth of catch-up
+
+
+def _levels() -> list[Level]:
+    return [Level("draft", worker=FakeWorker("draft", vocab=16, noise=0.5), k=4),
+            Level("target", worker=FakeWorker("target", vocab=16))]
+
+
+class CatchUps:
+    """An observer that records the catch-up reports (and takes every other hook)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str, int]] = []
+
+    def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None:
+        pass
+
+    def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
+        pass
+
+    def on_catch_up(self, level: int, kind: str, batch: int, tokens: int, caught: int, seconds: float) -> None:
+        self.seen.append((level, kind, caught))
+
+
+def test_the_backlog_counts_what_a_level_lacks_and_the_rows_remaining_tokens():
+    engine = CascadeEngine(_levels())
+    rec = CatchUps()
+    engine.observers.append(rec)
+    seqs = [engine.new_sequence(PROMPT, SamplingParams(0.0), max_tokens=60) for _ in range(2)]
+    assert engine.backlog(seqs) == Backlog({0: 2 * len(PROMPT)}, 120)  # new rows: the whole prompt, each
+
+    engine.step(seqs, Plan((0, 1), (4,)))  # the drafter catches up on both prompts in its first call
+    assert engine.backlog(seqs).uncovered == {}
+    assert (0, "propose", 2 * len(PROMPT)) in rec.seen  # and the call is reported as a catch-up
+    assert (1, "verify", 2 * len(PROMPT)) in rec.seen  # so is the target's first verification
+    made = len(seqs[0].output)
+
+    plain = Plan((1,), ())
+    while True:  # the drafter sits out plain rounds
+        engine.step(seqs, plain)
+        if engine.calls.uncovered(0, seqs[:1]):
+            break
+        assert engine.backlog(seqs).uncovered == {}  # a step's worth: the next round's ordinary work
+    behind = [len(s.tokens) - engine.calls._kept(0, s) for s in seqs]
+    assert engine.backlog(seqs) == Backlog({0: sum(behind)}, sum(s.remaining for s in seqs))
+    assert len(seqs[0].output) > made
+
+    rec.seen.clear()
+    engine.step(seqs, Plan((0, 1), (4,)))
+    assert rec.seen == [(0, "propose", sum(behind))]
+    assert engine.backlog(seqs).uncovered == {}
+
+
+def _planner() -> Planner:
+    """Plain steps of 0.1 s; the drafter's rounds predicted ~1.3x plain's goodput; its catch-up 2 ms per token."""
+    p = Planner(_levels(), k_choices=[4], explore_every=0, patience=1, warmup=0, hysteresis=0.05,
+                prior_cost_ratio=0.1)
+    p._current = p.plain
+    for _ in range(20):
+        p.on_call(1, "verify", 1, 1, 0.1)
+        p.on_call(1, "verify", 1, 5, 0.1)
+        p.on_call(0, "propose", 1, 4, 0.04)
+        p.on_verify(1, 0, [4], [1])
+    p.on_catch_up(0, "propose", 1, 4, 1000, 2.04)  # 1000 tokens caught up beside 4 steps (0.04 s): 2 s
+    return p
+
+
+def test_a_drafter_is_not_started_where_catching_up_costs_more_than_it_saves():
+    p = _planner()
+    draft = Plan((0, 1), (4,))
+    gp = p.goodput(draft, 1)
+    assert 1.2 < gp / p.goodput(p.plain, 1) < 1.5
+    assert abs(p.pricing.catch_up_rate(0) - 0.002) < 1e-9
+
+    # 1500 tokens to catch up (3 s) for 60 tokens left: plain finishes them in 6 s, the drafter in 3 + 60 / gp
+    assert 60 / gp + 3.0 > 6.5
+    assert p.plan(1, Backlog({0: 1500}, 60)) == p.plain
+    assert p.plan(1, Backlog({0: 1500}, 60)) == p.plain
+    # the same text with 600 tokens left is worth catching up on; so are 60 tokens left with little to catch up on
+    assert p.plan(1, Backlog({0: 1500}, 600)) == draft
+    p._current = p.plain
+    assert p.plan(1, Backlog({0: 50}, 60)) == draft
+    # without a backlog (a caller that does not say), the ranking alone, as before
+    p._current = p.plain
+    assert p.plan(1) == draft
+
+
+def test_a_running_drafter_pays_nothing_to_go_on():
+    p = _planner()
+    draft = Plan((0, 1), (4,))
+    p._current = draft
+    assert p.plan(1, Backlog({}, 60)) == draft
+
+
+def test_catch_up_rate_is_measured_beyond_the_calls_own_work_else_taken_from_the_target():
+    p = Planner(_levels(), k_choices=[4], explore_every=0, warmup=0)
+    assert p.pricing.catch_up_rate(0) == p.costs[0].coefficients[1]  # nothing measured: the fit's cost per token
+    for _ in range(10):
+        p.on_call(1, "verify", 1, 1, 0.1)
+        p.on_call(0, "propose", 1, 1, 0.02)
+    p.on_catch_up(1, "verify", 1, 1, 500, 0.1 + 0.5)  # the target: 1 ms per token beyond its step
+    assert abs(p.pricing.catch_up_rate(1) - 0.001) < 1e-6
+    ratio = p.step_time(0, 1, 1) / p.step_time(1, 1, 1)
+    assert abs(p.pricing.catch_up_rate(0) - 0.001 * ratio) < 1e-6  # the drafter: scaled by their steps
+    p.on_catch_up(0, "propose", 1, 2, 100, 2 * 0.02 + 0.03)
+    assert abs(p.pricing.catch_up_rate(0) - 0.0003) < 1e-6  # then its own
+
+
+def test_the_engine_loop_hands_the_planner_its_backlog():
+    levels = _levels()
+    engine = CascadeEngine(levels)
+    p = Planner(levels, k_choices=[4], warmup=0).attach(engine)
+    asked: list[Backlog | None] = []
+    ask = p.plan
+
+    def plan(batch: int, backlog: Backlog | None = None) -> Plan:
+        asked.append(backlog)
+        return ask(batch, backlog)
+
+    p.plan = plan  # type: ignore[method-assign]
+    seqs = [engine.new_sequence(PROMPT, SamplingParams(0.0), max_tokens=8)]
+    run_to_completion(engine, seqs, p)
+    assert asked and all(b is not None for b in asked)
+    assert asked[0] == Backlog({0: len(PROMPT)}, 8)
