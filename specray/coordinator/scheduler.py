@@ -204,6 +204,11 @@ class Scheduler:
     def _admit(self, req: Request) -> _Live:
         plan = self.plan_for(req.speculation)
         method = req.speculation.verify_method if req.speculation else None
+        if method is None and req.sampling.seed is not None and req.sampling.temperature > 0:
+            # A seed promises reproducible output, but which levels draft changes from round to round (the planner
+            # follows live timings). Coupled verification is exact and its output depends only on (seed, target),
+            # never on the drafter, so seeded requests use it unless they ask otherwise.
+            method = VerifyMethod.COUPLED
         tree = req.speculation.tree if req.speculation else None
         stop_ids = (*(() if req.ignore_eos else self.stop_token_ids), *req.stop_token_ids)
         rid = req.request_id or f"req-{next(self._ids)}"

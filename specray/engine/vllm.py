@@ -164,6 +164,13 @@ class VLLMWorker(LiveRequests, PromptScoring):
                                             "prompt_lookup_min": 16, "prompt_lookup_max": 16}
             kwargs["async_scheduling"] = False
         kwargs.update(engine_kwargs or {})
+        #: coupled rows at T > 0 decode and verify in the engine's step with specray's keyed noise (`vllm_keyed`):
+        #: it is wired into the engines of this process, so the engine must run in it
+        self.keyed = bool(live_decode and in_process)
+        if self.keyed:
+            from specray.engine.vllm_keyed import install
+
+            install()
         set_threads = torch.set_num_threads
         shield_llvmlite()
         try:

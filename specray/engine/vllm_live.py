@@ -31,8 +31,11 @@ without draft probabilities: accept x with probability p(x), else a sample from 
 applying the row's temperature, top-k and top-p as plain vLLM sampling does. So a sampled row is live where
 nobody can ask for its output again (`SamplingParams.reproducible` False: the request gave no seed) and its
 method needs nothing but fresh randomness: plain rows, and deterministic drafts (n-gram, greedy model drafts).
-Seeded rows, coupled verification (its keyed noise makes a seed's output independent of the drafter) and
-rejection over a sampled draft (q must travel with it) decode through scoring and keyed sampling. The live
+Coupled verification (what seeded rows use: its keyed noise makes a seed's output independent of the drafter) is
+live too on an in-process engine: the row runs as a greedy request whose logits are replaced by its coupled tokens
+inside the step (`specray.engine.vllm_keyed`), so a plain step samples and a drafted step verifies exactly as the
+hf backend does. Other seeded rows, rows with min_p or penalties, and rejection over a sampled draft (q must travel
+with it) decode through scoring and keyed sampling. The live
 request is added without a seed: a request re-added at a new position must not replay its random stream.
 
 Engine verification (``engine_verify`` = E > 0)
@@ -53,7 +56,7 @@ The engine runs in-process (the worker writes to its scheduler's requests).
 `LiveRequests` is a mixin of `specray.engine.vllm.VLLMWorker` (it owns this state; the worker's constructor
 sets it): ``engine`` (the LLMEngine), ``_live`` (seq id -> `_Live`), ``_keep`` (live requests allowed to
 advance in the current call), ``_ids``, ``_scheduler`` (engine verification), ``live_decode``,
-``engine_verify``, ``_own_drafts``, ``max_context``, ``max_num_seqs``, and the counters ``engine_calls``,
+``engine_verify``, ``keyed``, ``_own_drafts``, ``max_context``, ``max_num_seqs``, and the counters ``engine_calls``,
 ``engine_seconds``, ``live_steps``, ``live_restarts``, ``live_served_tokens``, ``unserved``. Its step loop
 (`_step`) is also the one every other engine request of the worker runs through.
 """
@@ -69,6 +72,7 @@ from typing import Any
 import torch
 
 from specray.engine.protocol import VerifyResult
+from specray.engine.vllm_keyed import keyed_args
 from specray.spec.params import SamplingParams, VerifyMethod
 
 __all__ = ["LiveRequests"]
@@ -101,6 +105,7 @@ class _Live:
     chunks: list[_Chunk] = field(default_factory=list)
     served: int = 0  # tokens[:served] are known to the coordinator
     finished: bool = False
+    keyed: bool = False  # a greedy request drawing the row's coupled tokens (`specray.engine.vllm_keyed`)
 
 
 class LiveRequests:
@@ -108,6 +113,7 @@ class LiveRequests:
 
     name: str
     engine: Any
+    keyed: bool
 
     def _abort(self, seq_ids: Sequence[str]) -> None:
         gone = [self._live.pop(s) for s in seq_ids if s in self._live]
@@ -163,15 +169,21 @@ class LiveRequests:
         return done
 
     def _live_row(self, draft: Sequence[int], sp: SamplingParams, method: VerifyMethod, return_probs: bool) -> bool:
-        """Whether the row is served by its live request (module docstring): greedy rows, and sampled rows
-        whose draws need no keyed noise."""
+        """Whether the row is served by its live request (module docstring): greedy rows, coupled rows where the
+        engine applies the keyed noise (`_keyed_row`), and sampled rows whose draws need no keyed noise."""
         if not self.live_decode or return_probs:
             return False
-        if sp.temperature != 0 and (sp.reproducible or method is VerifyMethod.COUPLED
-                                    or (draft and method is not VerifyMethod.DETERMINISTIC)
-                                    or sp.min_p > 0 or sp.penalized):
+        if sp.temperature != 0 and not self._keyed_row(sp, method) and (
+                sp.reproducible or method is VerifyMethod.COUPLED
+                or (draft and method is not VerifyMethod.DETERMINISTIC) or sp.min_p > 0 or sp.penalized):
             return False  # min_p and penalties: the keyed path applies them as every level does
         return not draft or self.engine_verify > 0
+
+    def _keyed_row(self, sp: SamplingParams, method: VerifyMethod) -> bool:
+        """A sampled row verified by the coupled method that the engine serves with specray's keyed noise inside
+        its step (`specray.engine.vllm_keyed`): a greedy request whose logits are its coupled tokens."""
+        return (self.keyed and sp.temperature != 0 and method is VerifyMethod.COUPLED and sp.min_p == 0
+                and not sp.penalized)
 
     def _set_drafts(self, lv: _Live, draft: Sequence[int]) -> None:
         """The draft the engine verifies for `lv` in its next step (replacing its own proposer's)."""
@@ -180,18 +192,20 @@ class LiveRequests:
             raise RuntimeError(f"{self.name}: live request {lv.ext_id!r} is not in the scheduler")
         req.spec_token_ids = list(draft[: self.engine_verify])
 
-    def _is_live(self, seq_id: str, toks: list[int]) -> bool:
-        """Whether the row's live request can serve the coordinator's tokens as they are."""
+    def _is_live(self, seq_id: str, toks: list[int], keyed: bool | None = None) -> bool:
+        """Whether the row's live request can serve the coordinator's tokens as they are (and draws as asked:
+        `keyed`, None: either way)."""
         lv = self._live.get(seq_id)
         n = len(toks)
         return lv is not None and lv.base <= n <= len(lv.tokens) and lv.tokens[:n] == toks and (
-            len(lv.tokens) > n or not lv.finished)
+            len(lv.tokens) > n or not lv.finished) and (keyed is None or lv.keyed == keyed)
 
-    def _ensure_live(self, seq_id: str, toks: list[int], sampling: SamplingParams) -> _Live:
-        """The live request of a row, consistent with the coordinator's tokens (re-added if not)."""
+    def _ensure_live(self, seq_id: str, toks: list[int], sampling: SamplingParams, keyed: bool = False) -> _Live:
+        """The live request of a row, consistent with the coordinator's tokens (re-added if not). `keyed`: a
+        greedy request whose logits are the row's coupled tokens (`specray.engine.vllm_keyed`)."""
         lv = self._live.get(seq_id)
         n = len(toks)
-        if self._is_live(seq_id, toks):
+        if self._is_live(seq_id, toks, keyed):
             return lv
         if lv is not None:
             self._abort([seq_id])
@@ -201,12 +215,17 @@ class LiveRequests:
 
         if n >= self.max_context:
             raise ValueError(f"{self.name}: sequence {seq_id!r} of {n} tokens has no room left in the context")
-        sp = VSamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                             max_tokens=self.max_context - n, ignore_eos=True, detokenize=False,
-                             skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+        common = dict(max_tokens=self.max_context - n, ignore_eos=True, detokenize=False, skip_special_tokens=False,
+                      output_kind=RequestOutputKind.DELTA)
+        if keyed:
+            sp = VSamplingParams(temperature=0.0, extra_args=keyed_args(sampling), **common)
+        else:
+            sp = VSamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                 **common)
         ext = f"specray-live-{seq_id}-{next(self._ids)}"
         int_id = self.engine.add_request(ext, {"prompt_token_ids": list(toks)}, sp)
-        lv = self._live[seq_id] = _Live(ext, int_id if isinstance(int_id, str) else ext, list(toks), n, served=n)
+        lv = self._live[seq_id] = _Live(ext, int_id if isinstance(int_id, str) else ext, list(toks), n, served=n,
+                                        keyed=keyed)
         return lv
 
     @staticmethod
@@ -252,8 +271,9 @@ class LiveRequests:
                                           [sampling[b] for b in other], method, salt, False)
                 for j, b in enumerate(other):
                     out_ids[b], n_acc[b] = res.token_ids[j], res.num_accepted[j]
-            fresh = {b for b in live if not self._is_live(seq_ids[b], seqs[b])}  # a prefill in this call
-            lives = {b: self._ensure_live(seq_ids[b], seqs[b], sampling[b]) for b in live}
+            keyed = {b: self._keyed_row(sampling[b], method) for b in live}
+            fresh = {b for b in live if not self._is_live(seq_ids[b], seqs[b], keyed[b])}  # a prefill in this call
+            lives = {b: self._ensure_live(seq_ids[b], seqs[b], sampling[b], keyed[b]) for b in live}
             while True:
                 need = [b for b in live if self._wants_step(lives[b], len(seqs[b]), draft_ids[b])]
                 if not need:

@@ -17,7 +17,6 @@ Python handle API (non-streaming and streaming):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -30,7 +29,7 @@ from specray.coordinator.scheduler import Event, Request, RequestError, Schedule
 from specray.metrics import MetricsSink, SpecMetrics
 from specray.serve.actors import ActorWorker
 from specray.serve.protocol import Busy, SpeculationOptions, usage_from_stats
-from specray.spec.params import SamplingParams, VerifyMethod
+from specray.spec.params import SamplingParams
 
 log = logging.getLogger("specray")
 
@@ -220,12 +219,7 @@ class Coordinator:
             raise RequestError(str(exc)) from exc
         self.check_target_supports(sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        spec = _speculation(speculation)
-        if seed is not None and sampling.temperature > 0 and (spec is None or spec.verify_method is None):
-            # A seed promises reproducible output, but which levels draft changes from round to round (the
-            # planner follows live timings). Coupled verification is exact and its output depends only on
-            # (seed, target), never on the drafter, so seeded requests use it unless they ask otherwise.
-            spec = dataclasses.replace(spec or Speculation(), verify_method=VerifyMethod.COUPLED)
+        spec = _speculation(speculation)  # a seeded request verifies by the coupled method (`Scheduler._admit`)
         if stop_token_ids and any(not 0 <= t < self.vocab_size for t in stop_token_ids):
             raise RequestError(f"stop_token_ids: every id must be in [0, {self.vocab_size})")
         return Request(prompt_ids, sampling, max_tokens or room, stops, ignore_eos, spec,

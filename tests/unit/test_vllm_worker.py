@@ -339,19 +339,29 @@ def _sampled_rounds(ids, mode, method, vt, vmid, ht, hmid):
         assert [vmid.tokens(s) for s in ids] == [vt.tokens(s) for s in ids]
 
 
-def test_coupled_same_seed_same_tokens_whatever_the_drafter(vt, vmid, ht):
+def test_coupled_same_seed_same_tokens_whatever_the_drafter(vt, ve, vmid, ht):
+    """Coupled rows emit the keyed sample of (seed, target) whatever drafts them: on the hf backend, through vLLM's
+    scoring, and inside vLLM's step (a plain live step, and drafts verified by the engine, `vllm_keyed`)."""
     sp = [SamplingParams(temperature=1.0, top_k=50, seed=1234 + i) for i in range(len(PROMPTS))]
+    sp[1] = SamplingParams(temperature=0.7, top_p=0.9, seed=77)  # the full vocabulary, nucleus-filtered
     C = VerifyMethod.COUPLED
-    outs = {
-        "hf plain": _run([Level("t", worker=ht, method=C)], sampling=sp)[0],
+    ngram = lambda: Level("ng", ngram=NgramConfig(3, 1, 3))
+    outs = {"hf plain": _run([Level("t", worker=ht, method=C)], sampling=sp)[0]}
+    served = ve.live_served_tokens
+    outs |= {
         "vllm plain": _run([Level("t", worker=vt, method=C)], sampling=sp)[0],
-        "ngram -> vllm": _run([Level("ng", ngram=NgramConfig(3, 1, 3)), Level("t", worker=vt, method=C)],
-                              sampling=sp)[0],
+        "ngram -> vllm": _run([ngram(), Level("t", worker=vt, method=C)], sampling=sp)[0],
         "vllm draft -> vllm": _run([Level("mid", worker=vmid, k=3), Level("t", worker=vt, method=C)],
                                    sampling=sp)[0],
+        "vllm plain, engine verifying": _run([Level("t", worker=ve, method=C)], sampling=sp)[0],
+        "ngram -> vllm, in its step": _run([ngram(), Level("t", worker=ve, method=C)], sampling=sp)[0],
+        "vllm draft -> vllm, in its step": _run([Level("mid", worker=vmid, k=3), Level("t", worker=ve, method=C)],
+                                                sampling=sp)[0],
     }
     for name, out in outs.items():
         assert out == outs["hf plain"], name
+    # every token of the three runs on the engine-verifying target came out of its own steps
+    assert ve.live_served_tokens - served == 3 * len(PROMPTS) * 20
 
 
 def test_deterministic_draft_first_token_follows_target_distribution(vt, ht):
@@ -487,7 +497,8 @@ def test_unseeded_top_k_only_rows_prefill_in_a_speculative_step(ve):
 
 def test_seeded_sampled_rows_stay_keyed_on_an_engine_verifying_level(ve, ht):
     """A seed promises the same output whatever the plan: seeded rows at T > 0 never take vLLM's generator on an
-    engine-verifying level, and draw exactly the hf backend's keyed tokens."""
+    engine-verifying level, and draw exactly the hf backend's keyed tokens: coupled rows inside the engine's step
+    (its logits replaced by their keyed tokens, `vllm_keyed`), the others through scoring."""
     sps = [s for s in SAMPLED if s.temperature > 0]
     prompts = [ht.tokenizer.encode(p) for p in PROMPTS[: len(sps)]]
     ids = [f"k{i}" for i in range(len(sps))]
@@ -500,7 +511,7 @@ def test_seeded_sampled_rows_stay_keyed_on_an_engine_verifying_level(ve, ht):
             rv = ve.verify(ids, drafts, None, sps, method, level=1)
             rh = ht.verify(ids, drafts, None, sps, method, level=1)
             assert rv.token_ids == rh.token_ids, method
-            assert not rv.stepped
+            assert rv.stepped == (method is VerifyMethod.COUPLED)
     finally:
         for w in (ve, ht):
             for s in ids:
