@@ -539,6 +539,13 @@ class TimedPlanner:
     def __call__(self, batch: int) -> Any:
         return self._timed("plan", self.planner.plan, batch)
 
+    def plan_groups(self, batch: int, backlog: Any = None) -> Any:
+        """As the scheduler asks it (`specray.coordinator.state.Planning`): with the rows' backlog."""
+        return self._timed("plan", self.planner.plan_groups, batch, backlog)
+
+    def on_catch_up(self, *args: Any) -> None:
+        self._timed("on_catch_up", self.planner.on_catch_up, *args)
+
     def on_call(self, *args: Any) -> None:
         self._timed("on_call", self.planner.on_call, *args)
 

@@ -60,10 +60,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-process batch sizes: B requests run together through the scheduler (default: 1)")
     g.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="C",
                    help="with --url: C streaming requests in flight together (default: 1)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs are compared across modes)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (outputs are compared across modes; so are seeded samples, --seed)")
     g.add_argument("--top-k", type=int, default=0, help="top-k at temperature > 0 (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="top-p at temperature > 0 (1: off)")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed of every request (temperature > 0)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed of every request (temperature > 0): every mode then follows the same sample "
+                        "path (coupled verification), and their outputs are compared")
     g.add_argument("--samples", type=int, default=1, metavar="N",
                    help="temperature > 0: each workload's requests N times over (all of them, then again), each "
                         "request a sample path of its own for every mode and peer (unseeded rows draw on the "
@@ -433,7 +436,7 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
                 "max_tokens": args.max_tokens,
                 "workloads": {w: len(r) for w, r in by_workload.items()}}
     return build_report(list(cells.values()), target=target.describe(), settings=settings, skipped=skipped,
-                        check_outputs=args.temperature == 0, versions=_versions(),
+                        check_outputs=args.temperature == 0 or args.seed is not None, versions=_versions(),
                         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 

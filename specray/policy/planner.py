@@ -173,6 +173,7 @@ class Planner:
         self._last_bucket, self._bucket_run = 0, 0  # bucket of the latest plan() call, consecutive calls there
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
         self._backlog: Backlog | None = None  # the backlog of the plan() call under way
+        self._catch_up: dict[frozenset[int], float] = {}  # its catch-up seconds per set of model drafters
         for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
             plan = None if spec in (*REGIMES, "hybrid") else self._parse(spec, lo)
             if plan is not None and (plan.levels[-1] != self.top or max(plan.levels) > self.top):
@@ -280,7 +281,10 @@ class Planner:
         backlog = self._backlog
         if backlog is None or gp <= 0 or not backlog.uncovered:
             return gp
-        c = self.pricing.catch_up_time(self._drafters(plan), backlog.uncovered)
+        drafters = self._drafters(plan)
+        c = self._catch_up.get(drafters)
+        if c is None:  # the same for every plan of these drafters: priced once per plan() call
+            c = self._catch_up[drafters] = self.pricing.catch_up_time(drafters, backlog.uncovered)
         if c <= 0:
             return gp
         r = max(1, backlog.remaining)
@@ -320,6 +324,7 @@ class Planner:
         batch = max(1, int(batch_size))
         with self._lock:
             self._backlog = backlog
+            self._catch_up.clear()
             try:
                 return self._choose(batch)
             finally:
@@ -340,11 +345,13 @@ class Planner:
         self._unranked = 0
         t0 = time.perf_counter()
         ranked = self.explain(batch)
+        best = ranked[0][0]
         if self._backlog is not None and self._backlog.uncovered:
-            ranked = sorted(ranked, key=lambda pg: -self._paid_back(*pg))
+            # the best plan once its drafters' catch-up is paid (the ranking itself, memoised, leaves it out)
+            best = max(ranked, key=lambda pg: self._paid_back(*pg))[0]
         self._rank_end = time.perf_counter()
         self._rank_cost = self._rank_end - t0
-        best, best_gp = ranked[0][0], self._paid_back(*ranked[0])
+        best_gp = self._paid_back(best, self.ranking.goodput(best, batch, self._current))
         if self.margin and self._pairs(best):
             plain_gp = self._score(self.plain, batch)
             best_gp = self._score(best, batch)

@@ -183,6 +183,18 @@ def test_greedy_outputs_of_every_mode_are_identical(tiny, workload):
     assert list(ngram["levels"]) and ngram["levels"][list(ngram["levels"])[-1]]["num_drafts"] > 0
 
 
+def test_seeded_samples_of_every_mode_are_identical_and_compared(tiny, workload):
+    """A seed makes the scheduler verify by the coupled method, whose output depends on (seed, target) alone: every
+    mode follows the same sample path at T > 0, and the report checks it (a paired comparison of plans)."""
+    report = run_bench(_args(*_tiny_flags(tiny, workload, "--batch", "1", "2", "--temperature", "0.9", "--seed",
+                                          "7")))
+    validate(report)
+    assert report["outputs_identical"] is True, report["mismatches"]
+    assert report["outputs_compared"] == 4 * 2 * 3
+    drafted = [r for r in report["results"] if r["name"] != "none"]
+    assert any(list(r["levels"].values())[-1]["num_drafts"] > 0 for r in drafted)
+
+
 def test_the_output_check_catches_a_difference():
     def cell(name: str, out: list[int]) -> Cell:
         c = Cell("w", 1, name, "mode")
