@@ -224,8 +224,15 @@ class Planner:
         no level's cache up to date and a wrong one costs one round, so it follows the ranking at once; holding
         a lookup's old K or plain decoding for `patience` rounds is what loses on text that moves between
         copying and not copying every few rounds (code at T > 0). A switch that starts or stops a model drafter
-        waits: the drafter catches up on every row's text first, a cost paid again on every switch back."""
-        return self._drafters(best) == self._drafters(self._current)
+        waits: the drafter catches up on every row's text first, a cost paid again on every switch back.
+
+        Unless the held plan's own drafters lack text this round (`Backlog`: new rows, or rows they sat out): then
+        holding it pays a catch-up as well, and its head start, which patience protects, is not there."""
+        held = self._drafters(self._current)
+        if self._drafters(best) == held:
+            return True
+        backlog = self._backlog
+        return backlog is not None and any(backlog.uncovered.get(i, 0) > 0 for i in held)
 
     def _items(self, plan: Plan) -> list[tuple[int, ...]]:
         """What a round of `plan` measures: its pairs, and (verifier, 0, width) where its suffix level drafts trees

@@ -65,16 +65,17 @@ def test_the_backlog_counts_what_a_level_lacks_and_the_rows_remaining_tokens():
     assert engine.backlog(seqs).uncovered == {}
 
 
-def _planner() -> Planner:
-    """Plain steps of 0.1 s; the drafter's rounds predicted ~1.3x plain's goodput; its catch-up 2 ms per token."""
-    p = Planner(_levels(), k_choices=[4], explore_every=0, patience=1, warmup=0, hysteresis=0.05,
+def _planner(patience: int = 1, accepted: int = 1) -> Planner:
+    """Plain steps of 0.1 s; the drafter's rounds predicted ~1.3x plain's goodput (`accepted` 1 of its 4 tokens per
+    round; 0: plain's goodput ~1.4x the drafter's); its catch-up 2 ms per token."""
+    p = Planner(_levels(), k_choices=[4], explore_every=0, patience=patience, warmup=0, hysteresis=0.05,
                 prior_cost_ratio=0.1)
     p._current = p.plain
     for _ in range(20):
         p.on_call(1, "verify", 1, 1, 0.1)
         p.on_call(1, "verify", 1, 5, 0.1)
         p.on_call(0, "propose", 1, 4, 0.04)
-        p.on_verify(1, 0, [4], [1])
+        p.on_verify(1, 0, [4], [accepted])
     p.on_catch_up(0, "propose", 1, 4, 1000, 2.04)  # 1000 tokens caught up beside 4 steps (0.04 s): 2 s
     return p
 
@@ -104,6 +105,21 @@ def test_a_running_drafter_pays_nothing_to_go_on():
     draft = Plan((0, 1), (4,))
     p._current = draft
     assert p.plan(1, Backlog({}, 60)) == draft
+
+
+def test_a_held_drafter_that_must_catch_up_is_left_at_once():
+    """Patience keeps a drafter that is in step through noise: its head start would be paid again on the way back.
+    A held drafter that lacks this round's text (rows that joined, rows it sat out) has no head start to keep:
+    holding it pays a catch-up too, so a better plan is taken on the first round."""
+    draft = Plan((0, 1), (4,))
+    p = _planner(patience=3)
+    p._current = draft
+    assert p.plan(1, Backlog({0: 1500}, 60)) == p.plain  # not decisive (< 2x): only the backlog makes it free
+
+    q = _planner(patience=3, accepted=0)  # plain ~1.4x the drafter, which is in step: patience as before
+    q._current = draft
+    assert q.goodput(q.plain, 1) < 2 * q.goodput(draft, 1)
+    assert [q.plan(1, Backlog({}, 60)) for _ in range(3)] == [draft, draft, q.plain]
 
 
 def test_catch_up_rate_is_measured_beyond_the_calls_own_work_else_taken_from_the_target():
