@@ -453,6 +453,12 @@ class PolicyConfig(_Strict):
         "'ngram:3|draft:4>target'); first match wins."
     )
 
+    trace_file: str | None = Field(
+        None, description="Append one JSON line per ranked round to this file (in the coordinator's process): the "
+        "batch, the plan chosen and why, the best candidates and plain decoding with their predicted goodput and "
+        "round time, the drafters' backlog, and the round's measured seconds. What to read when a deployment "
+        "speculates more or less than expected; null: off.")
+
     def planner_kwargs(self) -> dict:
         """The `specray.policy.planner.Planner` keyword arguments of this policy (`k_max` apart: callers may
         override it)."""

@@ -29,9 +29,10 @@ long prompts that it would spend longer prefilling than it saves.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from specray.coordinator.state import Backlog, Plan
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from specray.policy.cost import Acceptance, StepCost
 
 __all__ = ["Planner", "regime_of"]
+
+log = logging.getLogger(__name__)
 
 
 class Planner:
@@ -98,6 +101,7 @@ class Planner:
         rerank_budget: float | None = None,
         explore_budget: float | None = None,
         margin: float = 0.0,
+        trace: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         if not levels:
             raise ValueError("a planner needs at least the target level")
@@ -174,6 +178,10 @@ class Planner:
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
         self._backlog: Backlog | None = None  # the backlog of the plan() call under way
         self._catch_up: dict[frozenset[int], float] = {}  # its catch-up seconds per set of model drafters
+        #: gets one record per answer (`_record`), completed with the round's seconds where the caller reports them
+        #: (`on_round`): what to read when a deployment speculates more or less than expected
+        self.trace = trace
+        self._pending: dict[str, Any] | None = None  # the latest record, waiting for its round's seconds
         for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
             plan = None if spec in (*REGIMES, "hybrid") else self._parse(spec, lo)
             if plan is not None and (plan.levels[-1] != self.top or max(plan.levels) > self.top):
@@ -197,6 +205,8 @@ class Planner:
         beyond the held plan's predicted round is what the next probe is priced at (`explore_budget`), since
         it includes what no step measurement sees -- a level catching up on the probed rows' whole text."""
         with self._lock:
+            if self._pending is not None:
+                self._flush(seconds)
             if self._explore_pending is None:
                 bucket = batch_bucket(batch)
                 self._served[bucket] = self._served.get(bucket, 0.0) + seconds
@@ -333,9 +343,50 @@ class Planner:
             self._backlog = backlog
             self._catch_up.clear()
             try:
-                return self._choose(batch)
+                chosen = self._choose(batch)
+                if self.trace is not None:
+                    self._record(batch, chosen)
+                return chosen
             finally:
                 self._backlog = None
+
+    def _record(self, batch: int, chosen: Plan) -> None:
+        """The trace record of this answer: the plan and why; unless it held the plan, also the best-ranked candidates
+        and plain decoding (goodput with the catch-up paid, tokens per round, predicted round seconds) and the
+        backlog."""
+        if self._pending is not None:
+            self._flush(None)
+        if self.last_reason == "hold":  # between rankings: nothing was priced
+            self._pending = {"time": round(time.time(), 3), "batch": batch, "plan": self.plan_name(chosen),
+                             "reason": "hold"}
+            return
+
+        def priced(plan: Plan, gp: float) -> dict[str, Any]:
+            return {"plan": self.plan_name(plan), "goodput": round(self._paid_back(plan, gp), 3),
+                    "tokens_per_round": round(self.pricing.expected_length(plan, batch), 3),
+                    "round_s": round(self.pricing.round_time(plan, batch), 4)}
+
+        ranked = self.explain(batch) if self.last_reason != "table" else []
+        backlog = self._backlog
+        self._pending = {
+            "time": round(time.time(), 3), "batch": batch, "plan": self.plan_name(chosen), "reason": self.last_reason,
+            "clock": self.measurements.clock,
+            "predicted_s": round(self.pricing.round_time(chosen, batch), 4),
+            "top": [priced(p, g) for p, g in ranked[:3]],
+            "plain": priced(self.plain, self.pricing.goodput(self.plain, batch)),
+            "backlog": None if backlog is None else {"uncovered": {self.names[i]: n for i, n in
+                                                                   backlog.uncovered.items()},
+                                                     "remaining": backlog.remaining}}
+
+    def _flush(self, seconds: float | None) -> None:
+        record, self._pending = self._pending, None
+        if record is None or self.trace is None:
+            return
+        record["round_s"] = None if seconds is None else round(seconds, 4)
+        try:
+            self.trace(record)
+        except Exception:  # a trace sink must never break planning
+            log.exception("planner trace failed")
 
     def _choose(self, batch: int) -> Plan:
         self.answers += 1

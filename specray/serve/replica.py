@@ -17,6 +17,7 @@ Python handle API (non-streaming and streaming):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -53,6 +54,16 @@ def _speculation(spec: Mapping[str, Any] | SpeculationOptions | Speculation | No
 
 #: builds a metrics sink in the process that records (Serve: `RayMetricsSink`, made in the replica)
 SinkFactory = Callable[[], MetricsSink]
+
+
+def _json_lines(path: str) -> Callable[[dict[str, Any]], None]:
+    """A sink that appends each record to `path` as one JSON line (line-buffered: readable while serving)."""
+    out = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the replica's life
+
+    def write(record: dict[str, Any]) -> None:
+        out.write(json.dumps(record) + "\n")
+
+    return write
 
 
 class Coordinator:
@@ -95,7 +106,8 @@ class Coordinator:
         if pol.adaptive and len(levels) > 1:
             from specray.policy.planner import Planner
 
-            self.planner = Planner(levels, k_max=pol.k_max, **pol.planner_kwargs()).attach(self.engine)
+            trace = _json_lines(pol.trace_file) if pol.trace_file else None
+            self.planner = Planner(levels, k_max=pol.k_max, trace=trace, **pol.planner_kwargs()).attach(self.engine)
         self.scheduler = Scheduler(
             self.engine, self.tokenizer, max_batch_size=server.max_batch_size, planner=self.planner,
             pipeline=server.pipeline and not server.in_process,

@@ -202,3 +202,34 @@ def test_chat_role_chunk_goes_out_with_the_first_token(server, client):
     assert waited >= 0.5, f"the first chunk came {waited:.3f}s after the request, before any token"
     assert first.choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in rest if c.choices)
+
+
+def test_planner_trace_file_has_a_line_per_planned_round(tiny, tmp_path):
+    """`policy.trace_file`: one JSON line per round the planner chose for, with its measured seconds; a ranked round
+    also names the best candidates and plain decoding with their predicted goodput and round time."""
+    cfg = app_config(tiny)
+    path = tmp_path / "planner.jsonl"
+    cfg.policy.trace_file = str(path)
+    srv = Server(Coordinator(cfg))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        for prompt in ("def add(a, b):", "class Stack:"):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        metrics = httpx.get(srv.url + "/metrics").text
+    finally:
+        srv.stop()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    planned = sum(s.value for fam in text_string_to_metric_families(metrics) for s in fam.samples
+                  if s.name == "specray_planner_rounds_total" and s.labels["reason"] != "request")
+    assert len(records) == planned >= 2
+    assert all(r["batch"] == 1 and r["round_s"] > 0 and r["plan"].endswith("target") for r in records)
+    reasons = {r["reason"] for r in records}
+    assert reasons <= {"ranked", "hold", "warmup", "explore", "plain_probe"} and reasons & {"ranked", "warmup"}
+    for r in records:
+        if r["reason"] == "hold":
+            assert "top" not in r
+            continue
+        assert r["top"] and r["plain"]["plan"] == "target" and r["plain"]["goodput"] > 0
+        assert all(c["round_s"] > 0 and c["tokens_per_round"] >= 1 for c in (*r["top"], r["plain"]))
+        assert r["predicted_s"] > 0 and r["backlog"]["remaining"] > 0
