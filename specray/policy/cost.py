@@ -59,7 +59,10 @@ class StepCost:
     from calls of 1 and 2 tokens is extrapolated to 9 or 17, and such calls are often slowed by something else
     than their tokens (a drafter running beside them on the same cores, a request's first decode steps); priced
     high there, the plans that would measure the larger sizes never run, while priced low they run once and are
-    measured.
+    measured. Never lower, though, than `slope_floor`: a per-token cost measured on the level's large calls (its
+    prefills, `Measurements.on_catch_up`), which no contention inflates. Calls of one token per row say nothing
+    about the cost per token, and the prior's shape alone (flat, as on a GPU) prices a 17-token verification on a
+    CPU at a plain step's cost, a round that costs three at batch 4.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class StepCost:
         self._clock = 0
         self.n_obs = 0
         self.q_seen = 0  # the most tokens per row of any call measured
+        self.slope_floor = 0.0  # seconds per token fed, the least the curve grows by beyond q_seen (class docstring)
         self._cache: tuple[Coefs, Coefs, float] | None = None  # (prior used, fitted, the prior shape's slope)
 
     @property
@@ -172,7 +176,8 @@ class StepCost:
         """Expected seconds for one forward of (batch, tokens)."""
         coefs, ref_b = self._fitted()
         if 0 < self.q_seen < tokens:  # beyond the sizes measured: optimistic (class docstring)
-            return self._predict(coefs, batch, self.q_seen) + min(coefs[1], ref_b) * batch * (tokens - self.q_seen)
+            slope = max(min(coefs[1], ref_b), self.slope_floor)
+            return self._predict(coefs, batch, self.q_seen) + slope * batch * (tokens - self.q_seen)
         return self._predict(coefs, batch, tokens)
 
     def predict_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:

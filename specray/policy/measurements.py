@@ -182,6 +182,11 @@ class Measurements:
             rec = self.catch_up.setdefault(level, [0.0, 0.0])
             rec[0] = f * rec[0] + caught
             rec[1] = f * rec[1] + extra
+            if rec[0] >= 1.0:  # the level's cost per token fed, measured on calls far larger than a decode step's
+                for cost in (self.costs[level], self.native_cost if level == self.top else None):
+                    if cost is not None:
+                        cost.slope_floor = rec[1] / rec[0]
+            self.memo.clear()
 
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
         """Acceptance of the native target's own speculation on rows it decoded without a specray draft (one

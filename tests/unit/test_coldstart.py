@@ -305,3 +305,23 @@ def test_a_step_size_not_measured_yet_is_priced_optimistically_until_it_is():
         cost.observe(1, 9, 0.30)
     assert cost.q_seen == 9 and cost.predict(1, 9) == pytest.approx(0.30, rel=0.1)
     assert cost.predict(1, 5) < cost.predict(1, 9)
+
+
+def test_beyond_the_sizes_measured_the_curve_grows_at_least_at_the_levels_prefill_cost_per_token():
+    """A target measured only at one token per row (plain decoding) cannot tell a per-token cost from a per-row one,
+    and the prior's flat shape priced a 17-token verification at batch 4 at a plain step's cost (a CPU round three
+    times that). Its prefills (catch-up calls) measure the cost per token: the extrapolation never grows slower."""
+    levels = [Level("draft", worker=FakeWorker("draft", vocab=16), k=16),
+              Level("target", worker=FakeWorker("target", vocab=16))]
+    p = Planner(levels, k_choices=[16], explore_every=0, warmup=0)
+    for batch in (1, 2, 4):
+        for _ in range(10):
+            p.on_call(1, "verify", batch, 1, 0.12)  # plain steps only (batch 1 to 4 cost alike on a CPU)
+    cost = p.costs[1]
+    assert cost.q_seen == 1 and cost.predict(4, 17) < 0.2  # 68 tokens fed, priced near a plain step
+    before = p.round_time(Plan((0, 1), (16,)), 4)
+    p.on_catch_up(1, "verify", 1, 1, 700, 0.12 + 700 * 0.004)  # a 700-token prefill: 4 ms per token beyond a step
+    assert cost.slope_floor == pytest.approx(0.004, rel=0.05)
+    assert cost.predict(4, 17) == pytest.approx(0.12 + 0.004 * 4 * 16, rel=0.05)
+    assert p.round_time(Plan((0, 1), (16,)), 4) > before + 0.2  # and the planner's prices follow (memo cleared)
+    assert cost.predict(4, 1) == pytest.approx(0.12, rel=0.05)  # the measured sizes keep their fit
