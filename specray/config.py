@@ -435,7 +435,7 @@ class PolicyConfig(_Strict):
         "have to be chosen: its extra round cost is certain, its gain an estimate from earlier rows (0.1: 10%). A "
         "plan whose round takes less than this share of time beyond a plain round needs only that share.")
     explore_budget: float | None = Field(
-        0.05, gt=0, le=1, description="Largest share of the time exploration may cost: a probe waits until its "
+        0.02, gt=0, le=1, description="Largest share of the time exploration may cost: a probe waits until its "
         "extra seconds over a round of the held plan (predicted, or as the latest probe measured, catch-up "
         "included) are at most this share of the seconds served at the batch's size (power-of-two bucket) since "
         "the latest probe. null: every explore_every rounds.")

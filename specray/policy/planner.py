@@ -309,19 +309,30 @@ class Planner:
 
     def _affordable(self, probe: Plan, batch: int) -> bool:
         """Whether a probe round of `probe` fits `explore_budget`: its extra seconds over a round of the held plan
-        -- a speculative probe runs as a group of its own on `probe_batch` rows beside the held plan's group;
-        plain decoding on the whole batch instead -- at most the budget's share of the seconds served at this
+        -- a speculative probe runs as a group of its own on `probe_batch` rows beside the held plan's group (its
+        model drafters first catch up on those rows); plain decoding on the whole batch instead -- at most the
+        budget's share of the seconds served at this
         batch bucket since the latest exploration. So exploration stays a small share of the time at every load
         and, since a probe on a few rows measures the same acceptance at any batch, a burst at a batch size
         rarely served (a load peak, a benchmark's short wave) is not taxed by one."""
         if self.explore_budget is None:
             return True
         if self._pairs(probe):
-            extra = max(self.pricing.round_time(probe, min(batch, self.probe_batch)),
+            rows = min(batch, self.probe_batch)
+            extra = max(self.pricing.round_time(probe, rows) + self._probe_catch_up(probe, rows / batch),
                         *(self._explore_cost.get(pair, 0.0) for pair in self._pairs(probe)))
         else:
             extra = max(0.0, self.pricing.round_time(probe, batch) - self.pricing.round_time(self._current, batch))
         return extra <= self.explore_budget * self._served.get(batch_bucket(batch), 0.0)
+
+    def _probe_catch_up(self, probe: Plan, share: float) -> float:
+        """Seconds the probe's model drafters take to catch up on `share` of this round's rows (their share of the
+        backlog): what a probe round costs beyond its own work before any probe of its levels was measured."""
+        backlog = self._backlog
+        if backlog is None or not backlog.uncovered:
+            return 0.0
+        return self.pricing.catch_up_time(self._drafters(probe),
+                                          {i: n * share for i, n in backlog.uncovered.items()})
 
     def _hold(self, batch: int) -> bool:
         """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;

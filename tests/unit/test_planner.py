@@ -923,6 +923,26 @@ def test_a_cheap_probe_does_not_erase_what_a_drafter_probe_costs():
     assert p._affordable(mid, 8)
 
 
+
+def test_a_drafter_probe_is_priced_with_its_catch_up_on_the_probed_rows():
+    """Before a drafter's probe was ever measured, its price includes catching up on the probed rows' share of the
+    backlog: the first 0.5B probe at 4 requests took ~1 s where its round alone was predicted at 0.27 s."""
+    from specray.coordinator.state import Backlog
+
+    p = Planner(two_levels(), k_choices=[4], explore_every=10, warmup=0, explore_budget=0.02)
+    probe = Plan((0, 1), (4,))
+    for _ in range(10):
+        p.on_call(1, "verify", 8, 1, 0.1)
+        p.on_call(1, "verify", 2, 5, 0.12)
+        p.on_call(0, "propose", 2, 4, 0.04)
+    p.on_catch_up(0, "propose", 1, 1, 1000, 1.0)  # the drafter catches up at ~1 ms per token
+    p.on_round(8, 50.0)  # 50 s served at batch 8: 1 s of budget
+    assert p.round_time(probe, 2) < 0.5
+    p._backlog = Backlog({0: 8 * 1000}, 8 * 32)  # 1000 tokens per row to catch up on: 2 s for two probed rows
+    assert not p._affordable(probe, 8)
+    p._backlog = Backlog({}, 8 * 32)  # rows the drafter kept up with: its round alone
+    assert p._affordable(probe, 8)
+
 # ----- a model level's token trees (`Level.tree`): priced per depth, against the same level's chains -----
 
 
