@@ -44,21 +44,14 @@ ADAPTIVE = ("adaptive", "adaptive-old")
 
 
 class LoggedPlanner(Planner):
-    """A planner that records each answer (plan, reason, the best-ranked candidates) and the events it is fed."""
+    """A planner that records each answer (its `trace` record: plan, reason, the best-ranked candidates, the round's
+    seconds) and the events it is fed."""
 
     log: list[dict[str, Any]]
 
-    def plan(self, batch_size: int):
-        chosen = super().plan(batch_size)
-        rec: dict[str, Any] = {"ev": "plan", "clock": self.measurements.clock, "batch": batch_size,
-                               "plan": self.plan_name(chosen), "reason": self.last_reason}
-        if self.last_reason != "hold":
-            ranked = self.explain(batch_size)
-            rec["top"] = [(self.plan_name(p), round(g, 3)) for p, g in ranked[:3]]
-            rec["plain_gp"] = round(self.goodput(self.plain, batch_size), 3)
-            rec["default_gp"] = round(self.goodput(self.default_plan, batch_size), 3)
-        self.log.append(rec)
-        return chosen
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.log = []
+        super().__init__(*args, trace=lambda rec: self.log.append({"ev": "plan", **rec}), **kwargs)
 
     def on_call(self, level, kind, batch, tokens, seconds):
         self.log.append({"ev": "call", "level": level, "kind": kind, "batch": batch, "tokens": tokens,
@@ -173,7 +166,6 @@ def main() -> int:
                     engine = CascadeEngine(levels, overlap=overlap)
                     planner = (LoggedPlanner if m == "adaptive" else BeforeColdStartFix)(levels, k_max=pol.k_max,
                                                                                          **kwargs)
-                    planner.log = []
                     live[m] = (engine, planner.attach(engine))
                     if args.warm_request:
                         planner.log.append({"ev": "request", "prompt": "warm-up"})
