@@ -49,7 +49,9 @@ class StepCost:
     weak ridge towards the prior's *shape* rescaled to the measured level, so a single measured (B, q)
     already gives a sensible curve and directions the data do not pin down stay at the prior. Where a
     (B, q) was measured recently, its decayed mean is blended in (1 pseudo-observation of the fit), which
-    covers curves that are not linear (a GPU that is flat up to a knee).
+    covers curves that are not linear (a GPU that is flat up to a knee; a CPU engine whose cost per token fed
+    doubles from batch 1 to 4). "Recently" counts calls at that batch size only: a server that spends minutes at
+    batch 1 keeps what it measured at batch 4, which one curve over every batch size prices worse.
 
     `prior` is (a, b, c) or a callable returning it (e.g. a fraction of the target's live fit), used
     as-is before any measurement.
@@ -84,7 +86,7 @@ class StepCost:
         self._wt = 0.0  # sum w t
         self._wx = [0.0] * 3  # sum w x (to rescale the prior)
         self._table: dict[tuple[int, int], list[float]] = {}  # (B, q) -> [weight, weighted sum, stamp]
-        self._clock = 0
+        self._clocks: dict[int, int] = {}  # batch size -> calls measured at it (the table's clock)
         self.n_obs = 0
         self.q_seen = 0  # the most tokens per row of any call measured
         self.slope_floor = 0.0  # seconds per token fed, the least the curve grows by beyond q_seen (class docstring)
@@ -107,16 +109,16 @@ class StepCost:
         self._wx = [v * d + weight * xi for v, xi in zip(self._wx, x)]
         self._w = self._w * d + weight
         self._wt = self._wt * d + weight * seconds
-        self._clock += 1
+        clock = self._clocks[batch] = self._clocks.get(batch, 0) + 1
         self.q_seen = max(self.q_seen, tokens)
         entry = self._table.get((batch, tokens))
         if entry is None:
-            self._table[(batch, tokens)] = [weight, weight * seconds, float(self._clock)]
+            self._table[(batch, tokens)] = [weight, weight * seconds, float(clock)]
         else:
-            f = self.table_decay ** (self._clock - entry[2])
+            f = self.table_decay ** (clock - entry[2])
             entry[0] = entry[0] * f + weight
             entry[1] = entry[1] * f + weight * seconds
-            entry[2] = float(self._clock)
+            entry[2] = float(clock)
         self.n_obs += 1
         self._cache = None
 
@@ -195,7 +197,7 @@ class StepCost:
         entry = self._table.get((batch, tokens))
         if entry is None:
             return fit
-        w = entry[0] * self.table_decay ** (self._clock - entry[2])
+        w = entry[0] * self.table_decay ** (self._clocks.get(batch, 0) - entry[2])
         return (entry[1] * w / entry[0] + fit) / (w + 1.0) if entry[0] > 0 else fit
 
 

@@ -325,3 +325,23 @@ def test_beyond_the_sizes_measured_the_curve_grows_at_least_at_the_levels_prefil
     assert cost.predict(4, 17) == pytest.approx(0.12 + 0.004 * 4 * 16, rel=0.05)
     assert p.round_time(Plan((0, 1), (16,)), 4) > before + 0.2  # and the planner's prices follow (memo cleared)
     assert cost.predict(4, 1) == pytest.approx(0.12, rel=0.05)  # the measured sizes keep their fit
+
+
+def test_what_was_measured_at_one_batch_size_outlasts_rounds_at_others():
+    """A CPU engine's steps at batch 4 (0.12 s plain, 0.30 s verifying 6 tokens per row) do not lie on the curve its
+    batch-1 steps draw (0.15 s plain, ~4 ms more per token). Served at 4 requests after a while at 1, the planner
+    priced a K 5 round at batch 4 at a plain round's cost because the batch-4 measurements had aged out during the
+    batch-1 rounds. They age only with calls at their own batch size now."""
+    cost = StepCost((1.0, 0.02, 0.0))
+    for _ in range(10):
+        cost.observe(4, 1, 0.12)
+        cost.observe(4, 6, 0.30)
+    for _ in range(200):  # minutes at batch 1
+        for q in (1, 4, 9):
+            cost.observe(1, q, 0.15 + 0.004 * (q - 1))
+    assert cost.predict(4, 1) == pytest.approx(0.12, rel=0.15)
+    assert cost.predict(4, 6) == pytest.approx(0.30, rel=0.15)
+    assert cost.predict(1, 4) == pytest.approx(0.162, rel=0.1)
+    for _ in range(60):  # then long at batch 4 with other sizes: the old entries fade there as before
+        cost.observe(4, 2, 0.16)
+    assert cost.predict(4, 6) < 0.27
