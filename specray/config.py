@@ -454,10 +454,10 @@ class PolicyConfig(_Strict):
     )
 
     trace_file: str | None = Field(
-        None, description="Append one JSON line per ranked round to this file (in the coordinator's process): the "
-        "batch, the plan chosen and why, the best candidates and plain decoding with their predicted goodput and "
-        "round time, the drafters' backlog, and the round's measured seconds. What to read when a deployment "
-        "speculates more or less than expected; null: off.")
+        None, description="Append one JSON line per planned round to this file (in the coordinator's process): the "
+        "batch, the plan chosen and why, on ranked rounds the best candidates and plain decoding with their "
+        "predicted goodput and round time and the drafters' backlog, and the round's measured seconds. What to "
+        "read when a deployment speculates more or less than expected; null: off.")
 
     def planner_kwargs(self) -> dict:
         """The `specray.policy.planner.Planner` keyword arguments of this policy (`k_max` apart: callers may

@@ -371,11 +371,8 @@ class Planner:
             self._pending = {"time": round(time.time(), 3), "batch": batch, "plan": self.plan_name(chosen),
                              "reason": "hold"}
             return
-
         def priced(plan: Plan, gp: float) -> dict[str, Any]:
-            return {"plan": self.plan_name(plan), "goodput": round(self._paid_back(plan, gp), 3),
-                    "tokens_per_round": round(self.pricing.expected_length(plan, batch), 3),
-                    "round_s": round(self.pricing.round_time(plan, batch), 4)}
+            return self.ranking.priced(plan, self._paid_back(plan, gp), batch)
 
         ranked = self.explain(batch) if self.last_reason != "table" else []
         backlog = self._backlog

@@ -124,10 +124,15 @@ class Ranking:
         each with predicted goodput (tokens/s), tokens per round E[L] and round time -- what to look at when
         a deployment speculates less (or more) than expected."""
         batch = max(1, int(batch_size))
-        ranked = [{"plan": self.plan_name(p), "goodput": round(g, 3),
-                   "tokens_per_round": round(self.pricing.expected_length(p, batch), 3),
-                   "round_s": round(self.pricing.round_time(p, batch), 4)} for p, g in self.explain(batch, held)[:top]]
+        ranked = [self.priced(p, g, batch) for p, g in self.explain(batch, held)[:top]]
         return {"batch": batch, "current": self.plan_name(held), "ranked": ranked}
+
+    def priced(self, plan: Plan, goodput: float, batch: int) -> dict[str, Any]:
+        """One candidate as `/health` and the planner's trace show it: name, goodput (tokens/s), tokens per round
+        E[L] and predicted round seconds at `batch`."""
+        return {"plan": self.plan_name(plan), "goodput": round(goodput, 3),
+                "tokens_per_round": round(self.pricing.expected_length(plan, batch), 3),
+                "round_s": round(self.pricing.round_time(plan, batch), 4)}
 
     # ----- names and the table ----------------------------------------------------------------------
     def regime_of(self, plan: Plan) -> str:
