@@ -1,12 +1,13 @@
 """Choose the speculation plan (which levels run, and K for each) per round from live measurements.
 
-`Planner` holds three parts: what it has measured (`measurements`, a `specray.policy.measurements.Measurements`: the
+`Planner` holds four parts: what it has measured (`measurements`, a `specray.policy.measurements.Measurements`: the
 engine's observer hooks and the step-cost fits and acceptances they update), the price of a plan (`pricing`, a
 `specray.policy.pricing.Pricing` over them: E[L] * B / T_round of plain decoding, one drafter, cascades, a native
-vLLM target, overlapped rounds) and the candidate plans ranked by it (`ranking`, a `specray.policy.ranking.Ranking`);
-this module makes the choice among them: a static table, hysteresis, exploration of stale pairs, plain probes at
-new batch sizes, each within its time budget. The planner's own API forwards to its parts (what callers and tests
-read: `on_call`, `goodput`, `explain`, `costs`, ...).
+vLLM target, overlapped rounds), the candidate plans ranked by it (`ranking`, a `specray.policy.ranking.Ranking`)
+and the probes of levels outside the held plan (`exploration`, a `specray.policy.exploration.Exploration`: stale
+pairs, plain decoding at new batch sizes, within a time budget). This module makes the choice among them: a static
+table, hysteresis, patience. The planner's own API forwards to its parts (what callers and tests read: `on_call`,
+`goodput`, `explain`, `costs`, ...).
 
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
 decoding is always a candidate, so speculation is only chosen where it is predicted to win; regimes
@@ -30,14 +31,14 @@ long prompts that it would spend longer prefilling than it saves.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from specray.coordinator.state import Backlog, Plan
+from specray.policy.exploration import Exploration
 from specray.policy.measurements import Measurements, batch_bucket
-from specray.policy.pricing import Pricing, _effective
+from specray.policy.pricing import Pricing
 from specray.policy.ranking import REGIMES, Ranking, regime_of
 from specray.spec.params import VerifyMethod
 
@@ -114,9 +115,8 @@ class Planner:
         self.k_choices = tuple(sorted(set(k_choices))) if k_choices else tuple(range(1, k_max + 1))
         if any(k < 1 for k in self.k_choices):
             raise ValueError("k_choices must be >= 1 (plain decoding is always a candidate)")
-        self.hysteresis, self.patience, self.explore_every = hysteresis, patience, explore_every
+        self.hysteresis, self.patience = hysteresis, patience
         self.warmup = warmup
-        self.probe_batch = max(1, probe_batch)
         self.decisive = decisive
         if rerank_every < 1:
             raise ValueError("rerank_every must be >= 1")
@@ -130,24 +130,12 @@ class Planner:
         #: waits until t / rerank_budget seconds have passed (None: rank by `rerank_every` alone). Short rounds
         #: (GPU steps) then rank every many rounds, long ones (CPU steps) every round or two.
         self.rerank_budget = rerank_budget
-        if explore_budget is not None and not 0 < explore_budget <= 1:
-            raise ValueError("explore_budget must be in (0, 1]")
-        #: the largest share of the serving time exploration may cost: a probe whose extra seconds over the held
-        #: plan's round (predicted, or as the latest probe of its levels measured, whichever is more) exceed this
-        #: share of the seconds served at the batch's bucket since the latest probe waits (None: `explore_every`
-        #: alone). Needs `on_round` (the scheduler calls it).
-        self.explore_budget = explore_budget
         if margin < 0:
             raise ValueError("margin must be >= 0")
         #: a speculative plan must be predicted to beat plain decoding by this much (relative) to be chosen: its
         #: extra round cost is certain, its gain rests on acceptance measured on earlier rows and rounds, and near
         #: break-even (a filling batch) the gain is smaller than that estimate's error
         self.margin = float(margin)
-        self._served: dict[int, float] = {}  # batch bucket -> seconds of rounds there since the latest exploration
-        #: (verifier, drafter) pair -> seconds its latest probe round took beyond the held plan's predicted round
-        self._explore_cost: dict[tuple[int, int], float] = {}
-        #: while a level's probe round runs: the held plan's predicted round time and the pairs probed
-        self._explore_pending: tuple[float, list[tuple[int, int]]] | None = None
         self._unranked = 0  # rounds since the last ranking that kept the held plan
         self._rank_cost = 0.0  # seconds the latest ranking took
         self._rank_end = 0.0  # perf_counter() when it ended
@@ -166,14 +154,15 @@ class Planner:
             self.default_plan = Plan(self.default_plan.levels, self.default_plan.k,
                                      tree=self.measurements.tree_widths[self.default_plan.levels[0]])
         self.ranking = Ranking(self.pricing, self.names, self.plain, self.default_plan)
+        #: probes of stale pairs and of plain decoding, within `explore_budget` (a share of the serving time; needs
+        #: `on_round`, which the scheduler calls)
+        self.exploration = Exploration(self.measurements, self.pricing, explore_every, explore_budget, probe_batch)
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
 
         self._lock = self.measurements.lock  # the measurements' hooks and the choice see one state
         self._current = self.default_plan
         self._streak = 0
         self._calls = 0  # plan() answers past the table (rounds), whether ranked or held
-        self._explored_at = 0  # _calls at the latest exploration check
-        self._plain_probed: set[int] = set()  # buckets given their first plain probe
         self._last_bucket, self._bucket_run = 0, 0  # bucket of the latest plan() call, consecutive calls there
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
         self._backlog: Backlog | None = None  # the backlog of the plan() call under way
@@ -201,32 +190,16 @@ class Planner:
         return self
 
     def on_round(self, batch: int, seconds: float) -> None:
-        """A round the planner chose a plan for took `seconds` (wall, every group): an exploration round's cost
-        beyond the held plan's predicted round is what the next probe is priced at (`explore_budget`), since
-        it includes what no step measurement sees -- a level catching up on the probed rows' whole text."""
+        """A round the planner chose a plan for took `seconds` (wall, every group): its trace record's seconds, and
+        served time or a probe's cost for exploration (`Exploration.on_round`)."""
         with self._lock:
             if self._pending is not None:
                 self._flush(seconds)
-            if self._explore_pending is None:
-                bucket = batch_bucket(batch)
-                self._served[bucket] = self._served.get(bucket, 0.0) + seconds
-                return
-            held, pairs = self._explore_pending
-            for pair in pairs:
-                self._explore_cost[pair] = max(0.0, seconds - held)
-            self._explore_pending = None
-            self._served.clear()
+            self.exploration.on_round(batch, seconds)
 
-    # ----- exploration and choosing ------------------------------------------------------------------
+    # ----- choosing --------------------------------------------------------------------------------
     def _pairs(self, plan: Plan) -> list[tuple[int, int]]:
-        if plan.hybrid:  # both drafters draft for the target
-            return [(plan.levels[-1], plan.levels[0]), (plan.levels[-1], plan.levels[1])]
-        eff = _effective(plan)
-        return [(plan.levels[eff[j + 1]], plan.levels[eff[j]]) for j in range(len(eff) - 1)]
-
-    def _drafters(self, plan: Plan) -> frozenset[int]:
-        """The model levels below the target that a round of `plan` runs (a lookup level keeps no state)."""
-        return frozenset(lo for _up, lo in self._pairs(plan) if not self.is_ngram[lo])
+        return self.pricing.pairs(plan)
 
     def _free_switch(self, best: Plan) -> bool:
         """Whether switching from the held plan to `best` needs no `patience`: both run the same model drafters
@@ -238,45 +211,11 @@ class Planner:
 
         Unless the held plan's own drafters lack text this round (`Backlog`: new rows, or rows they sat out): then
         holding it pays a catch-up as well, and its head start, which patience protects, is not there."""
-        held = self._drafters(self._current)
-        if self._drafters(best) == held:
+        held = self.pricing.drafters(self._current)
+        if self.pricing.drafters(best) == held:
             return True
         backlog = self._backlog
         return backlog is not None and any(backlog.uncovered.get(i, 0) > 0 for i in held)
-
-    def _items(self, plan: Plan) -> list[tuple[int, ...]]:
-        """What a round of `plan` measures: its pairs, and (verifier, 0, width) where its suffix level drafts trees
-        (a tree round measures its chain pair too: `on_tree`)."""
-        items: list[tuple[int, ...]] = list(self._pairs(plan))
-        width = self.pricing.width(plan, 0)
-        if width > 1:
-            items.append((plan.levels[1], plan.levels[0], width))
-        return items
-
-    def _exploration(self, ranked: list[tuple[Plan, float]], batch: int) -> Plan | None:
-        """The best plan measuring the stalest pair not in the current plan, if it is stale enough. Plain
-        decoding's staleness is counted at the batch's bucket: its cost is what the choice "stop speculating"
-        rests on, and on a CPU it changes with the batch far more than a fitted curve says."""
-        current = set(self._items(self._current)) | ({"plain"} if not self._pairs(self._current) else set())
-        m = self.measurements
-        items: list[tuple[int, ...] | str] = ["plain", *(pair for pair in m.acceptance if pair[0] != pair[1]),
-                                              *m.tree_acceptance]
-        stale = []
-        for item in items:
-            if item in current:
-                continue
-            last = m.plain_at.get(batch_bucket(batch)) if item == "plain" else m.measured_at.get(item)
-            age = math.inf if last is None else m.clock - last
-            if age >= self.explore_every // 2:  # measured anyway (e.g. by overridden requests): skip
-                stale.append((age, item))
-        if not stale:
-            return None
-        stale.sort(key=lambda x: -x[0])
-        for _, item in stale:
-            for p, _gp in ranked:
-                if (item == "plain" and not self._pairs(p)) or (item != "plain" and item in self._items(p)):
-                    return p
-        return None
 
     def _score(self, plan: Plan, batch: int) -> float:
         """Goodput as the choice weighs it: a speculative plan's discounted by `margin`, or by the share of time its
@@ -298,7 +237,7 @@ class Planner:
         backlog = self._backlog
         if backlog is None or gp <= 0 or not backlog.uncovered:
             return gp
-        drafters = self._drafters(plan)
+        drafters = self.pricing.drafters(plan)
         c = self._catch_up.get(drafters)
         if c is None:  # the same for every plan of these drafters: priced once per plan() call
             c = self._catch_up[drafters] = self.pricing.catch_up_time(drafters, backlog.uncovered)
@@ -306,33 +245,6 @@ class Planner:
             return gp
         r = max(1, backlog.remaining)
         return r / (r / gp + c)
-
-    def _affordable(self, probe: Plan, batch: int) -> bool:
-        """Whether a probe round of `probe` fits `explore_budget`: its extra seconds over a round of the held plan
-        -- a speculative probe runs as a group of its own on `probe_batch` rows beside the held plan's group (its
-        model drafters first catch up on those rows); plain decoding on the whole batch instead -- at most the
-        budget's share of the seconds served at this
-        batch bucket since the latest exploration. So exploration stays a small share of the time at every load
-        and, since a probe on a few rows measures the same acceptance at any batch, a burst at a batch size
-        rarely served (a load peak, a benchmark's short wave) is not taxed by one."""
-        if self.explore_budget is None:
-            return True
-        if self._pairs(probe):
-            rows = min(batch, self.probe_batch)
-            extra = max(self.pricing.round_time(probe, rows) + self._probe_catch_up(probe, rows / batch),
-                        *(self._explore_cost.get(pair, 0.0) for pair in self._pairs(probe)))
-        else:
-            extra = max(0.0, self.pricing.round_time(probe, batch) - self.pricing.round_time(self._current, batch))
-        return extra <= self.explore_budget * self._served.get(batch_bucket(batch), 0.0)
-
-    def _probe_catch_up(self, probe: Plan, share: float) -> float:
-        """Seconds the probe's model drafters take to catch up on `share` of this round's rows (their share of the
-        backlog): what a probe round costs beyond its own work before any probe of its levels was measured."""
-        backlog = self._backlog
-        if backlog is None or not backlog.uncovered:
-            return 0.0
-        return self.pricing.catch_up_time(self._drafters(probe),
-                                          {i: n * share for i, n in backlog.uncovered.items()})
 
     def _hold(self, batch: int) -> bool:
         """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;
@@ -439,29 +351,15 @@ class Planner:
             # it here for `patience` rounds is what makes a drafter catch up on the rows that grew the batch (a
             # whole prefill of each, which no step measurement prices) for rounds that lose anyway
             self._current, self._streak = best, 0
-        if (self.explore_every and self._bucket_run >= 2 and bucket not in self.measurements.plain_at
-                and bucket not in self._plain_probed and self._pairs(self._current)):
-            # second round at a new batch size while speculating (the first one carries the prefills of
-            # the requests that grew the batch): measure plain decoding here, once
-            self._plain_probed.add(bucket)
+        if self.exploration.plain_probe(bucket, self._bucket_run, bool(self._pairs(self._current))):
             self._last, self.last_reason = (batch, self._current), "plain_probe"
             self._probe_round = True
             return self.plain
-        if self.explore_every and self._calls - self._explored_at >= self.explore_every:
-            probe = self._exploration(ranked, batch)
-            if probe is not None and not self._affordable(probe, batch):
-                probe = None  # not yet: checked again next round
-            else:
-                self._explored_at = self._calls
-            if probe is not None:
-                self._last = (batch, self._current)  # regime() reports the held plan, not the probe
-                self.last_reason = "explore"
-                if self._pairs(probe):  # a level's probe: what it costs beyond the held round is measured
-                    self._explore_pending = (self.pricing.round_time(self._current, batch), self._pairs(probe))
-                else:
-                    self._served.clear()
-                self._probe_round = True
-                return probe
+        probe = self.exploration.probe(self._calls, ranked, batch, self._current, self._backlog)
+        if probe is not None:
+            self._last = (batch, self._current)  # regime() reports the held plan, not the probe
+            self.last_reason, self._probe_round = "explore", True
+            return probe
         if best != self._current:
             cur_gp = self._score(self._current, batch)
             if best_gp > cur_gp * (1.0 + self.hysteresis):
@@ -494,9 +392,10 @@ class Planner:
         differently per token."""
         batch = max(1, int(batch_size))
         chosen = self.plan(batch, backlog)
-        if not self._probe_round or batch <= self.probe_batch or not self._pairs(chosen):
+        rows = self.exploration.probe_batch
+        if not self._probe_round or batch <= rows or not self._pairs(chosen):
             return [(chosen, batch)]
-        return [(chosen, self.probe_batch), (self._current, batch - self.probe_batch)]
+        return [(chosen, rows), (self._current, batch - rows)]
 
     @property
     def current(self) -> Plan:

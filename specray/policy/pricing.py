@@ -109,6 +109,26 @@ class Pricing:
         self.bounded = False
         self.ahead_chunk = 2
 
+    def pairs(self, plan: Plan) -> list[tuple[int, int]]:
+        """The (verifier, drafter) pairs a round of `plan` measures (a hybrid plan: both drafters, for the target)."""
+        if plan.hybrid:
+            return [(plan.levels[-1], plan.levels[0]), (plan.levels[-1], plan.levels[1])]
+        eff = _effective(plan)
+        return [(plan.levels[eff[j + 1]], plan.levels[eff[j]]) for j in range(len(eff) - 1)]
+
+    def drafters(self, plan: Plan) -> frozenset[int]:
+        """The model levels below the target that a round of `plan` runs (a lookup level keeps no state)."""
+        return frozenset(lo for _up, lo in self.pairs(plan) if not self.measured.is_ngram[lo])
+
+    def items(self, plan: Plan) -> list[tuple[int, ...]]:
+        """What a round of `plan` measures: its pairs, and (verifier, 0, width) where its first level drafts trees
+        (a tree round measures its chain pair too: `Measurements.on_tree`)."""
+        items: list[tuple[int, ...]] = list(self.pairs(plan))
+        width = self.width(plan, 0)
+        if width > 1:
+            items.append((plan.levels[1], plan.levels[0], width))
+        return items
+
     def step_time(self, level: int, batch: int, tokens: int) -> float:
         """Predicted seconds of one forward of `level` (memoised until the next measurement)."""
         m = self.measured

@@ -914,13 +914,14 @@ def test_a_cheap_probe_does_not_erase_what_a_drafter_probe_costs():
     p = Planner(three_levels(), k_choices=[4], explore_every=10, warmup=0, explore_budget=0.05)
     mid, ngram = Plan((1, 2), (4,)), Plan((0, 2), (4,))
     for probe, seconds in ((mid, 60.1), (ngram, 2.0)):  # two probe rounds at batch 8, held round predicted 0.1 s
-        p._explore_pending = (0.1, p._pairs(probe))
+        p.exploration.pending = (0.1, p.pricing.pairs(probe))
         p.on_round(8, seconds)
     p.on_round(8, 50.0)  # then 50 s of rounds at batch 8
     assert p.round_time(ngram, 2) < 2.5 and p.round_time(mid, 2) < 2.5  # what the step fits alone predict
-    assert p._affordable(ngram, 8) and not p._affordable(mid, 8)
+    held, explore = p.current, p.exploration
+    assert explore.affordable(ngram, 8, held, None) and not explore.affordable(mid, 8, held, None)
     p.on_round(8, 1150.0)
-    assert p._affordable(mid, 8)
+    assert explore.affordable(mid, 8, held, None)
 
 
 
@@ -938,10 +939,10 @@ def test_a_drafter_probe_is_priced_with_its_catch_up_on_the_probed_rows():
     p.on_catch_up(0, "propose", 1, 1, 1000, 1.0)  # the drafter catches up at ~1 ms per token
     p.on_round(8, 50.0)  # 50 s served at batch 8: 1 s of budget
     assert p.round_time(probe, 2) < 0.5
-    p._backlog = Backlog({0: 8 * 1000}, 8 * 32)  # 1000 tokens per row to catch up on: 2 s for two probed rows
-    assert not p._affordable(probe, 8)
-    p._backlog = Backlog({}, 8 * 32)  # rows the drafter kept up with: its round alone
-    assert p._affordable(probe, 8)
+    # 1000 tokens per row to catch up on: 2 s for two probed rows
+    assert not p.exploration.affordable(probe, 8, p.current, Backlog({0: 8 * 1000}, 8 * 32))
+    # rows the drafter kept up with: its round alone
+    assert p.exploration.affordable(probe, 8, p.current, Backlog({}, 8 * 32))
 
 # ----- a model level's token trees (`Level.tree`): priced per depth, against the same level's chains -----
 
