@@ -63,7 +63,7 @@ class ChainTable:
         def elen(up: int, lo: int) -> np.ndarray:
             e = elens.get((up, lo))
             if e is None:
-                e = elens[(up, lo)] = np.array([1.0, *m.acceptance[(up, lo)].expected_lengths(kmax)])
+                e = elens[(up, lo)] = np.array([1.0, *m.expected_lengths((up, lo), kmax)])
             return e
 
         if m.native_cost is None or not m.engine_verify:  # Pricing._verify_time: one forward of K + 1

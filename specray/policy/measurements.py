@@ -116,6 +116,17 @@ class Measurements:
                                                                k_max=max(32, self.native_k + 1))
         if self.native_k or self.engine_verify or levels[-1].live_decode:
             self.native_cost = StepCost(self._scaled_prior(1.0), decay=fit_decay, table_decay=decay)
+        #: a lookup level's drafts, by the row's state: after a round in which the row's whole draft was accepted
+        #: (a copy under way: `hot`) or not (`cold`), per (verifier, lookup) pair, and each row's state after the
+        #: pair's latest verification with the clock it was taken at (`expected_lengths`). Text moves between
+        #: copying and not copying every few rounds, and one acceptance over both prices K for neither.
+        self.hot: dict[tuple[int, int], Acceptance] = {}
+        self.cold: dict[tuple[int, int], Acceptance] = {}
+        self.row_hot: dict[tuple[int, int], tuple[int, list[bool]]] = {}
+        if self.is_ngram[0]:
+            for up in range(1, self.top + 1):
+                for split in (self.hot, self.cold):
+                    split[(up, 0)] = Acceptance(prior_alpha_ngram, decay=decay, k_max=max(32, max(self.k_choices) + 1))
         self.clock = 0  # target verify calls seen (~ engine rounds)
         #: pair, tree key or "plain" -> clock of its latest measurement
         self.measured_at: dict[tuple[int, ...] | str, int] = {}
@@ -246,10 +257,45 @@ class Measurements:
                 if hit and (level, lower) in self.matched:
                     self.matched[(level, lower)].observe([draft_lens[j] for j in hit], [accepted[j] for j in hit],
                                                          gap=gap, proposed=proposed)
+            if ran and (level, lower) in self.hot:
+                self._observe_split((level, lower), draft_lens, accepted, proposed)
             self.memo.clear()
             self.observed_at[(level, lower)] = self.clock
             if ran:
                 self.measured_at[(level, lower)] = self.clock
+
+    def _observe_split(self, pair: tuple[int, int], draft_lens: Sequence[int], accepted: Sequence[int],
+                       proposed: int | None) -> None:
+        """A verification of a lookup's drafts, each row counted in the acceptance of its state (hot: its whole
+        draft was accepted in the pair's previous verification, one round ago, at the same batch size; rows whose
+        previous round is not known count as cold); then each row's new state."""
+        before = self.row_hot.get(pair)
+        known = before is not None and before[0] >= self.clock - 1 and len(before[1]) == len(draft_lens)
+        hot = before[1] if known and before is not None else [False] * len(draft_lens)
+        for split, state in ((self.hot[pair], True), (self.cold[pair], False)):
+            rows = [j for j, h in enumerate(hot) if h == state]
+            if rows:
+                split.observe([draft_lens[j] for j in rows], [accepted[j] for j in rows], proposed=proposed)
+        self.row_hot[pair] = (self.clock, [n > 0 and a >= n for n, a in zip(draft_lens, accepted)])
+
+    def hot_share(self, pair: tuple[int, int]) -> float | None:
+        """The share of rows whose whole draft of `pair` was accepted in the latest round, where that round ran the
+        pair and both states are measured; else None (the pair's acceptance over all rows prices it)."""
+        before = self.row_hot.get(pair)
+        if before is None or before[0] < self.clock or not before[1]:
+            return None
+        if self.hot[pair].weight < 1.0 or self.cold[pair].weight < 1.0:
+            return None
+        return sum(before[1]) / len(before[1])
+
+    def expected_lengths(self, pair: tuple[int, int], k_max: int) -> list[float]:
+        """E[L] of `pair`'s chains for K = 1..k_max: for a lookup pair whose rows' states are known, the mix of the
+        hot and cold rows' (`hot_share`); else over all rows."""
+        share = self.hot_share(pair) if pair in self.hot else None
+        if share is None:
+            return self.acceptance[pair].expected_lengths(k_max)
+        hot, cold = self.hot[pair].expected_lengths(k_max), self.cold[pair].expected_lengths(k_max)
+        return [share * h + (1.0 - share) * c for h, c in zip(hot, cold)]
 
     def _fed_nodes(self, key: tuple[int, int, int], nodes: int) -> None:
         """The decayed mean of the largest draft (tree nodes, or a chain's tokens: width 1) per call of `key`."""

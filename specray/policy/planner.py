@@ -137,6 +137,7 @@ class Planner:
         #: break-even (a filling batch) the gain is smaller than that estimate's error
         self.margin = float(margin)
         self._unranked = 0  # rounds since the last ranking that kept the held plan
+        self._hot_seen: float | None = None  # the held lookup plan's rows' state its K was priced for (`_retune`)
         self._rank_cost = 0.0  # seconds the latest ranking took
         self._rank_end = 0.0  # perf_counter() when it ended
         self._probe_round = False
@@ -246,6 +247,26 @@ class Planner:
         r = max(1, backlog.remaining)
         return r / (r / gp + c)
 
+    def _hot_share(self, plan: Plan) -> float | None:
+        """`Measurements.hot_share` of `plan`'s pair where it is a lookup's chain for the target; else None."""
+        if len(plan.levels) != 2 or plan.hybrid or not self.is_ngram[plan.levels[0]] or \
+                self.pricing.width(plan, 0) > 1:
+            return None
+        return self.measurements.hot_share((plan.levels[1], plan.levels[0]))
+
+    def _retune(self, batch: int) -> None:
+        """Between rankings, a held lookup plan's K follows the rows' state (`Measurements.hot_share`: whose draft
+        was accepted whole last round) when it changes: a copy starts and ends within a few rounds, more often
+        than the ranking's budget lets it run, and only this plan's K values are priced (the same drafters: a
+        switch that costs nothing, as `_free_switch`)."""
+        share = self._hot_share(self._current)
+        if share is None or share == self._hot_seen:
+            return
+        self._hot_seen = share
+        levels = self._current.levels
+        self._current = max((Plan(levels, (k,)) for k in self.k_choices),
+                            key=lambda plan: self.pricing.goodput(plan, batch))
+
     def _hold(self, batch: int) -> bool:
         """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;
         otherwise until `rerank_every` rounds have passed and, with a `rerank_budget`, until the time since the
@@ -318,9 +339,11 @@ class Planner:
         self._calls += 1
         if self._hold(batch):
             self._unranked += 1  # between rankings: the held plan, priced at the last ranking
+            self._retune(batch)
             self._last, self.last_reason = (batch, self._current), "hold"
             return self._current
         self._unranked = 0
+        self._hot_seen = self._hot_share(self._current)
         t0 = time.perf_counter()
         ranked = self.explain(batch)
         best = ranked[0][0]

@@ -150,7 +150,7 @@ class Pricing:
             if width > 1:
                 e = m.tree_acceptance[(level, lower, width)].expected_length(self._tree_depth(lower, k))
             else:
-                e = m.acceptance[(level, lower)].expected_length(k)
+                e = m.expected_lengths((level, lower), k)[-1] if k > 0 else 1.0
             m.memo[key] = e
         return e
 

@@ -1056,3 +1056,57 @@ def test_an_expensive_model_tree_proposal_is_measured_and_not_chosen():
     for _ in range(6):
         p.plan(4)
     assert p.current == chain
+
+
+
+def test_a_lookup_is_priced_by_whether_the_rows_last_draft_was_accepted_whole():
+    """Code at T 0.7 moves between copying and writing every few rounds. One acceptance over both held K at 4 into
+    copies (a K 4 round emitted 5 tokens seven rounds in a row). Split by the row's state after its previous round
+    (its whole draft accepted: a copy under way), the planner drafts long while a copy runs and short after a miss,
+    between rankings too; after a round that did not draft, the acceptance over all rows prices the lookup again."""
+    def planner() -> Planner:
+        levels = [Level("ngram", ngram=NgramConfig(8, 1, 4)), Level("target", worker=_dummy("target"))]
+        p = Planner(levels, k_max=8, warmup=0, explore_every=0, patience=1, hysteresis=0.0)
+        p.costs[1] = StepCost(prior=(0.1, 0.01, 0.0))  # a step grows by a tenth per token fed
+        return p
+
+    def verify(p: Planner, k: int, accepted: int) -> None:
+        p.on_call(1, "verify", 1, k + 1, 0.1 + 0.01 * (k + 1))
+        p.on_verify(1, 0, [k], [accepted])
+
+    p = planner()
+    for _ in range(12):  # a copy of four rounds (the last one partly accepted), then five of writing
+        for accepted in (8, 8, 8, 3, 0, 1, 0, 0, 0):
+            verify(p, 8, accepted)
+    m = p.measurements
+    assert m.hot[(1, 0)].expected_length(8) > 6.0 > 3.0 > m.cold[(1, 0)].expected_length(8)
+    verify(p, 8, 8)
+    assert m.hot_share((1, 0)) == 1.0 and p.plan(1) == Plan((0, 1), (8,))
+    verify(p, 8, 0)
+    short = p.plan(1)
+    assert m.hot_share((1, 0)) == 0.0 and short.levels == (0, 1) and short.k[0] <= 4  # copies start from a miss
+    p.on_call(1, "verify", 1, 1, 0.11)  # the plain round: no row state, the acceptance over all rows
+    assert m.hot_share((1, 0)) is None
+    assert p.expected_length(Plan((0, 1), (8,)), 1) == pytest.approx(m.acceptance[(1, 0)].expected_length(8))
+
+    held = planner()  # ranking rarely (`rerank_every`): the held plan's K follows the state between rankings
+    held.rerank_every = 1000
+    for _ in range(12):
+        for accepted in (8, 8, 8, 3, 0, 1, 0, 0, 0):
+            verify(held, 8, accepted)
+            held.plan(1)
+    verify(held, 8, 8)
+    assert held.plan(1) == Plan((0, 1), (8,)) and held.last_reason == "hold"
+    verify(held, 8, 0)
+    assert held.plan(1).k[0] <= 4 and held.last_reason == "hold"
+
+    one = planner()
+    one.measurements.hot_share = lambda pair: None  # one acceptance over both states
+    for _ in range(12):
+        for accepted in (8, 8, 8, 3, 0, 1, 0, 0, 0):
+            verify(one, 8, accepted)
+    ks = []
+    for accepted in (8, 0):
+        verify(one, 8, accepted)
+        ks.append(one.plan(1).k[0])
+    assert abs(ks[0] - ks[1]) <= 1, ks  # about the same K whatever the row's state
