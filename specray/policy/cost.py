@@ -98,6 +98,8 @@ class StepCost:
         #: batch size -> [decayed sum w, sum w t, sum w (q - 1), the most q] over its calls of q > 1 tokens per row:
         #: the batch's own cost per extra token fed, against its plain step priced when asked (`_batch_slope`)
         self._extra: dict[int, list[float]] = {}
+        #: `_batch_slope`'s measured slopes and the fit they were taken against, until the next measurement
+        self._slopes: tuple[Coefs, dict[int, float]] | None = None
         self.n_obs = 0
         self.q_seen = 0  # the most tokens per row of any call measured
         self.slope_floor = 0.0  # seconds per token fed, the least the curve grows by beyond q_seen (class docstring)
@@ -138,7 +140,7 @@ class StepCost:
             entry[1] = entry[1] * f + weight * seconds
             entry[2] = float(clock)
         self.n_obs += 1
-        self._cache = None
+        self._cache = self._slopes = None
 
     @property
     def coefficients(self) -> Coefs:
@@ -232,11 +234,15 @@ class StepCost:
     def _batch_slope(self, batch: int, coefs: Coefs) -> tuple[float, int] | None:
         """(the cost per extra token fed at `batch`, the most tokens per row it holds for) from the batch sizes where
         calls of several tokens were measured (class docstring); None where the fit prices it."""
-        measured: dict[int, float] = {}
-        for bb, (w, wt, wq, _) in self._extra.items():
-            if w >= 0.5 and wq > 0:  # at least half a decayed call
-                plain = self._predict(coefs, bb, 1)
-                measured[bb] = max(0.0, (wt - plain * w) / (bb * wq))
+        if self._slopes is not None and self._slopes[0] == coefs:
+            measured = self._slopes[1]
+        else:  # once per measurement (or refit prior), not per prediction: a ranking asks for many
+            measured = {}
+            self._slopes = (coefs, measured)
+            for bb, (w, wt, wq, _) in self._extra.items():
+                if w >= 0.5 and wq > 0:  # at least half a decayed call
+                    plain = self._predict(coefs, bb, 1)
+                    measured[bb] = max(0.0, (wt - plain * w) / (bb * wq))
         if not measured:
             return None
         if batch in measured:

@@ -126,7 +126,7 @@ class Measurements:
         if self.is_ngram[0]:
             for up in range(1, self.top + 1):
                 for split in (self.hot, self.cold):
-                    split[(up, 0)] = Acceptance(prior_alpha_ngram, decay=decay, k_max=max(32, max(self.k_choices) + 1))
+                    split[(up, 0)] = Acceptance(prior_alpha_ngram, decay=decay, k_max=k_acc)
         self.clock = 0  # target verify calls seen (~ engine rounds)
         #: pair, tree key or "plain" -> clock of its latest measurement
         self.measured_at: dict[tuple[int, ...] | str, int] = {}
