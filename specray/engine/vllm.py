@@ -157,9 +157,10 @@ class VLLMWorker(LiveRequests, PromptScoring):
             raise ValueError("engine_verify runs on live requests: it needs live_decode")
         if engine_verify and not in_process:
             raise ValueError("engine_verify hands drafts to the engine's scheduler: the engine must be in-process")
-        if engine_verify and "speculative_config" not in (engine_kwargs or {}):
-            # a speculative engine (for its rejection sampler); its own n-gram proposer is overridden every
-            # step, so it is set to look for long matches only (cheap, and never used)
+        placeholder_drafter = bool(engine_verify and "speculative_config" not in (engine_kwargs or {}))
+        if placeholder_drafter:
+            # a speculative engine (for its rejection sampler); specray sets every live row's draft before each
+            # step, so its own n-gram proposer is never used: it is muted once the engine is up
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": engine_verify,
                                             "prompt_lookup_min": 16, "prompt_lookup_max": 16}
             kwargs["async_scheduling"] = False
@@ -204,6 +205,8 @@ class VLLMWorker(LiveRequests, PromptScoring):
         #: whether empty-draft live rows run the engine's own speculation (a native level) or plain steps
         self._own_drafts = False
         self._scheduler = self._in_process_scheduler("engine_verify") if engine_verify else None
+        #: whether the engine's own n-gram proposer still runs after each step (only a native level uses it)
+        self.engine_drafter_muted = placeholder_drafter and self._mute_engine_drafter()
         self._live: dict[str, _Live] = {}
         self._keep: set[str] = set()  # live requests allowed to advance in the current call
         self._ids = itertools.count()
@@ -225,6 +228,21 @@ class VLLMWorker(LiveRequests, PromptScoring):
             raise RuntimeError(f"{what}: the engine core is not in this process (set "
                                "VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         return scheduler
+
+    def _mute_engine_drafter(self) -> bool:
+        """Make the engine's n-gram proposer propose nothing without searching: after every step vLLM runs it over
+        each row's whole context (a parallel numba kernel), and on a CPU that costs about a tenth of a plain
+        decoding step, for drafts specray replaces before the next step. False (and a warning) where the engine's
+        model runner is not reachable in this process."""
+        core = getattr(self.engine.engine_core, "engine_core", None)
+        try:
+            drafter = core.model_executor.driver_worker.worker.model_runner.drafter
+        except AttributeError:
+            log.warning("%s: vLLM's own n-gram proposer could not be muted; it keeps running after every step",
+                        self.name)
+            return False
+        drafter.propose = _no_drafts
+        return True
 
     # ----- sequence state -----------------------------------------------------------------------
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
@@ -447,6 +465,12 @@ class VLLMWorker(LiveRequests, PromptScoring):
         chains only."""
         raise NotImplementedError(f"{self.name}: the vllm backend drafts chains only (WorkerCaps.tree_propose is "
                                   "False): vLLM's engine takes no per-token attention mask")
+
+
+def _no_drafts(num_speculative_tokens: int, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any
+               ) -> list[list[int]]:
+    """`NgramProposer.propose` of an engine whose drafts specray sets: no draft for any request."""
+    return [[] for _ in sampled_token_ids]
 
 
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:

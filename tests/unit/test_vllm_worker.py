@@ -270,6 +270,28 @@ def test_engine_verification_cascades_equal_plain_in_engine_steps(ve, ht, hmid):
     assert out == ref
 
 
+def test_engine_verification_never_runs_the_engines_own_ngram_search(ve, ht, monkeypatch):
+    """An engine-verifying target is a speculative vLLM engine only for its rejection sampler: specray sets every
+    live row's draft before each step, so the engine's n-gram proposer (a search over each row's whole context
+    after every step, about a tenth of a CPU decoding step) is muted. Prompts with long repeats (which the
+    proposer would match) still decode as plain greedy, in plain and drafted rounds, without one search."""
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    searches = []
+    batch_propose = NgramProposer.batch_propose
+    monkeypatch.setattr(NgramProposer, "batch_propose",
+                        lambda self, *a, **kw: searches.append(a) or batch_propose(self, *a, **kw))
+    assert ve.engine_drafter_muted
+    prompts = [" ".join(["alpha beta gamma delta epsilon zeta eta theta"] * 4), *PROMPTS[:3]]
+    ref, _ = _run([Level("t", worker=ht)], prompts=prompts, max_tokens=16)
+    plain, _ = _run([Level("t", worker=ve)], prompts=prompts, max_tokens=16)
+    drafted, batch = _run([Level("ngram", ngram=NgramConfig(4, 1, 3)), Level("t", worker=ve)], prompts=prompts,
+                          max_tokens=16)
+    assert plain == ref and drafted == ref
+    assert batch.stats["t"].accepted_tokens > 0
+    assert searches == []
+
+
 def test_first_token_is_the_prefill_step_under_a_lookup_that_knows_the_continuation(ve, ht):
     """A new sequence's first step at an engine-verifying target is its prefill, which verifies no draft: the
     first round goes without one, so the first token comes out of one engine step even where the lookup level
