@@ -3,7 +3,7 @@ Leviathan bound reached; a versioned JSON document (schema: specray/bench/schema
 
 Definitions (docs/bench.md):
 - tokens_per_s: generated tokens over the wall time of the chunks (end to end, prefill included).
-- ttft_s: mean time from a request's submission to its first token.
+- ttft_s: mean time from a request's submission to its first token (each request's in per_request).
 - decode_tokens_per_s: per request, the tokens after the first over the time after it, summed over requests
   (the inverse of the time per output token; equals the end-to-end rate's decode phase at batch 1).
 - speedup: tokens_per_s over mode `none`'s on the same workload and batch (same chunks, same target).
@@ -29,7 +29,7 @@ from specray.spec.bound import speedup_bound
 __all__ = ["SCHEMA_VERSION", "Cell", "alphas", "build_report", "load_schema", "plot_report", "validate"]
 
 #: bump on any change of the report's shape (the schema's `schema` const follows it)
-SCHEMA_VERSION = "specray.bench/4"
+SCHEMA_VERSION = "specray.bench/5"
 
 
 def alphas(st: LevelStats) -> list[float]:
@@ -74,6 +74,8 @@ class Cell:
     #: smallest first and every plan ends with the target)
     target: str | None = None
     outputs: dict[int, list[int] | str] = field(default_factory=dict)
+    #: each request in the order run: its line in the workload, tokens, seconds and time to first token
+    per_request: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, seconds: float, requests: Iterable[Any]) -> None:
         """A chunk: its wall time and its `RequestResult`s."""
@@ -92,6 +94,8 @@ class Cell:
             if r.stats:
                 self.target = list(r.stats)[-1]
             self.outputs.setdefault(r.index, r.output)
+            self.per_request.append({"index": r.index, "tokens": r.tokens, "seconds": r.seconds,
+                                     "ttft_s": r.ttft_s})
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,6 +118,7 @@ class Cell:
             "decode_tokens_per_s": self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else None,
             "speedup": None, "speedup_vs_own_plain": None,
             "levels": levels, "bound": bound, "fraction_of_bound": None,
+            "per_request": list(self.per_request),
         }
 
 

@@ -150,13 +150,18 @@ def test_two_modes_at_batch_1_and_2_report_validates_with_plots(tiny, workload, 
                                            "--out", str(out))]) == 0
     report = json.loads((out / "report.json").read_text())
     validate(report)
-    assert report["schema"] == "specray.bench/4" and report["target"]["kind"] == "in_process"
+    assert report["schema"] == "specray.bench/5" and report["target"]["kind"] == "in_process"
     assert report["settings"]["batches"] == [1, 2] and report["settings"]["workloads"] == {"copy": 2, "chat": 1}
     keys = {(r["workload"], r["batch"], r["name"]) for r in report["results"]}
     assert keys == {(w, b, m) for w in ("copy", "chat") for b in (1, 2) for m in ("none", "cascade")}
     for r in report["results"]:
         assert r["kind"] == "mode" and r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["ttft_s"] > 0
         assert r["requests"] == (2 if r["workload"] == "copy" else max(1, r["batch"]))  # repeats fill a batch
+        # each request on its own: the cell's totals are their sums, its mean TTFT their mean
+        reqs = r["per_request"]
+        assert len(reqs) == r["requests"] and sum(q["tokens"] for q in reqs) == r["tokens"]
+        assert r["ttft_s"] == pytest.approx(sum(q["ttft_s"] for q in reqs) / len(reqs))
+        assert all(0 < q["ttft_s"] <= q["seconds"] for q in reqs)
         if r["name"] == "none":
             assert r["speedup"] == pytest.approx(1.0) and r["bound"] == 1.0
             continue

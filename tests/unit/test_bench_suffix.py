@@ -39,7 +39,7 @@ def test_lookup_modes_run_validate_and_equal_none(tiny, stream):
     report = run_bench(_args(*_tiny_flags(tiny, stream, "--modes", "none", *SUFFIX_MODES, "--batch", "1", "2",
                                           "--tree-width", "3", "--no-warmup")))
     validate(report)
-    assert report["schema"] == "specray.bench/4"
+    assert report["schema"] == "specray.bench/5"
     assert report["settings"]["modes"] == ["none", *SUFFIX_MODES] and report["skipped"] == []
     assert report["target"]["mode_levels"] == {"suffix": ["suffix", "target"], "suffix-tree": ["suffix", "target"],
                                                "hybrid": ["suffix", "mid", "target"]}
