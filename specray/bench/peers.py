@@ -189,11 +189,21 @@ def _spec_counts(llm: Any) -> dict[str, int]:
     return out
 
 
+def thread_env(threads: int) -> dict[str, str]:
+    """The environment that holds a vLLM peer process to `threads` cores: one OpenMP thread per core for vLLM's CPU
+    worker, and as many for numba. vLLM's n-gram proposer runs on numba, whose OpenMP threading layer shares the
+    process's OpenMP runtime: after each proposal it restores numba's own thread count (by default the number of
+    CPUs), which sets the model's OpenMP count too, so a 1-thread n-gram engine would compute on every core from
+    its second step on."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "NUMBA_NUM_THREADS": str(threads)}
+
+
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """In the fresh process: one vLLM engine, every row once, `batch` rows per generate call."""
     threads = int(spec["threads"])
     temperature = float(spec["temperature"])
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")  # one OpenMP thread per core
+    for key, value in thread_env(threads).items():
+        os.environ.setdefault(key, value)
     if temperature > 0:  # the engine in this process, so that specray's fixes of its CPU sampling reach it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

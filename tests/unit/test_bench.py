@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -236,6 +239,44 @@ def test_a_speculating_peer_gets_its_bound_from_its_own_counts():
     assert peer["bound"] == pytest.approx(1 + 6 / 4)
     assert peer["levels"]["m"]["draft_tokens"] == 20 and peer["levels"]["m"]["accepted_per_pos"] is None
     assert peer["fraction_of_bound"] == pytest.approx((4.0 / 2.0) / 2.5)  # 2x its own plain over a bound of 2.5
+
+
+#: vLLM's n-gram proposer's thread handling (vllm/v1/spec_decode/ngram_proposer.py): numba's count is saved, set
+#: for the proposal and restored; then the model's next torch op runs with whatever OpenMP count that left
+_NUMBA_PROPOSER = """
+import torch
+from numba import get_num_threads, njit, prange, set_num_threads, threading_layer
+torch.set_num_threads(1)
+torch.get_num_threads()  # the model has run: torch has set this thread's OpenMP count
+@njit(parallel=True)
+def propose(n):
+    s = 0
+    for i in prange(n):
+        s += i
+    return s
+before = get_num_threads()
+set_num_threads(1)
+propose(64)
+set_num_threads(before)
+print(threading_layer(), torch.get_num_threads())
+"""
+
+
+def _after_a_proposal(env: dict[str, str]) -> tuple[str, int]:
+    base = {k: v for k, v in os.environ.items() if k not in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", _NUMBA_PROPOSER], env={**base, **env}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    return out[-2], int(out[-1])
+
+
+def test_a_one_thread_vllm_peer_stays_on_one_thread_after_its_ngram_proposals():
+    """A 1-thread vLLM n-gram peer computed on every core once its proposer had run (numba's OpenMP layer shares
+    the runtime with torch): the peer's environment holds numba to the peer's threads."""
+    pytest.importorskip("numba")
+    layer, threads = _after_a_proposal(peers_mod.thread_env(1))
+    assert threads == 1
+    if layer == "omp" and (os.cpu_count() or 1) > 1:  # the hazard the environment guards against, where it exists
+        assert _after_a_proposal({"VLLM_CPU_OMP_THREADS_BIND": "0"})[1] == os.cpu_count()
 
 
 def test_a_report_off_the_schema_fails_validation(tiny, workload):
