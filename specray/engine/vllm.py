@@ -163,10 +163,10 @@ class VLLMWorker(LiveRequests, PromptScoring):
             raise ValueError("engine_verify hands drafts to the engine's scheduler: the engine must be in-process")
         placeholder_drafter = bool(engine_verify and "speculative_config" not in (engine_kwargs or {}))
         if placeholder_drafter:
-            # a speculative engine (for its rejection sampler); specray sets every live row's draft before each
-            # step, so its own n-gram proposer is never used: it is muted once the engine is up
-            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": engine_verify,
-                                            "prompt_lookup_min": 16, "prompt_lookup_max": 16}
+            # a speculative engine (for its rejection sampler) whose drafts specray sets on every live row before
+            # each step: its proposer is vLLM's custom-class slot filled with one that proposes nothing
+            kwargs["speculative_config"] = {"method": "custom_class", "model": f"{__name__}.NoDrafts",
+                                            "num_speculative_tokens": engine_verify}
             kwargs["async_scheduling"] = False
         kwargs.update(engine_kwargs or {})
         #: coupled rows at T > 0 decode and verify in the engine's step with specray's keyed noise (`vllm_keyed`):
@@ -209,8 +209,9 @@ class VLLMWorker(LiveRequests, PromptScoring):
         #: whether empty-draft live rows run the engine's own speculation (a native level) or plain steps
         self._own_drafts = False
         self._scheduler = self._in_process_scheduler("engine_verify") if engine_verify else None
-        #: whether the engine's own n-gram proposer still runs after each step (only a native level uses it)
-        self.engine_drafter_muted = placeholder_drafter and self._mute_engine_drafter()
+        #: whether the engine's proposer is `NoDrafts` (an engine-verifying level): only a native level's engine
+        #: drafts by itself
+        self.engine_drafter_muted = placeholder_drafter
         self._live: dict[str, _Live] = {}
         self._keep: set[str] = set()  # live requests allowed to advance in the current call
         self._ids = itertools.count()
@@ -232,21 +233,6 @@ class VLLMWorker(LiveRequests, PromptScoring):
             raise RuntimeError(f"{what}: the engine core is not in this process (set "
                                "VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         return scheduler
-
-    def _mute_engine_drafter(self) -> bool:
-        """Make the engine's n-gram proposer propose nothing without searching: after every step vLLM runs it over
-        each row's whole context (a parallel numba kernel), and on a CPU that costs about a tenth of a plain
-        decoding step, for drafts specray replaces before the next step. False (and a warning) where the engine's
-        model runner is not reachable in this process."""
-        core = getattr(self.engine.engine_core, "engine_core", None)
-        try:
-            drafter = core.model_executor.driver_worker.worker.model_runner.drafter
-        except AttributeError:
-            log.warning("%s: vLLM's own n-gram proposer could not be muted; it keeps running after every step",
-                        self.name)
-            return False
-        drafter.propose = _no_drafts
-        return True
 
     # ----- sequence state -----------------------------------------------------------------------
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
@@ -471,10 +457,20 @@ class VLLMWorker(LiveRequests, PromptScoring):
                                   "False): vLLM's engine takes no per-token attention mask")
 
 
-def _no_drafts(num_speculative_tokens: int, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any
-               ) -> list[list[int]]:
-    """`NgramProposer.propose` of an engine whose drafts specray sets: no draft for any request."""
-    return [[] for _ in sampled_token_ids]
+class NoDrafts:
+    """The proposer of an engine whose drafts specray sets (`engine_verify`), in vLLM's `custom_class` slot: no draft
+    for any request. vLLM's n-gram proposer, the other way to get a speculative engine, searches each row's whole
+    context after every step (a parallel numba kernel: about a tenth of a CPU decoding step, and numba's OpenMP
+    layer resets the step's thread count) for drafts specray replaces before the next step."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        pass
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load (vLLM's CPU model runner calls it on every drafter)."""
+
+    def propose(self, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
 
 
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:

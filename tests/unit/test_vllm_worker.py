@@ -282,6 +282,10 @@ def test_engine_verification_never_runs_the_engines_own_ngram_search(ve, ht, mon
     monkeypatch.setattr(NgramProposer, "batch_propose",
                         lambda self, *a, **kw: searches.append(a) or batch_propose(self, *a, **kw))
     assert ve.engine_drafter_muted
+    from specray.engine.vllm import NoDrafts
+
+    runner = ve.engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    assert isinstance(runner.drafter, NoDrafts)  # vLLM's custom-class proposer slot, declared in the engine's config
     prompts = [" ".join(["alpha beta gamma delta epsilon zeta eta theta"] * 4), *PROMPTS[:3]]
     ref, _ = _run([Level("t", worker=ht)], prompts=prompts, max_tokens=16)
     plain, _ = _run([Level("t", worker=ve)], prompts=prompts, max_tokens=16)
