@@ -91,7 +91,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ngram", dest="ngram", action="store_false",
                    help="leave out the n-gram (prompt lookup) level the model flags add as the first level")
     g.add_argument("--k", type=int, action="append", default=None,
-                   help="draft tokens per proposing level: one for all, or one per level (default 4)")
+                   help="draft tokens per proposing level, smallest first: once for all, or once per level "
+                   "(--k 6 --k 8) (default 4)")
     g.add_argument("--k-max", type=int, default=None, help="largest K the adaptive planner considers (default: the "
                                                            "config's policy.k_max, else 8)")
     g.add_argument("--suffix-k", type=int, default=None,
