@@ -126,10 +126,6 @@ class VLLMWorker(LiveRequests, PromptScoring):
         self.num_threads = num_threads
         if num_threads:
             torch.set_num_threads(num_threads)
-            # vLLM's own n-gram proposer (a native level) restores numba's thread count after each proposal, which
-            # through the shared OpenMP runtime sets the model's too: by default the number of CPUs (read when
-            # numba is first imported, so the first level of a process decides)
-            os.environ.setdefault("NUMBA_NUM_THREADS", str(num_threads))
         from vllm import LLM
 
         try:
