@@ -242,6 +242,11 @@ class Scheduler:
     def num_active(self) -> int:
         return len(self._active)
 
+    @property
+    def num_waiting(self) -> int:
+        """Admitted requests waiting for room in the running batch."""
+        return len(self._waiting)
+
     # ----- the loop -------------------------------------------------------------------------------
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

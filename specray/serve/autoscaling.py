@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from specray.policy.autoscale import (
     CoordinatorKnobs,
@@ -34,6 +34,7 @@ from specray.policy.autoscale import (
     coordinator_decision,
     draft_pool_decision,
     knobs_from,
+    planner_break_even,
     target_pool_decision,
 )
 
@@ -46,15 +47,45 @@ BREAK_EVEN_REFRESH_S = 1.0  # how often a replica recomputes its break-even (a f
 
 
 # ----------------------------------------------------------------------------------------- replica side
-def coordinator_stats(coord: Any) -> dict[str, float]:
+class BreakEvenCache:
+    """A replica's planner break-even batch, recomputed at most every BREAK_EVEN_REFRESH_S (a few planner
+    rankings each time)."""
+
+    def __init__(self) -> None:
+        self._at: float | None = None
+        self._value = 0
+
+    def get(self, planner: Any, max_batch_size: int) -> int:
+        """The break-even batch; 0 = unknown (no planner: plain decoding only, or adaptive planning off)."""
+        if planner is None:
+            return 0
+        now = time.monotonic()
+        if self._at is None or now - self._at >= BREAK_EVEN_REFRESH_S:
+            self._at, self._value = now, planner_break_even(planner, max_batch_size)
+        return self._value
+
+
+class ReplicaState(Protocol):
+    """What a coordinator-like replica shows its autoscaling metrics."""
+
+    scheduler: Any  #: `num_active` and `num_waiting`
+    levels: Sequence[Any]  #: the cascade's levels (`is_ngram` each)
+    config: Any  #: the replica's AppConfig
+    planner: Any  #: the live planner, None without one
+    #: (monotonic time, batch, {plan: sequences}) of the latest round, None before the first
+    last_round: tuple[float, int, Mapping[Any, int]] | None
+    break_even_cache: BreakEvenCache
+
+
+def coordinator_stats(coord: ReplicaState) -> dict[str, float]:
     """The autoscaling metrics of a `Coordinator` replica (numbers only: Serve disables custom metrics of a
     replica whose first report has any other type)."""
     from specray.policy.planner import regime_of
 
     sched = coord.scheduler
-    active, waiting = float(sched.num_active), float(len(getattr(sched, "_waiting", ())))
+    active, waiting = float(sched.num_active), float(sched.num_waiting)
     busy = speculating = 0.0
-    last = getattr(coord, "last_round", None)  # (monotonic time, batch, {plan: sequences})
+    last = coord.last_round
     if last is not None and active > 0 and time.monotonic() - last[0] <= BUSY_WINDOW_S:
         busy = 1.0
         is_ngram = [lv.is_ngram for lv in coord.levels]
@@ -66,21 +97,9 @@ def coordinator_stats(coord: Any) -> dict[str, float]:
             "max_batch_size": float(coord.config.server.max_batch_size)}
 
 
-def cached_break_even(coord: Any) -> int:
-    """The replica's planner break-even batch, recomputed at most every BREAK_EVEN_REFRESH_S; 0 = unknown
-    (no planner: plain decoding only, or adaptive planning off)."""
-    planner = getattr(coord, "planner", None)
-    if planner is None:
-        return 0
-    now = time.monotonic()
-    cached = getattr(coord, "_break_even_cache", None)
-    if cached is not None and now - cached[0] < BREAK_EVEN_REFRESH_S:
-        return cached[1]
-    from specray.policy.autoscale import planner_break_even
-
-    value = planner_break_even(planner, coord.config.server.max_batch_size)
-    coord._break_even_cache = (now, value)
-    return value
+def cached_break_even(coord: ReplicaState) -> int:
+    """The replica's planner break-even batch (its `break_even_cache`); 0 = unknown."""
+    return coord.break_even_cache.get(coord.planner, coord.config.server.max_batch_size)
 
 
 # ----------------------------------------------------------------------------------------- controller side

@@ -35,7 +35,7 @@ from specray.coordinator.cascade import Plan
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler
 from specray.metrics import ROUTER_METRICS, OnlySink, SpecMetrics
 from specray.policy.autoscale import choose_pool
-from specray.serve.autoscaling import cached_break_even, coordinator_stats
+from specray.serve.autoscaling import BreakEvenCache, cached_break_even, coordinator_stats
 from specray.serve.protocol import Busy
 from specray.serve.replica import Coordinator, SinkFactory, TargetUnavailable, error_code
 
@@ -114,7 +114,7 @@ def _request_check(cfg: AppConfig) -> SimpleNamespace:
     engine = SimpleNamespace(levels=levels, top=top, default_plan=Plan(tuple(range(top + 1)),
                                                                        tuple(lv.k for lv in levels[:-1])))
     fake = SimpleNamespace(engine=engine)
-    return SimpleNamespace(plan_for=lambda spec: Scheduler.plan_for(fake, spec), num_active=0, _waiting=())
+    return SimpleNamespace(plan_for=lambda spec: Scheduler.plan_for(fake, spec), num_active=0, num_waiting=0)
 
 
 def _running_replicas(app_name: str, deployment: str) -> int | None:
@@ -147,6 +147,7 @@ class Router(Coordinator):
         self.tokenizer, self.max_context, self.vocab_size = info["tokenizer"], info["max_context"], info["vocab_size"]
         self.model_name = server.model_name
         self.levels, self.planner, self.engine = [], None, None
+        self.last_round, self.break_even_cache = None, BreakEvenCache()
         self.scheduler = _request_check(self.config)
         self.metrics = SpecMetrics(model_name=self.model_name,
                                    sinks=[OnlySink(make(), ROUTER_METRICS) for make in metric_sinks])

@@ -29,6 +29,7 @@ from specray.coordinator.cascade import CascadeEngine
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler, Speculation
 from specray.metrics import MetricsSink, SpecMetrics
 from specray.serve.actors import ActorWorker
+from specray.serve.autoscaling import BreakEvenCache, coordinator_stats
 from specray.serve.protocol import Busy, SpeculationOptions, usage_from_stats
 from specray.spec.params import SamplingParams
 
@@ -101,6 +102,8 @@ class Coordinator:
         self.model_name = server.model_name
         self.metrics = SpecMetrics(model_name=self.model_name, sinks=[make() for make in metric_sinks])
         self.planner = None
+        self.last_round: tuple[float, int, dict] | None = None  # autoscaling: regime of the latest round
+        self.break_even_cache = BreakEvenCache()
         self._answers_seen = 0  # planner.answers at the latest round (metrics: was the planner asked?)
         pol = self.config.policy
         if pol.adaptive and len(levels) > 1:
@@ -127,8 +130,6 @@ class Coordinator:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics for Serve's policies (batch, queue, regime, break-even batch)."""
-        from specray.serve.autoscaling import coordinator_stats
-
         return coordinator_stats(self)
 
     def __del__(self) -> None:  # best effort: owned actors die with the replica anyway
@@ -142,7 +143,7 @@ class Coordinator:
     # ----- metrics --------------------------------------------------------------------------------
     def _on_round(self, batch: int, plan_sizes: Mapping[Any, int], seconds: float) -> None:
         regime = self.planner.regime(batch) if self.planner is not None else None
-        self.last_round = (time.monotonic(), batch, dict(plan_sizes))  # autoscaling: regime of the last round
+        self.last_round = (time.monotonic(), batch, dict(plan_sizes))
         names = {self.engine.plan_name(p): n for p, n in plan_sizes.items()}
         reason = None
         if self.planner is not None:  # the planner is asked only when some sequence takes its plan

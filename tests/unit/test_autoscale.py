@@ -231,13 +231,13 @@ def test_policy_with_serves_own_context_and_wrapper_applies_serves_delays():
 
 def test_coordinator_stats_report_regime_of_the_last_round():
     from specray.config import AppConfig
-    from specray.serve.autoscaling import BUSY_WINDOW_S, METRICS, coordinator_stats
+    from specray.serve.autoscaling import BUSY_WINDOW_S, METRICS, BreakEvenCache, coordinator_stats
 
     cfg = AppConfig.model_validate({"cascade": {"levels": [{"kind": "ngram"}, {"kind": "hf", "model": "t"}]},
                                     "server": {"max_batch_size": 8}})
     levels = [SimpleNamespace(is_ngram=True), SimpleNamespace(is_ngram=False)]
-    coord = SimpleNamespace(scheduler=SimpleNamespace(num_active=4, _waiting=[1, 2]), levels=levels, config=cfg,
-                            planner=None, last_round=None)
+    coord = SimpleNamespace(scheduler=SimpleNamespace(num_active=4, num_waiting=2), levels=levels, config=cfg,
+                            planner=None, last_round=None, break_even_cache=BreakEvenCache())
     idle = coordinator_stats(coord)
     assert set(idle) == set(METRICS) and all(isinstance(v, float) for v in idle.values())
     assert idle["busy"] == 0 and idle["batch_size"] == 4 and idle["queued"] == 2 and idle["break_even_batch"] == 0
@@ -247,6 +247,20 @@ def test_coordinator_stats_report_regime_of_the_last_round():
     assert s["busy"] == 1 and s["speculating"] == pytest.approx(0.75)
     coord.last_round = (time.monotonic() - BUSY_WINDOW_S - 1, 4, {spec: 4})
     assert coordinator_stats(coord)["busy"] == 0
+
+
+def test_break_even_cache_ranks_at_most_once_per_refresh_interval(monkeypatch):
+    import specray.serve.autoscaling as auto
+
+    calls = []
+    monkeypatch.setattr(auto, "planner_break_even", lambda planner, max_batch: calls.append(max_batch) or 7)
+    clock = [100.0]
+    monkeypatch.setattr(auto.time, "monotonic", lambda: clock[0])
+    cache = auto.BreakEvenCache()
+    assert cache.get(None, 16) == 0 and calls == []  # no planner: unknown, nothing ranked
+    assert cache.get(object(), 16) == 7 and cache.get(object(), 16) == 7 and calls == [16]
+    clock[0] += auto.BREAK_EVEN_REFRESH_S
+    assert cache.get(object(), 16) == 7 and calls == [16, 16]
 
 
 def test_pools_config_and_deployment_options():
