@@ -3,7 +3,7 @@ steps per request: every step commits the accepted draft plus one token. Also a 
 occurrence of the context's last m tokens whose continuation matches longest) and the 0.5B's teacher-forced
 agreement. Outputs are cached in outs-<workload>-<n>.json.
 
-    .venv/bin/python benchmarks/results/agent-replay-20261128/agent_replay.py agent 12 32
+    .venv/bin/python benchmarks/results/stream-replay-20261128/stream_replay.py agent 12 32
 """
 
 import json
