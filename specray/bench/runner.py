@@ -147,9 +147,13 @@ class InProcessTarget:
 
     def new_stream(self) -> None:
         """Start over with empty suffix stores and prefix caches: the next requests draw on no earlier output or
-        prefill (each mode's pass over a workload starts cold, as a peer's fresh process does)."""
+        prefill (each mode's pass over a workload starts cold, as a peer's fresh process does). The cascade's own
+        suffix level too: it learns from every request it serves, plain ones included, so a mode after `none`
+        would otherwise draft the very outputs `none` wrote for the same prompts."""
         self._lookup.clear()
         for lv in self.levels:
+            if lv.suffix is not None:
+                lv.suffix.clear()
             if lv.worker is not None:
                 lv.worker.reset_prefix_cache()
 

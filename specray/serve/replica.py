@@ -301,13 +301,17 @@ class Coordinator:
 
     async def reset_prefix_cache(self) -> list[str]:
         """Every model level forgets the prompt prefixes it cached from finished requests, as vLLM's
-        `POST /reset_prefix_cache` does: a benchmark's modes then each start cold on the same prompts. Only while
-        no request runs (`Busy` otherwise: the levels' workers belong to the round loop). The levels reset."""
+        `POST /reset_prefix_cache` does, and a suffix level the outputs it learned from: a benchmark's modes then
+        each start cold on the same prompts. Only while no request runs (`Busy` otherwise: the levels' workers
+        belong to the round loop). The levels reset."""
         if self.scheduler.num_active:
             raise Busy(f"{self.scheduler.num_active} requests are running: reset the prefix caches when idle")
         done = []
         for lv in self.levels:
-            if lv.worker is not None:
+            if lv.suffix is not None:
+                lv.suffix.clear()
+                done.append(lv.name)
+            elif lv.worker is not None:
                 await asyncio.to_thread(lv.worker.reset_prefix_cache)
                 done.append(lv.name)
         return done

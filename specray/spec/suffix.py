@@ -173,6 +173,15 @@ class SuffixDrafter:
             raise ValueError(f"request {request_id!r} is not active")
         self._slot.pop(request_id, None)
 
+    def clear(self) -> None:
+        """Forget every request and every cached output (a benchmark's next pass starts cold). A request still
+        running restarts from its whole text at its next `propose_seq`. Thread-safe."""
+        with self._lock:
+            self._local.clear()
+            self._global = SuffixTrie(self.config.max_tree_depth)
+            self._cached.clear()
+            self._slot.clear()
+
     def observe(self, request_id: Hashable, tokens: Sequence[int], prompt_len: int) -> None:
         """Bring a request up to `tokens` (prompt + committed output so far), starting it if new; for callers
         that hold the whole text rather than its increments. Text that does not extend what the request holds

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from specray.config import LevelConfig
 from specray.serve.replica import Coordinator
 from tests.e2e.conftest import MODEL, Server, app_config
 
@@ -39,6 +40,22 @@ def test_a_reset_makes_the_levels_prefill_a_cached_prompt_again(tiny):
         assert r.status_code == 200 and r.json() == {"reset": ["mid", "target"]}
         assert _ask(srv.url).status_code == 200
         assert _hits(srv.url) == cached  # prefilled whole: no level found it cached
+    finally:
+        srv.stop()
+
+
+def test_a_reset_empties_a_suffix_levels_store(tiny):
+    cfg = app_config(tiny)
+    cfg.cascade.levels[0] = LevelConfig(kind="suffix")
+    srv = Server(Coordinator(cfg))
+    try:
+        assert _ask(srv.url, 8).status_code == 200
+        store = srv.coord.levels[0].suffix
+        empty = type(store)(store.config).node_count
+        assert store.cached and store.node_count > empty  # the finished request's output is kept for later ones
+        r = httpx.post(f"{srv.url}/reset_prefix_cache", timeout=60)
+        assert r.status_code == 200 and r.json() == {"reset": ["suffix", "mid", "target"]}
+        assert store.cached == [] and store.node_count == empty
     finally:
         srv.stop()
 

@@ -107,6 +107,31 @@ def test_the_store_learns_across_the_stream_and_new_stream_empties_it(tiny):
     assert fresh == first and acc2 == acc0  # an empty store: as the first time
 
 
+def test_new_stream_empties_the_cascades_own_suffix_level(tiny):
+    """A config's suffix level learns from every request, plain ones too: without new_stream a mode after `none`
+    would draft the outputs `none` wrote for the same prompts."""
+    from specray.config import CascadeConfig, LevelConfig
+    from specray.coordinator.generate import build_levels
+
+    cfg = CascadeConfig(levels=[LevelConfig(kind="suffix"),
+                                LevelConfig(kind="hf", model=str(tiny.target_dir), dtype="float32", name="target")])
+    target = InProcessTarget(build_levels(cfg), SamplingParams())
+    row = [(0, {"prompt": "The committee met on Tuesday to discuss"})]
+
+    def accepted(mode: str) -> tuple[list[int], int]:
+        res = target.run(mode, row, 1, 16).requests[0]
+        return res.output, res.stats["target"].accepted_tokens
+
+    plain, _ = accepted("none")
+    copied, acc_after_plain = accepted("cascade")
+    assert copied == plain and acc_after_plain >= len(plain) // 2  # drafted from none's output
+    target.new_stream()
+    fresh, acc_cold = accepted("cascade")
+    assert fresh == plain and acc_cold < acc_after_plain
+    target.new_stream()
+    assert accepted("cascade")[1] == acc_cold  # each pass starts from the same empty store
+
+
 def test_unavailable_lookup_modes_say_why(tiny, stream):
     report = run_bench(_args("--model", str(tiny.target_dir), "--dtype", "float32", "--backend", "hf",
                              "--workload-file", str(stream), "--max-tokens", "4", "--quiet", "--no-warmup",

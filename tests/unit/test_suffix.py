@@ -144,6 +144,16 @@ def test_the_live_output_of_a_concurrent_request_is_shared():
     assert d.propose("b", [7, 50, 51], max_k=4) == [52, 53]
 
 
+def test_clear_forgets_every_output_and_a_running_request_restarts():
+    d = SuffixDrafter(_cfg())
+    d.release("a", [1, 2, 50, 51, 52, 53], prompt_len=2)  # a finished request's output
+    assert d.propose_seq("b", [7, 50, 51], 3, [7, 50, 51], max_k=4) == [52, 53]
+    d.clear()
+    assert d.cached == [] and d.active == set() and d.node_count == SuffixDrafter(_cfg()).node_count
+    assert d.propose_seq("b", [7, 50, 51], 3, [7, 50, 51], max_k=4) == []  # as if it had never run
+    assert d.active == {"b"} and d.cached == ["b"]
+
+
 @pytest.mark.parametrize(
     "factor,expected",
     [(0.0, []), (0.5, [3]), (1.0, [3, 4]), (1.5, [3, 4, 5]), (2.0, [3, 4, 5, 6]), (10.0, [3, 4, 5, 6, 7, 8, 9, 0, 1])],
