@@ -152,10 +152,7 @@ class InProcessTarget:
         would otherwise draft the very outputs `none` wrote for the same prompts."""
         self._lookup.clear()
         for lv in self.levels:
-            if lv.suffix is not None:
-                lv.suffix.clear()
-            if lv.worker is not None:
-                lv.worker.reset_prefix_cache()
+            lv.forget_cached()
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "levels": [lv.name for lv in self.levels], "overlap": self.overlap}

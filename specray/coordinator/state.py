@@ -88,6 +88,18 @@ class Level:
         rejection over it is the deterministic method), and only as level 0."""
         return self.ngram is not None or self.suffix is not None
 
+    def forget_cached(self) -> bool:
+        """Forget what this level kept from finished requests: a model worker's cached prompt prefixes, a suffix
+        level's store of earlier outputs (an n-gram level keeps nothing). True if there was such a cache. Only
+        between requests: a benchmark's next pass, a server's `POST /reset_prefix_cache`."""
+        if self.suffix is not None:
+            self.suffix.clear()
+        elif self.worker is not None:
+            self.worker.reset_prefix_cache()
+        else:
+            return False
+        return True
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -306,15 +306,7 @@ class Coordinator:
         belong to the round loop). The levels reset."""
         if self.scheduler.num_active:
             raise Busy(f"{self.scheduler.num_active} requests are running: reset the prefix caches when idle")
-        done = []
-        for lv in self.levels:
-            if lv.suffix is not None:
-                lv.suffix.clear()
-                done.append(lv.name)
-            elif lv.worker is not None:
-                await asyncio.to_thread(lv.worker.reset_prefix_cache)
-                done.append(lv.name)
-        return done
+        return [lv.name for lv in self.levels if await asyncio.to_thread(lv.forget_cached)]
 
     async def health(self) -> dict[str, Any]:
         """Liveness of every model level (ping through the protocol's stats call)."""
