@@ -154,8 +154,8 @@ class LevelConfig(_Strict):
         0.0, ge=0.0, lt=1.0,
         description="A model level below the target: end a draft after a token this level gave a probability below "
         "this (its own confidence; greedy rows: the softmax of its logits). Unsure tokens are often rejected and "
-        "what is drafted after them is wasted work. 0 (default): always draft K. Exact at any value. hf levels; "
-        "vllm levels draft K regardless.",
+        "what is drafted after them is wasted work. 0 (default): always draft K. Exact at any value. hf and vllm "
+        "levels (vllm: from the engine's logprobs, its greedy drafts one engine step per token).",
     )
     inner_min_share: float | None = Field(
         None, ge=0.0, le=1.0,

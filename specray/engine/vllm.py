@@ -40,7 +40,7 @@ from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyRes
 from specray.engine.threads import pinned
 from specray.engine.vllm_fixes import shield_llvmlite
 from specray.engine.vllm_live import LiveRequests, _Live
-from specray.engine.vllm_scoring import FULL, PromptScoring, UnsupportedSamplingError
+from specray.engine.vllm_scoring import FULL, PromptScoring, UnsupportedSamplingError, scored_confidence
 from specray.spec.noise import sample_tokens
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.sampling import SamplingBatch, processed_probs
@@ -251,10 +251,11 @@ class VLLMWorker(LiveRequests, PromptScoring):
         return list(self._get(seq_id))
 
     def capabilities(self) -> WorkerCaps:
-        """Live decoding and engine verification as configured; `native_k` set by a native level; no draft
-        confidence (drafts run their full length); chains only (no `tree_verify`)."""
+        """Live decoding and engine verification as configured; `native_k` set by a native level; draft
+        confidence from the engine's logprobs; chains only (no `tree_verify`)."""
         return WorkerCaps(self.name, self.vocab_size, self.max_context, tuple(self.eos_token_ids),
-                          native_k=self.native_k, live_decode=self.live_decode, engine_verify=self.engine_verify)
+                          native_k=self.native_k, live_decode=self.live_decode, engine_verify=self.engine_verify,
+                          draft_confidence=True)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -363,39 +364,50 @@ class VLLMWorker(LiveRequests, PromptScoring):
     ) -> DraftProposal:
         """Draft k[b] tokens per sequence and keep them as tentative tokens.
 
-        GREEDY: one temperature-0 generation of k tokens. RANDOM / COUPLED: one engine call per step, each
-        returning the support of the processed distribution; the token is drawn here with the keyed noise.
-        `stop_below` is not applied (every row drafts k[b]: the protocol allows it)."""
+        GREEDY: one temperature-0 generation of k tokens; with `stop_below`, steps of live requests, one token
+        each (`vllm_live`), so that a row stops after a token the engine gave a probability below it (without
+        live decoding: the step loop below). RANDOM / COUPLED: one engine call per step, each returning the
+        support of the processed distribution; the token is drawn here with the keyed noise."""
         seqs = self._prepare(seq_ids, sync)
         kmax = max(k, default=0)
         out: list[list[int]] = [[] for _ in seqs]
         if kmax == 0:
             return DraftProposal(out, None)
-        if mode == DraftMode.GREEDY:
+        if mode == DraftMode.GREEDY and stop_below > 0 and self.live_decode:
+            return DraftProposal(self._propose_live(seq_ids, seqs, k, sampling, stop_below), None)
+        if mode == DraftMode.GREEDY and stop_below <= 0:
             rows = [b for b in range(len(seqs)) if k[b] > 0]
             res = self._generate([seqs[b] for b in rows], [self._params(max_tokens=k[b]) for b in rows])
             for b, r in zip(rows, res):
                 out[b] = [int(t) for t in r.outputs[0].token_ids]
                 seqs[b].extend(out[b])
             return DraftProposal(out, None)
-        if mode not in (DraftMode.RANDOM, DraftMode.COUPLED):
+        if mode not in (DraftMode.GREEDY, DraftMode.RANDOM, DraftMode.COUPLED):
             raise ValueError(f"{self.name}: unknown draft mode {mode!r}")
         sb_all = SamplingBatch.from_params(sampling)
         for sp in sampling:
             self._width(sp)  # refuse unsupported rows before any work
         probs = torch.zeros(len(seqs), kmax, self.vocab_size) if mode == DraftMode.RANDOM else None
+        stopped = [False] * len(seqs)
         for t in range(kmax):
-            rows = [b for b in range(len(seqs)) if k[b] > t]
+            rows = [b for b in range(len(seqs)) if k[b] > t and not stopped[b]]
+            if not rows:
+                break
             slots = self._score([seqs[b] for b in rows], [0] * len(rows), [sampling[b] for b in rows])
             sb = sb_all.select(rows)
-            p = processed_probs(self._dense(slots, 1), sb)[:, 0]  # [B_t, V]
+            raw = self._dense(slots, 1)[:, 0]  # [B_t, V]
+            p = processed_probs(raw[:, None], sb)[:, 0]  # [B_t, V]
             positions = torch.tensor([len(seqs[b]) for b in rows], dtype=torch.long)
-            toks = sample_tokens(p, sb, positions, mode, level).tolist()
+            sampled = sample_tokens(p, sb, positions, mode, level)  # [B_t]
+            conf = scored_confidence(raw, p, sampled, sb).tolist() if stop_below > 0 else None
+            toks = sampled.tolist()
             for i, b in enumerate(rows):
                 seqs[b].append(int(toks[i]))
                 out[b].append(int(toks[i]))
                 if probs is not None:
                     probs[b, t] = p[i]
+                if conf is not None and conf[i] < stop_below:
+                    stopped[b] = True
         return DraftProposal(out, probs)
 
     @pinned
@@ -414,7 +426,8 @@ class VLLMWorker(LiveRequests, PromptScoring):
         """Live rows (`vllm_live`: plain or engine-verified rows that need no keyed noise): steps of their live
         engine request. Other rows: every draft
         scored in one engine call (prompt logprobs), a prefix accepted, one correction/bonus token appended.
-        Exact for every method and temperature (`specray.engine.vllm_scoring`). `confidence` is not reported."""
+        Exact for every method and temperature (`specray.engine.vllm_scoring`). `confidence`: the probability the
+        engine gave each emitted token (a live row's from the engine's logprobs, a scored row's from its scores)."""
         method = VerifyMethod(method)
         for sp in sampling:
             self._width(sp)  # refuse unsupported rows before any work
@@ -422,8 +435,9 @@ class VLLMWorker(LiveRequests, PromptScoring):
         live = [b for b in range(len(seq_ids)) if self._live_row(draft_ids[b], sampling[b], method, return_probs)]
         if not live:
             self._abort(list(seq_ids))  # their text moves on without the live request
-            return self._verify_scored(seqs, draft_ids, draft_probs, sampling, method, level, return_probs)
-        return self._verify_live(seq_ids, seqs, draft_ids, draft_probs, sampling, method, level, live)
+            return self._verify_scored(seqs, draft_ids, draft_probs, sampling, method, level, return_probs,
+                                       confidence)
+        return self._verify_live(seq_ids, seqs, draft_ids, draft_probs, sampling, method, level, live, confidence)
 
     # ----- token trees: not supported (WorkerCaps.tree_verify is False) -------------------------
     def _chains_only(self) -> NotImplementedError:

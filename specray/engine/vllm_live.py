@@ -63,6 +63,7 @@ advance in the current call), ``_ids``, ``_scheduler`` (engine verification), ``
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -76,6 +77,29 @@ from specray.engine.vllm_keyed import keyed_args
 from specray.spec.params import SamplingParams, VerifyMethod
 
 __all__ = ["LiveRequests"]
+
+
+def _draws_sampled(sp: SamplingParams, keyed: bool, greedy: bool = False) -> bool:
+    """Whether a live request for this row samples at its temperature with vLLM's generator (else it takes the
+    argmax: greedy rows, greedy drafts, and keyed rows, whose logits carry the row's coupled tokens)."""
+    return sp.temperature != 0 and not keyed and not greedy
+
+
+def _token_probs(logprobs: Any, new: Sequence[int], name: str) -> list[float]:
+    """The probability of each of the `new` tokens of one engine step, from the request's (delta) logprobs: a
+    `FlatLogprobs` or vLLM's list of {token: Logprob} per position, the last len(new) positions being theirs."""
+    if logprobs is None or len(logprobs) < len(new):
+        raise RuntimeError(f"{name}: the engine returned logprobs for {0 if logprobs is None else len(logprobs)} "
+                           f"positions of a step that produced {len(new)} tokens")
+    first = len(logprobs) - len(new)
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs
+        probs = []
+        for i, tok in enumerate(new):
+            a, b = logprobs.start_indices[first + i], logprobs.end_indices[first + i]
+            ids = logprobs.token_ids[a:b]
+            probs.append(math.exp(logprobs.logprobs[a + ids.index(tok)]))
+        return probs
+    return [math.exp(logprobs[first + i][tok].logprob) for i, tok in enumerate(new)]
 
 #: vLLM engines in one process share its forward context (a process-global), so two of them must not step at
 #: once: an in-process cascade with overlap steps its drafter's engine on a second thread. Their steps take
@@ -106,6 +130,10 @@ class _Live:
     served: int = 0  # tokens[:served] are known to the coordinator
     finished: bool = False
     keyed: bool = False  # a greedy request drawing the row's coupled tokens (`specray.engine.vllm_keyed`)
+    sampled: bool = False  # draws at the row's temperature with vLLM's own generator (else greedy)
+    #: the probability the engine gave each token it produced, tokens[base:] (raw softmax: the engine runs with
+    #: raw_logprobs); None: the request asks for no logprobs (`_ensure_live(..., confidence=True)` does)
+    probs: list[float] | None = None
 
 
 class LiveRequests:
@@ -164,6 +192,8 @@ class LiveRequests:
                     raise RuntimeError(f"{self.name}: vLLM accepted {a} drafts but emitted {len(new)} tokens")
                 lv.chunks.append(_Chunk(len(lv.tokens), len(lv.tokens) + len(new), d, a))
                 lv.tokens.extend(new)
+                if lv.probs is not None:
+                    lv.probs.extend(_token_probs(out.outputs[0].logprobs, new, self.name))
             if out.finished:
                 lv.finished = True
         return done
@@ -192,20 +222,26 @@ class LiveRequests:
             raise RuntimeError(f"{self.name}: live request {lv.ext_id!r} is not in the scheduler")
         req.spec_token_ids = list(draft[: self.engine_verify])
 
-    def _is_live(self, seq_id: str, toks: list[int], keyed: bool | None = None) -> bool:
-        """Whether the row's live request can serve the coordinator's tokens as they are (and draws as asked:
-        `keyed`, None: either way)."""
+    def _is_live(self, seq_id: str, toks: list[int], keyed: bool | None = None, sampled: bool | None = None,
+                 confidence: bool = False) -> bool:
+        """Whether the row's live request can serve the coordinator's tokens as they are, draws as asked
+        (`keyed`, `sampled`; None: either way) and, with `confidence`, reports its tokens' probabilities."""
         lv = self._live.get(seq_id)
         n = len(toks)
         return lv is not None and lv.base <= n <= len(lv.tokens) and lv.tokens[:n] == toks and (
-            len(lv.tokens) > n or not lv.finished) and (keyed is None or lv.keyed == keyed)
+            len(lv.tokens) > n or not lv.finished) and (keyed is None or lv.keyed == keyed) and (
+            sampled is None or lv.sampled == sampled) and (not confidence or lv.probs is not None)
 
-    def _ensure_live(self, seq_id: str, toks: list[int], sampling: SamplingParams, keyed: bool = False) -> _Live:
+    def _ensure_live(self, seq_id: str, toks: list[int], sampling: SamplingParams, keyed: bool = False,
+                     greedy: bool = False, confidence: bool = False) -> _Live:
         """The live request of a row, consistent with the coordinator's tokens (re-added if not). `keyed`: a
-        greedy request whose logits are the row's coupled tokens (`specray.engine.vllm_keyed`)."""
+        greedy request whose logits are the row's coupled tokens (`specray.engine.vllm_keyed`); `greedy`: the
+        argmax whatever the row's temperature (greedy drafts); `confidence`: the engine also returns the
+        probability of each token it produces (`_Live.probs`)."""
         lv = self._live.get(seq_id)
         n = len(toks)
-        if self._is_live(seq_id, toks, keyed):
+        sampled = _draws_sampled(sampling, keyed, greedy)
+        if self._is_live(seq_id, toks, keyed, sampled, confidence):
             return lv
         if lv is not None:
             self._abort([seq_id])
@@ -217,15 +253,19 @@ class LiveRequests:
             raise ValueError(f"{self.name}: sequence {seq_id!r} of {n} tokens has no room left in the context")
         common = dict(max_tokens=self.max_context - n, ignore_eos=True, detokenize=False, skip_special_tokens=False,
                       output_kind=RequestOutputKind.DELTA)
+        if confidence:
+            common.update(logprobs=0, flat_logprobs=True)  # the produced token's own logprob
         if keyed:
             sp = VSamplingParams(temperature=0.0, extra_args=keyed_args(sampling), **common)
-        else:
+        elif sampled:
             sp = VSamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                  **common)
+        else:
+            sp = VSamplingParams(temperature=0.0, **common)
         ext = f"specray-live-{seq_id}-{next(self._ids)}"
         int_id = self.engine.add_request(ext, {"prompt_token_ids": list(toks)}, sp)
         lv = self._live[seq_id] = _Live(ext, int_id if isinstance(int_id, str) else ext, list(toks), n, served=n,
-                                        keyed=keyed)
+                                        keyed=keyed, sampled=sampled, probs=[] if confidence else None)
         return lv
 
     @staticmethod
@@ -251,9 +291,11 @@ class LiveRequests:
         method: VerifyMethod,
         salt: int,
         live: list[int],
+        confidence: bool = False,
     ) -> VerifyResult:
         """`verify` of a call with live rows (indices `live`): the other rows are scored first, then the live
-        requests step until every live row is decided."""
+        requests step until every live row is decided. `confidence`: also the probability of each emitted token
+        (`VerifyResult.confidence`)."""
         live_set = set(live)
         other = [b for b in range(len(seq_ids)) if b not in live_set]
         self._abort([seq_ids[b] for b in other])  # their text moves on without the live request
@@ -262,18 +304,24 @@ class LiveRequests:
         n_acc = [0] * len(seq_ids)
         native_drafts = [0] * len(seq_ids)
         cold = [False] * len(seq_ids)
+        conf: list[list[float]] | None = [[] for _ in seq_ids] if confidence else None
         try:
             if other:
                 probs = None
                 if draft_probs is not None:
                     probs = draft_probs[torch.tensor(other, dtype=torch.long)]
                 res = self._verify_scored([seqs[b] for b in other], [draft_ids[b] for b in other], probs,
-                                          [sampling[b] for b in other], method, salt, False)
+                                          [sampling[b] for b in other], method, salt, False, confidence)
                 for j, b in enumerate(other):
                     out_ids[b], n_acc[b] = res.token_ids[j], res.num_accepted[j]
+                    if conf is not None:
+                        conf[b] = res.confidence[j]
             keyed = {b: self._keyed_row(sampling[b], method) for b in live}
-            fresh = {b for b in live if not self._is_live(seq_ids[b], seqs[b], keyed[b])}  # a prefill in this call
-            lives = {b: self._ensure_live(seq_ids[b], seqs[b], sampling[b], keyed[b]) for b in live}
+            sampled = {b: _draws_sampled(sampling[b], keyed[b]) for b in live}
+            fresh = {b for b in live  # a prefill in this call
+                     if not self._is_live(seq_ids[b], seqs[b], keyed[b], sampled[b], confidence)}
+            lives = {b: self._ensure_live(seq_ids[b], seqs[b], sampling[b], keyed[b], confidence=confidence)
+                     for b in live}
             while True:
                 need = [b for b in live if self._wants_step(lives[b], len(seqs[b]), draft_ids[b])]
                 if not need:
@@ -306,14 +354,56 @@ class LiveRequests:
                     toks, native_drafts[b], cold[b] = self._serve(lv, n)
                     a = len(toks) - 1
                 cold[b] = cold[b] or b in fresh
+                if conf is not None and lv.probs is not None:
+                    conf[b] = lv.probs[n - lv.base : n - lv.base + len(toks)]
                 lv.served = n + len(toks)
                 seqs[b].extend(toks)
                 out_ids[b], n_acc[b] = toks, a
                 self.live_served_tokens += len(toks)
         finally:
             self._keep = set()
-        return VerifyResult(out_ids, n_acc, None, native_drafts=native_drafts, native_cold=cold,
+        return VerifyResult(out_ids, n_acc, None, confidence=conf, native_drafts=native_drafts, native_cold=cold,
                             stepped=not other)
+
+    def _propose_live(self, seq_ids: Sequence[str], seqs: list[list[int]], k: Sequence[int],
+                      sampling: Sequence[SamplingParams], stop_below: float) -> list[list[int]]:
+        """Greedy drafts on live requests, one engine step per token, so that a row can stop after a token the
+        engine gave a probability below `stop_below` (kept, as the hf backend keeps it). `seqs` are extended
+        with the drafts."""
+        out: list[list[int]] = [[] for _ in seqs]
+        rows = [b for b in range(len(seqs)) if k[b] > 0]
+        start = {b: len(seqs[b]) for b in rows}
+        lives = {b: self._ensure_live(seq_ids[b], seqs[b], sampling[b], greedy=True, confidence=True) for b in rows}
+        active = list(rows)
+        self._keep = {seq_ids[b] for b in rows}  # rows that stopped run ahead: their next call may continue them
+        try:
+            while True:
+                still = []
+                for b in active:
+                    lv, n = lives[b], start[b]
+                    got = lv.tokens[n : n + k[b]]
+                    probs = lv.probs[n - lv.base : n - lv.base + len(got)]
+                    unsure = next((i for i, p in enumerate(probs) if p < stop_below), None)
+                    out[b] = got if unsure is None else got[: unsure + 1]
+                    if unsure is None and len(got) < k[b] and not lv.finished:
+                        still.append(b)
+                active = still
+                if not active:
+                    break
+                if len(self._live) > self.max_num_seqs:  # as in `_verify_live`: the waiting rows get the slots
+                    self._keep = {seq_ids[b] for b in active}
+                if self.engine_verify:
+                    for b in active:  # a plain step: no draft of specray's, and the engine drafts nothing itself
+                        self._set_drafts(lives[b], [])
+                self._step()
+                self.live_steps += 1
+        finally:
+            self._keep = set()
+        for b in rows:
+            seqs[b].extend(out[b])
+            lives[b].served = start[b] + len(out[b])
+            self.live_served_tokens += len(out[b])
+        return out
 
     @staticmethod
     def _wants_step(lv: _Live, n: int, draft: Sequence[int]) -> bool:

@@ -54,7 +54,7 @@ from specray.spec.params import PLACEHOLDER_TOKEN_ID, SamplingParams, VerifyMeth
 from specray.spec.sampling import SamplingBatch, processed_probs
 from specray.spec.verify import verify as verify_batch
 
-__all__ = ["FULL", "PromptScoring", "UnsupportedSamplingError"]
+__all__ = ["FULL", "PromptScoring", "UnsupportedSamplingError", "scored_confidence"]
 
 #: prompt_logprobs / logprobs value meaning "the whole vocabulary"
 FULL = -1
@@ -172,8 +172,10 @@ class PromptScoring:
         method: VerifyMethod,
         salt: int,
         return_probs: bool,
+        confidence: bool = False,
     ) -> VerifyResult:
-        """Verification by prompt scoring of rows whose text is `seqs` (extended in place)."""
+        """Verification by prompt scoring of rows whose text is `seqs` (extended in place); `confidence`: also
+        each emitted token's probability (`scored_confidence`)."""
         kmax = max((len(d) for d in draft_ids), default=0)
         slots = self._score([s + [int(t) for t in d] for s, d in zip(seqs, draft_ids)],
                             [len(d) for d in draft_ids], sampling)
@@ -198,5 +200,27 @@ class PromptScoring:
             toks = [int(t) for t in out_ids[b][: n_acc[b] + 1]]
             s.extend(toks)
             emitted.append(toks)
-        out_probs = p[:, : max(len(e) for e in emitted)].clone() if return_probs else None
-        return VerifyResult(emitted, n_acc, out_probs)
+        n = max(len(e) for e in emitted)
+        out_probs = p[:, :n].clone() if return_probs else None
+        conf = None
+        if confidence:
+            ids = torch.tensor([e + [e[-1]] * (n - len(e)) for e in emitted], dtype=torch.long)  # [B, n]
+            rows = [b for b in range(len(seqs)) for _ in range(n)]
+            c = scored_confidence(raw[:, :n].reshape(-1, raw.shape[-1]), p[:, :n].reshape(-1, p.shape[-1]),
+                                  ids.reshape(-1), sb.select(rows)).view(len(seqs), n).tolist()
+            conf = [row[: len(e)] for row, e in zip(c, emitted)]
+        return VerifyResult(emitted, n_acc, out_probs, confidence=conf)
+
+
+def scored_confidence(
+    raw: torch.Tensor,  # [N, V] raw logprobs (log_softmax over the whole vocabulary; -inf outside the top-w)
+    p: torch.Tensor,  # [N, V] the processed distributions the tokens were drawn from
+    tokens: torch.Tensor,  # [N] long
+    sb: SamplingBatch,  # N rows
+) -> torch.Tensor:  # [N] float32
+    """How sure the level was of each token, as `specray.engine.rows.token_confidence` defines it: a greedy
+    row's raw softmax probability (the engine's logprob is already normalised over the whole vocabulary, and
+    greedy rows score their argmax), a sampled row's processed probability."""
+    idx = tokens.view(-1, 1)
+    greedy = raw.gather(1, idx)[:, 0].exp()
+    return torch.where(sb.temperature.to(raw.device) == 0, greedy, p.gather(1, idx)[:, 0])

@@ -580,6 +580,103 @@ def test_prefix_cache_hits_are_rescored(vt, ht):
     assert got.token_ids == exp.token_ids
 
 
+def _right_then_wrong(ht, s: str, k: int, cut: int, g: SamplingParams) -> list[int]:
+    """A k-token draft for sequence s that is the hf worker's greedy continuation up to `cut`, then wrong."""
+    cont = ht.propose([s], [k], [g]).token_ids[0]
+    ht.rollback(s, len(ht.tokens(s)) - k)
+    return cont[:cut] + [(cont[cut] + 1) % ht.vocab_size] if cut < k else cont
+
+
+@pytest.mark.parametrize("worker", ["vt", "ve"])
+def test_confidence_of_every_emitted_token_matches_hf(worker, request, ht):
+    """verify(confidence=True) on the vllm backend: plain live rows read the probabilities from their requests'
+    logprobs, drafted rows from their scores (`vt`) or from the engine step's logprobs (`ve`, verified inside the
+    step). Each is the hf worker's probability of the same token (fp32: both the softmax of the same logits)."""
+    vw = request.getfixturevalue(worker)
+    assert vw.capabilities().draft_confidence
+    ids = [f"cf{i}" for i in range(4)]
+    g = SamplingParams(seed=0)
+    for w in (vw, ht):
+        for s, p in zip(ids, PROMPTS):
+            w.add(s, ht.tokenizer.encode(p))
+    try:
+        for r in range(4):
+            drafts = [[], _right_then_wrong(ht, ids[1], 3, 3, g), _right_then_wrong(ht, ids[2], 5, r % 3, g), []]
+            rv = vw.verify(ids, drafts, None, [g] * 4, VerifyMethod.GREEDY, confidence=True)
+            rh = ht.verify(ids, drafts, None, [g] * 4, VerifyMethod.GREEDY, confidence=True)
+            assert rv.token_ids == rh.token_ids
+            assert [len(c) for c in rv.confidence] == [len(t) for t in rv.token_ids]
+            for cv, ch in zip(rv.confidence, rh.confidence):
+                assert cv == pytest.approx(ch, abs=2e-4)
+        # a live request made without logprobs is replaced by one that reports them when they are asked for
+        pv, ph = (w.verify(ids[:1], [[]], None, [g], VerifyMethod.GREEDY) for w in (vw, ht))
+        assert pv.confidence is None and pv.token_ids == ph.token_ids
+        pv, ph = (w.verify(ids[:1], [[]], None, [g], VerifyMethod.GREEDY, confidence=True) for w in (vw, ht))
+        assert pv.token_ids == ph.token_ids and pv.confidence[0] == pytest.approx(ph.confidence[0], abs=2e-4)
+    finally:
+        for w in (vw, ht):
+            for s in ids:
+                w.free(s)
+
+
+@pytest.mark.parametrize("worker", ["vt", "ve", "scored"])
+def test_greedy_drafts_stop_after_the_first_unsure_token_like_hf(worker, request, ht):
+    """propose(stop_below=C): a vllm level drafts on live requests one engine step per token (without live
+    decoding: one scoring call per step) and ends a row after the first token it gave less than C, the hf
+    worker's draft token for token; rows of one call stop at their own tokens, and what follows (a verification
+    of the cut drafts) continues from their text."""
+    vw = request.getfixturevalue("vt" if worker == "scored" else worker)
+    if worker == "scored":
+        vw.live_decode = False
+        request.addfinalizer(lambda: setattr(vw, "live_decode", True))
+    ids = [f"st{i}" for i in range(3)]
+    g = SamplingParams(seed=0)
+    for w in (vw, ht):
+        for s, p in zip(ids, PROMPTS[1:]):
+            w.add(s, ht.tokenizer.encode(p))
+    try:
+        full = ht.propose(ids, [8] * 3, [g] * 3).token_ids
+        for s, d in zip(ids, full):
+            ht.rollback(s, len(ht.tokens(s)) - len(d))
+        conf = ht.verify(ids, [d[:-1] for d in full], None, [g] * 3, VerifyMethod.GREEDY, confidence=True).confidence
+        for s, d in zip(ids, full):
+            ht.rollback(s, len(ht.tokens(s)) - len(d))
+        values = sorted(c for row in conf for c in row)
+        floor = (values[len(values) // 2] + values[len(values) // 2 + 1]) / 2  # between two measured values
+        want = [d[: next((j for j, c in enumerate(row) if c < floor), len(d) - 1) + 1] for d, row in zip(full, conf)]
+        assert any(len(w) < 8 for w in want) and any(len(w) > 1 for w in want)  # the floor cuts some rows only
+        steps = vw.live_steps
+        got_v = vw.propose(ids, [8] * 3, [g] * 3, stop_below=floor).token_ids
+        got_h = ht.propose(ids, [8] * 3, [g] * 3, stop_below=floor).token_ids
+        assert got_h == want and got_v == want
+        # one engine step per drafted token on live requests
+        assert vw.live_steps - steps == (0 if worker == "scored" else max(len(w) for w in want))
+        for s in ids:
+            assert vw.tokens(s) == ht.tokens(s)
+        empty = [[] for _ in ids]
+        rv = vw.verify(ids, empty, None, [g] * 3, VerifyMethod.GREEDY)
+        rh = ht.verify(ids, empty, None, [g] * 3, VerifyMethod.GREEDY)
+        assert rv.token_ids == rh.token_ids
+    finally:
+        for w in (vw, ht):
+            for s in ids:
+                w.free(s)
+
+
+def test_confidence_cascades_on_a_vllm_drafter_are_exact_and_draft_less(vmid, ve, ht):
+    """A vllm draft level with draft_confidence, as the first model level and as the middle level under an
+    n-gram, over an engine-verifying vllm target: greedy output equals plain greedy, and the unsure drafts were
+    cut (fewer draft tokens reached the target than with the same levels drafting K)."""
+    ref, _ = _run([Level("t", worker=ht)], max_tokens=24)
+    for make in (lambda c: [Level("mid", worker=vmid, k=6, confidence=c), Level("t", worker=ve)],
+                 lambda c: [Level("ngram", ngram=NgramConfig(4, 1, 3)), Level("mid", worker=vmid, k=6, confidence=c),
+                            Level("t", worker=ve)]):
+        loose, sure = (_run(make(c), max_tokens=24) for c in (0.0, 0.3))
+        assert loose[0] == ref and sure[0] == ref
+        lo, hi = loose[1].stats["t"], sure[1].stats["t"]
+        assert hi.draft_tokens < lo.draft_tokens
+
+
 QWEN = os.path.expanduser("~/.cache/specray/models/qwen2.5-coder-0.5b-instruct")
 
 
