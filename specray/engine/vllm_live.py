@@ -53,6 +53,15 @@ steps until the draft is decided (the coordinator sends a sequence's first round
 step, as vLLM's own speculation.
 The engine runs in-process (the worker writes to its scheduler's requests).
 
+Confidence (a level with ``draft_confidence``)
+---------------------------------------------
+A call that asks for the probability of each token (``verify(confidence=True)``, ``propose(stop_below=)``)
+runs on live requests that return the produced token's logprob (``logprobs=0``; raw logprobs: the softmax of
+the logits, as the hf backend reports a greedy row's); a live request made without them is re-added with them. A
+greedy draft with a stop runs on live requests too, one engine step per token, and a row stops after its first
+unsure token while the others go on (`_propose_live`); those that stopped keep stepping meanwhile, and their
+extra tokens are kept, so that the next call may continue them.
+
 `LiveRequests` is a mixin of `specray.engine.vllm.VLLMWorker` (it owns this state; the worker's constructor
 sets it): ``engine`` (the LLMEngine), ``_live`` (seq id -> `_Live`), ``_keep`` (live requests allowed to
 advance in the current call), ``_ids``, ``_scheduler`` (engine verification), ``live_decode``,
