@@ -69,11 +69,15 @@ def token_confidence(
     p: torch.Tensor,  # [N, V] the processed distributions the tokens were drawn from (one-hot for greedy rows)
     tokens: torch.Tensor,  # [N] long
     sb: SamplingBatch,  # N rows
+    normalized: bool = False,
 ) -> torch.Tensor:  # [N] float32
     """How sure a level was of each token: its probability under the row's sampling distribution, or for a
-    greedy row (whose distribution is a one-hot) under the softmax of the raw logits."""
+    greedy row (whose distribution is a one-hot) under the softmax of the raw logits. `normalized`: `logits` are
+    already log-probabilities over the whole vocabulary (vLLM's raw logprobs, -inf outside the top-w it
+    returned), so they are not normalised again."""
     idx = tokens.view(-1, 1)
-    raw = torch.exp(logits.float().gather(1, idx)[:, 0] - torch.logsumexp(logits.float(), dim=-1))
+    picked = logits.float().gather(1, idx)[:, 0]
+    raw = torch.exp(picked if normalized else picked - torch.logsumexp(logits.float(), dim=-1))
     drawn = p.gather(1, idx)[:, 0]
     return torch.where(on_device(sb.temperature, raw.device) == 0, raw, drawn)
 
@@ -83,6 +87,7 @@ def emitted_confidence(
     p: torch.Tensor,  # [B, n, V] the processed distributions at the same slots
     emitted: Sequence[Sequence[int]],  # B rows of 1..n tokens
     sb: SamplingBatch,  # B rows
+    normalized: bool = False,
 ) -> list[list[float]]:
     """`token_confidence` of each row's emitted tokens, all rows in one call (a short row is padded with its
     last token, and the padding cut off again)."""
@@ -90,7 +95,7 @@ def emitted_confidence(
     ids = torch.tensor([list(e) + [e[-1]] * (n - len(e)) for e in emitted], dtype=torch.long,
                        device=logits.device)  # [B, n]
     c = token_confidence(logits.reshape(-1, v), p.reshape(-1, p.shape[-1]), ids.reshape(-1),
-                         sb.select([b for b in range(bsz) for _ in range(n)]))
+                         sb.select([b for b in range(bsz) for _ in range(n)]), normalized)
     return [row[: len(e)] for row, e in zip(c.view(bsz, n).tolist(), emitted)]
 
 

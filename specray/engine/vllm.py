@@ -37,10 +37,11 @@ from typing import Any
 import torch
 
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerCaps, WorkerStats
+from specray.engine.rows import token_confidence
 from specray.engine.threads import pinned
 from specray.engine.vllm_fixes import shield_llvmlite
 from specray.engine.vllm_live import LiveRequests, _Live
-from specray.engine.vllm_scoring import FULL, PromptScoring, UnsupportedSamplingError, scored_confidence
+from specray.engine.vllm_scoring import FULL, PromptScoring, UnsupportedSamplingError
 from specray.spec.noise import sample_tokens
 from specray.spec.params import SamplingParams, VerifyMethod
 from specray.spec.sampling import SamplingBatch, processed_probs
@@ -399,7 +400,7 @@ class VLLMWorker(LiveRequests, PromptScoring):
             p = processed_probs(raw[:, None], sb)[:, 0]  # [B_t, V]
             positions = torch.tensor([len(seqs[b]) for b in rows], dtype=torch.long)
             sampled = sample_tokens(p, sb, positions, mode, level)  # [B_t]
-            conf = scored_confidence(raw, p, sampled, sb).tolist() if stop_below > 0 else None
+            conf = token_confidence(raw, p, sampled, sb, normalized=True).tolist() if stop_below > 0 else None
             toks = sampled.tolist()
             for i, b in enumerate(rows):
                 seqs[b].append(int(toks[i]))

@@ -50,11 +50,12 @@ from typing import Any
 import torch
 
 from specray.engine.protocol import VerifyResult
+from specray.engine.rows import emitted_confidence
 from specray.spec.params import PLACEHOLDER_TOKEN_ID, SamplingParams, VerifyMethod
 from specray.spec.sampling import SamplingBatch, processed_probs
 from specray.spec.verify import verify as verify_batch
 
-__all__ = ["FULL", "PromptScoring", "UnsupportedSamplingError", "scored_confidence"]
+__all__ = ["FULL", "PromptScoring", "UnsupportedSamplingError"]
 
 #: prompt_logprobs / logprobs value meaning "the whole vocabulary"
 FULL = -1
@@ -175,7 +176,7 @@ class PromptScoring:
         confidence: bool = False,
     ) -> VerifyResult:
         """Verification by prompt scoring of rows whose text is `seqs` (extended in place); `confidence`: also
-        each emitted token's probability (`scored_confidence`)."""
+        each emitted token's probability (`specray.engine.rows.token_confidence`)."""
         kmax = max((len(d) for d in draft_ids), default=0)
         slots = self._score([s + [int(t) for t in d] for s, d in zip(seqs, draft_ids)],
                             [len(d) for d in draft_ids], sampling)
@@ -202,25 +203,6 @@ class PromptScoring:
             emitted.append(toks)
         n = max(len(e) for e in emitted)
         out_probs = p[:, :n].clone() if return_probs else None
-        conf = None
-        if confidence:
-            ids = torch.tensor([e + [e[-1]] * (n - len(e)) for e in emitted], dtype=torch.long)  # [B, n]
-            rows = [b for b in range(len(seqs)) for _ in range(n)]
-            c = scored_confidence(raw[:, :n].reshape(-1, raw.shape[-1]), p[:, :n].reshape(-1, p.shape[-1]),
-                                  ids.reshape(-1), sb.select(rows)).view(len(seqs), n).tolist()
-            conf = [row[: len(e)] for row, e in zip(c, emitted)]
+        conf = emitted_confidence(raw[:, :n], p[:, :n], emitted, sb, normalized=True) if confidence else None
         return VerifyResult(emitted, n_acc, out_probs, confidence=conf)
 
-
-def scored_confidence(
-    raw: torch.Tensor,  # [N, V] raw logprobs (log_softmax over the whole vocabulary; -inf outside the top-w)
-    p: torch.Tensor,  # [N, V] the processed distributions the tokens were drawn from
-    tokens: torch.Tensor,  # [N] long
-    sb: SamplingBatch,  # N rows
-) -> torch.Tensor:  # [N] float32
-    """How sure the level was of each token, as `specray.engine.rows.token_confidence` defines it: a greedy
-    row's raw softmax probability (the engine's logprob is already normalised over the whole vocabulary, and
-    greedy rows score their argmax), a sampled row's processed probability."""
-    idx = tokens.view(-1, 1)
-    greedy = raw.gather(1, idx)[:, 0].exp()
-    return torch.where(sb.temperature.to(raw.device) == 0, greedy, p.gather(1, idx)[:, 0])
