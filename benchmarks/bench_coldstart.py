@@ -63,6 +63,11 @@ class LoggedPlanner(Planner):
                          "acc": list(accepted), **({"asked": asked} if asked is not None else {})})
         super().on_verify(level, lower, draft_lens, accepted, asked)
 
+    def on_drafted(self, level, lower, draft_lens, accepted, asked):
+        self.log.append({"ev": "verify", "level": level, "lower": lower, "lens": list(draft_lens),
+                         "acc": list(accepted), "asked": list(asked)})
+        super().on_drafted(level, lower, draft_lens, accepted, asked)
+
     def on_shadow(self, level, lower, draft_lens, accepted, asked):
         self.log.append({"ev": "shadow", "level": level, "lower": lower, "lens": list(draft_lens),
                          "acc": list(accepted)})

@@ -114,10 +114,11 @@ class LevelCalls:
         self, i: int, lower: int | None, rows: Sequence[Seq], tails: Sequence[Sequence[int]],
         drafts: Sequence[Sequence[int]], probs: torch.Tensor | None,  # probs: [B, K, V] (rejection only)
         override: VerifyMethod | None, return_probs: bool = False, confidence: bool = False,
-        drafters: Sequence[int] | None = None,
+        drafters: Sequence[int] | None = None, asked: Sequence[int] | None = None,
     ) -> VerifyResult:
         """Level `i` verifies each row's draft (from `lower`; None: plain decoding) in one call. `drafters`: a
-        hybrid round's drafter of each row (for the planner feed; `lower` sets the method)."""
+        hybrid round's drafter of each row (for the planner feed; `lower` sets the method); `asked`: the draft
+        tokens each row was asked for (for the planner feed, `Verified.asked`)."""
         worker = self.levels[i].worker
         syncs = [self.sync(i, s, t) for s, t in zip(rows, tails)]
         method = self.method(i, lower, override)
@@ -130,7 +131,7 @@ class LevelCalls:
             s.mirror[i].extend(toks)
         self.feed.verified(Verified(i, lower, drafts, res, seconds, drafters,
                                     timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP,
-                                    caught_up=_caught_up(syncs, tails)))
+                                    caught_up=_caught_up(syncs, tails), asked=asked))
         return res
 
     def verify_later(
@@ -149,6 +150,7 @@ class LevelCalls:
 
     def finish_relayed(
         self, i: int, lower: int, rows: Sequence[Seq], relayed: Relayed, drafts: Sequence[Sequence[int]],
+        asked: Sequence[int] | None = None,
     ) -> VerifyResult:
         """The target's verdict on a relayed verification (`verify_later`), accounted like `verify`'s. Its time
         for the planner runs from the middle level's reply to the verdict: about the target's call, which began
@@ -157,7 +159,7 @@ class LevelCalls:
         seconds = time.perf_counter() - relayed.since
         for s, toks in zip(rows, res.token_ids):
             s.mirror[i].extend(toks)
-        self.feed.verified(Verified(i, lower, drafts, res, seconds, None, timed=relayed.timed))
+        self.feed.verified(Verified(i, lower, drafts, res, seconds, None, timed=relayed.timed, asked=asked))
         return res
 
     def abandon(self, i: int, rows: Sequence[Seq], relayed: Relayed, reason: str) -> None:

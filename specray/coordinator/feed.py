@@ -23,6 +23,12 @@ probability that the target samples it). A `ShadowObserver` (the planner) gets t
 `on_shadow(level, 0, draft_lens, accepted, asked)`, so the n-gram's acceptance on the text being generated now is
 measured while it is switched off: a level measured on an earlier request (a short chat prompt with nothing to
 copy) is not left priced at that request's acceptance until an exploration round happens to try it.
+
+Confidence-stopped drafts: a model level with `Level.confidence` > 0 ends a row's draft after a token it is unsure
+of, so it often drafts fewer tokens than the round asked for. A `StopObserver` (the planner) gets the target's
+verification of such drafts as `on_drafted(level, lower, draft_lens, accepted, asked)` instead of `on_verify`, with
+the tokens each row was asked for (`Verified.asked`): how far the drafts go is a measurement of its own (what the
+level's calls and the target's verification cost), and a short draft accepted whole ended the round there.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ if TYPE_CHECKING:
     from specray.spec.tree import DraftTree
 
 __all__ = ["SHADOW_LOOKUPS", "CatchUpObserver", "NativeObserver", "Observer", "PlannerFeed", "ShadowObserver",
-           "TreeObserver", "TreeProposeObserver", "TreeWalk", "Verified", "fed_lengths", "tree_walk"]
+           "StopObserver", "TreeObserver", "TreeProposeObserver", "TreeWalk", "Verified", "fed_lengths", "tree_walk"]
 
 #: at most this many rows of a round start a shadow lookup (an n-gram scan of the row's text each): a sample of the
 #: batch measures the same acceptance, and the coordinator's work per round stays bounded at large batches
@@ -68,6 +74,15 @@ class CatchUpObserver(Protocol):
     request, or one that sat out rounds): kind and tokens as `on_call`'s, for the call's own work."""
 
     def on_catch_up(self, level: int, kind: str, batch: int, tokens: int, caught: int, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class StopObserver(Protocol):
+    """Gets the target's verification of a confidence-stopped level's drafts (module docstring): `asked`, the
+    tokens each row was asked for; a row that drafted fewer stopped by itself."""
+
+    def on_drafted(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
+                   asked: Sequence[int]) -> None: ...
 
 
 @runtime_checkable
@@ -143,6 +158,8 @@ class Verified:
     width: int = 1
     #: tokens of earlier text the call caught its rows up on, in all (an untimed call: `CatchUpObserver`)
     caught_up: int = 0
+    #: the draft tokens each row was asked for, where the round knows it (the target's verification of a chain)
+    asked: Sequence[int] | None = None
 
 
 def fed_lengths(res: VerifyResult, drafts: Sequence[Sequence[int]]) -> list[int]:
@@ -261,9 +278,18 @@ class PlannerFeed:
             elif ev.drafters is not None and rows:
                 self._hybrid(ob, ev, rows)
             elif ev.lower is not None and rows:
-                ob.on_verify(ev.level, ev.lower, [len(drafts[b]) for b in rows], [res.num_accepted[b] for b in rows])
+                lens, acc = [len(drafts[b]) for b in rows], [res.num_accepted[b] for b in rows]
+                if ev.asked is not None and self._stops(ev.lower) and isinstance(ob, StopObserver):
+                    ob.on_drafted(ev.level, ev.lower, lens, acc, [ev.asked[b] for b in rows])
+                else:
+                    ob.on_verify(ev.level, ev.lower, lens, acc)
             if warm and isinstance(ob, NativeObserver):
                 ob.on_native(ev.level, [fed[b] for b in warm], [res.num_accepted[b] for b in warm])
+
+    def _stops(self, level: int) -> bool:
+        """Whether model `level` ends drafts at a token it is unsure of (`Level.confidence`)."""
+        lvl = self.levels[level]
+        return not lvl.is_ngram and lvl.confidence > 0
 
     def _hybrid(self, ob: Observer, ev: Verified, rows: Sequence[int]) -> None:
         """A hybrid round's acceptance, per drafter: the lookup level over every row, a row that took the model's

@@ -87,15 +87,17 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
     """Draft -> verify at the target -> commit -> record; returns the tokens newly committed to each row."""
     drafts = r.source.drafts(r)
     ahead = r.source.start_ahead(r, drafts)
+    # what each row was asked for, for the planner: a look-ahead's drafts are also cut by its own stop
+    asked = None if isinstance(r.source, LookAhead) else r.want
     try:
         if r.relayed is not None:  # the middle level sent its drafts to the target itself (`Drafter._nested`)
-            res = calls.finish_relayed(r.top, r.lower, r.rows, r.relayed, drafts.token_ids)
+            res = calls.finish_relayed(r.top, r.lower, r.rows, r.relayed, drafts.token_ids, asked=asked)
         elif drafts.trees is not None:  # token trees (`Drafter.tree_shape`)
             res = calls.verify_tree(r.top, r.lower, r.rows, drafts.trees, drafts.probs, r.override,
                                     width=r.tree_width)
         else:
             res = calls.verify(r.top, r.verify_lower, r.rows, [[] for _ in r.rows], drafts.token_ids, drafts.probs,
-                               r.override, drafters=r.drafters)
+                               r.override, drafters=r.drafters, asked=asked)
     finally:
         looks = r.source.settle(r, ahead)  # never leave a look-ahead running past the round
     fed = fed_lengths(res, drafts.token_ids)  # a native target's own drafts count on rows it got none

@@ -60,6 +60,14 @@ class ChainTable:
                     m.costs[level].predict_many(batch, np.arange(kmax + 2))
             return t
 
+        drafted: dict[int, np.ndarray] = {}  # model level -> Pricing.draft_lengths(level, batch, kmax)
+
+        def dl(level: int) -> np.ndarray:
+            d = drafted.get(level)
+            if d is None:
+                d = drafted[level] = np.array(pricing.draft_lengths(level, batch, kmax))
+            return d
+
         def elen(up: int, lo: int) -> np.ndarray:
             e = elens.get((up, lo))
             if e is None:
@@ -77,10 +85,10 @@ class ChainTable:
             # Pricing._produce, level by level: the first drafter's K_0 steps (an n-gram: its flat cost), then each
             # middle level's ceil(K_i / E_i) inner rounds of (its drafter's tokens + its own check)
             low = levels[0]
-            produce = np.full(len(idx), pricing.ngram_cost) if m.is_ngram[low] else kk[:, 0] * step(low)[1]
+            produce = np.full(len(idx), pricing.ngram_cost) if m.is_ngram[low] else dl(low)[kk[:, 0]] * step(low)[1]
             for i in range(1, len(levels) - 1):
                 lvl, k_low = levels[i], kk[:, i - 1]
-                inner = np.ceil(kk[:, i] / elen(lvl, levels[i - 1])[k_low] - 1e-9)
+                inner = np.ceil(dl(lvl)[kk[:, i]] / elen(lvl, levels[i - 1])[k_low] - 1e-9)
                 produce = inner * (produce + step(lvl)[k_low + 1])
             k = kk[:, -1]
             if m.is_ngram[levels[-2]] and not m.chain_fed(m.top, levels[-2]):  # no match: a plain step
@@ -88,8 +96,9 @@ class ChainTable:
                     per_k = [pricing._lookup_verify_time(batch, j) for j in range(1, kmax + 1)]
                     lookup_verify = np.array([0.0, *per_k])
                 t = produce + lookup_verify[k] + pricing.overhead
-            else:
-                t = produce + verify[k] + pricing.overhead
+            else:  # a model drafter: its drafts' tokens (`Pricing.fed`: K unless it stops short)
+                fed = (dl(levels[-2])[k] + 0.5).astype(np.intp)
+                t = produce + verify[fed] + pricing.overhead
             out[idx] = np.divide(elen(m.top, levels[-2])[k] * batch, t, out=np.full(len(t), np.inf), where=t > 0)
             covered[idx] = True
         return out, covered

@@ -127,6 +127,11 @@ class Measurements:
             for up in range(1, self.top + 1):
                 for split in (self.hot, self.cold):
                     split[(up, 0)] = Acceptance(prior_alpha_ngram, decay=decay, k_max=k_acc)
+        #: model level that ends drafts at a token it is unsure of (`Level.confidence`) -> the decayed chance that
+        #: its draft goes on past each position (`on_drafted`; 1 until measured: a level that fills its K)
+        self.stops: dict[int, Acceptance] = {
+            i: Acceptance(1.0, decay=decay, k_max=max(32, max(self.k_choices) + 1))
+            for i, lvl in enumerate(levels[:-1]) if not lvl.is_ngram and lvl.confidence > 0}
         self.clock = 0  # target verify calls seen (~ engine rounds)
         #: pair, tree key or "plain" -> clock of its latest measurement
         self.measured_at: dict[tuple[int, ...] | str, int] = {}
@@ -221,6 +226,24 @@ class Measurements:
         """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call. `asked`: the tokens each
         row was asked for, where known (a lookup level: else the call's longest draft)."""
         self._observe(level, lower, draft_lens, accepted, asked, ran=True)
+
+    def on_drafted(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
+                   asked: Sequence[int]) -> None:
+        """The target's verification of drafts from a level that stops at a token it is unsure of, one entry per
+        row, with the tokens each row asked for. A draft shorter than asked stopped after its last token: its
+        length is measured (`stops`: the level's calls and the target's verification are priced at what it
+        drafts, `Pricing.draft_lengths`), and if it was accepted whole the round ended there, a failure after it
+        (as for a lookup that drafted less than asked)."""
+        with self.lock:
+            stops = self.stops.get(lower)
+            if stops is not None:
+                # went on past positions 1..n-1; stopped at n when short of what was asked (else n was the last)
+                went = [(n, n - 1) if n < w else (n - 1, n - 1) for n, w in zip(draft_lens, asked) if 0 < n <= w]
+                went = [(t, g) for t, g in went if t > 0]
+                if went:
+                    stops.observe([t for t, _ in went], [g for _, g in went])
+            lens = [n + 1 if 0 < n < w and a >= n else n for n, a, w in zip(draft_lens, accepted, asked)]
+            self._observe(level, lower, lens, accepted, None, ran=True)
 
     def on_shadow(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
                   asked: int) -> None:

@@ -454,6 +454,10 @@ class Planner:
                   asked: int | None = None) -> None:
         self.measurements.on_verify(level, lower, draft_lens, accepted, asked)
 
+    def on_drafted(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
+                   asked: Sequence[int]) -> None:
+        self.measurements.on_drafted(level, lower, draft_lens, accepted, asked)
+
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
         self.measurements.on_native(level, draft_lens, accepted)
 

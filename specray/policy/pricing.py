@@ -49,6 +49,14 @@ verification accepts of it), so the chain of the same level stays priced while t
 (widths {1, configured}) and picks by goodput. Tree rounds draft before the verification (never overlapped), and
 their plans are priced on the scalar path (`_tree_priced`), not by `specray.policy.chains`.
 
+Confidence-stopped drafts (a model level with `Level.confidence` > 0 ends a row's draft after a token it is unsure
+of): asked for K, it drafts D(B, K) = E[longest draft of the call] tokens (`Pricing.draft_lengths`, from the measured
+chance that a draft goes on past each position, `Measurements.stops`), so its proposal costs D steps (a middle level:
+ceil(D / E_i) inner rounds) and the target verifies round(D) + 1 tokens per row. Its acceptance counts a draft that
+stopped short and was accepted whole as a failure after it (the round ended there), so E[L](K) is what such rounds
+emit. Priced at K instead, a level that drafts two or three tokens of a K of 16 looked several times dearer than it
+is, and its long K were never chosen. (Overlapped rounds are priced as before.)
+
 Overlap (an engine drafting the next round while the target verifies, `specray.coordinator.lookahead`): a
 bounded look-ahead is priced as a hit/miss renewal chain (`Pricing._bounded`): a miss drafts one drafter step
 before the verification, a hit verifies what the drafter made during the previous verification; unbounded:
@@ -223,6 +231,34 @@ class Pricing:
             a = m.memo[key] = m.acceptance[(level, lower)].alphas(k)
         return a
 
+    def draft_lengths(self, level: int, batch: int, k_max: int) -> list[float]:
+        """Expected longest draft of a call over `batch` rows when model `level` is asked for K tokens, at index
+        K = 0..k_max: K, unless the level stops at a token it is unsure of (`Measurements.stops`), then
+        sum_{i<=K} 1 - (1 - S_i)^B, S_i = prod_{j<i} c_j the measured chance that a draft reaches position i. Its
+        proposal runs that many steps (a middle level: that many tokens of inner rounds) and the target verifies
+        that many tokens (rounded) per row. Memoised; callers must not modify the list."""
+        stops = self.measured.stops.get(level)
+        if stops is None or not stops.n_obs:
+            return [float(k) for k in range(k_max + 1)]
+        key = ("dl", level, batch, k_max)
+        out = self.measured.memo.get(key)
+        if out is None:
+            out, reach, total = [0.0], 1.0, 0.0
+            for c in stops.alphas(k_max):
+                total += 1.0 - (1.0 - reach) ** batch
+                out.append(total)
+                reach *= c
+            self.measured.memo[key] = out
+        return out
+
+    def drafted(self, level: int, batch: int, k: int) -> float:
+        """`draft_lengths(level, batch, k)[k]`: the expected longest draft when asked for k tokens."""
+        return self.draft_lengths(level, batch, k)[k]
+
+    def fed(self, level: int, batch: int, k: int) -> int:
+        """Draft tokens per row the target verifies when model `level` is asked for k (`draft_lengths`, rounded)."""
+        return int(self.drafted(level, batch, k) + 0.5)
+
     def _produce(self, plan: Plan, i: int, batch: int, want: int) -> float:
         """Expected seconds for plan.levels[i] to produce `want` tokens for the level above it."""
         m = self.measured
@@ -233,10 +269,12 @@ class Pricing:
             if m.is_ngram[lvl]:
                 return self.ngram_cost
             width = self.width(plan, 0)
-            return self._propose_tree(lvl, batch, want, width) if width > 1 else want * self.step_time(lvl, batch, 1)
+            if width > 1:
+                return self._propose_tree(lvl, batch, want, width)
+            return self.drafted(lvl, batch, want) * self.step_time(lvl, batch, 1)
         k_low, low, width = plan.k[i - 1], plan.levels[i - 1], self.width(plan, i - 1)
         e = self._elen(lvl, low, k_low, width)
-        inner = math.ceil(want / e - 1e-9)
+        inner = math.ceil(self.drafted(lvl, batch, want) / e - 1e-9)
         return inner * (self._produce(plan, i - 1, batch, k_low) +
                         self.step_time(lvl, batch, self._fed(lvl, low, k_low, width)))
 
@@ -304,7 +342,7 @@ class Pricing:
         elen = m * e_match + (1.0 - m) * self._elen(top, model, k_d)
         all_matched = m**batch
         unmatched = max(1, math.ceil((1.0 - m) * batch - 1e-9))
-        propose = k_d * self.step_time(model, unmatched, 1)
+        propose = self.drafted(model, unmatched, k_d) * self.step_time(model, unmatched, 1)
         verify = all_matched * self._verify_time(batch, k_l) + (1.0 - all_matched) * self._verify_time(
             batch, max(k_l, k_d))
         got = memo[key] = (elen, self.ngram_cost + (1.0 - all_matched) * propose + verify + self.overhead)
@@ -341,7 +379,7 @@ class Pricing:
         elif m.is_ngram[lower]:
             verify = self._lookup_verify_time(batch, k)
         else:
-            verify = self._verify_time(batch, k)
+            verify = self._verify_time(batch, self.fed(lower, batch, k))
         return self._produce(plan, len(plan.levels) - 2, batch, k) + verify + self.overhead
 
     def _overlapped(self, plan: Plan) -> bool:
