@@ -28,11 +28,20 @@ from specray.spec.tree import DraftTree
 if TYPE_CHECKING:
     from specray.coordinator.inner import Nesting, PendingVerify
 
-__all__ = ["LevelCalls", "Relayed", "longest_path"]
+__all__ = ["LevelCalls", "Relayed", "drafted_steps", "longest_path"]
 
 #: a call in which some row first catches up on more tokens than this (a level that sat out rounds, or starts a
 #: sequence) runs a prefill-sized forward: its time says nothing about a step, so the planner is not fed it
 UNTIMED_CATCH_UP = 16
+
+
+def drafted_steps(lvl: Level, want: Sequence[int], drafts: Sequence[Sequence[int]]) -> int:
+    """Forwards a model level's proposal ran: one per token of the longest draft asked for, or, for a level that
+    stops at a token it is unsure of (`Level.confidence`), of the longest draft it made (its rows all stopped
+    there). Timed as that many steps, its step cost is not diluted by the ones it never ran."""
+    if lvl.confidence > 0:
+        return max((len(d) for d in drafts), default=0)
+    return max(want, default=0)
 
 
 def _catch_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:
@@ -83,10 +92,11 @@ class LevelCalls:
             prop, sent = self.call(i, relay.via.propose, lvl.worker, relay.pending, *args, **kwargs)
             relay.drafted(prop, sent)
         seconds = time.perf_counter() - t0
+        steps = drafted_steps(lvl, want, prop.token_ids)
         if _catch_up(syncs, tails) <= UNTIMED_CATCH_UP:
-            self.feed.proposed(i, len(rows), max(want, default=0), seconds)
+            self.feed.proposed(i, len(rows), steps, seconds)
         else:
-            self.feed.caught_up(i, "propose", len(rows), max(want, default=0), _caught_up(syncs, tails), seconds)
+            self.feed.caught_up(i, "propose", len(rows), steps, _caught_up(syncs, tails), seconds)
         for s, toks in zip(rows, prop.token_ids):
             s.mirror[i].extend(toks)
         return prop

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specray.coordinator.calls import LevelCalls, Relayed, longest_path
+from specray.coordinator.calls import LevelCalls, Relayed, drafted_steps, longest_path
 from specray.coordinator.failover import LevelCallError
 from specray.coordinator.feed import Verified, fed_lengths
 from specray.coordinator.inner import InnerLog, NestedDraft, Nesting, inner_rounds
@@ -409,7 +409,8 @@ class Drafter:
         width = self.tree_width(r, ci - 1)
         for log in got.logs:
             if log.steps and low.ngram is None:  # lookups are not timed (as when drafted from here)
-                self.calls.feed.proposed(lower, len(log.idx), log.steps, log.propose_s)
+                steps = log.steps if log.trees is not None else drafted_steps(low, [log.steps], log.drafts)
+                self.calls.feed.proposed(lower, len(log.idx), steps, log.propose_s)
             if log.trees is not None:
                 self.calls.feed.verified(Verified(i, lower, [longest_path(t) for t in log.trees], log.result,
                                                   log.verify_s, trees=log.trees, width=width))

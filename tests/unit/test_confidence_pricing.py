@@ -27,9 +27,11 @@ class Seen:
     def __init__(self) -> None:
         self.verified: list[tuple[int, int, list[int]]] = []
         self.drafted: list[tuple[int, int, list[int], list[int], list[int]]] = []
+        self.steps: list[int] = []  # the drafter's timed proposals: steps reported
 
-    def on_call(self, *args) -> None:
-        pass
+    def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None:
+        if level == 0 and kind == "propose":
+            self.steps.append(tokens)
 
     def on_verify(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:
         self.verified.append((level, lower, list(draft_lens)))
@@ -51,12 +53,16 @@ def test_the_round_tells_the_planner_what_each_row_asked_of_a_stopping_level(con
         engine.step([s for s in seqs if not s.finished], Plan((0, 1), (8,)))
     if conf == 0.0:  # a level that fills its K: the acceptance hook as ever
         assert seen.verified and not seen.drafted
+        assert set(seen.steps) == {8}
         return
     assert seen.drafted and not [v for v in seen.verified if v[:2] == (1, 0)]
     lens = [n for *_, d, _a, _w in seen.drafted for n in d]
     for _lvl, _low, d, acc, asked in seen.drafted:
         assert all(0 < n <= w <= 8 and a <= n for n, a, w in zip(d, acc, asked))
     assert min(lens) < 8  # it stopped short somewhere: what the planner now measures
+    # each proposal is timed as the steps it ran (its longest draft), not as the 8 it was asked for
+    assert len(seen.steps) == len(seen.drafted)
+    assert seen.steps == [max(d) for *_, d, _a, _w in seen.drafted]
 
 
 def _planner(conf: float) -> Planner:
