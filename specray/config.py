@@ -84,6 +84,11 @@ class LevelConfig(_Strict):
         False, description="float32 on CPU only: reorder linear weights once for oneDNN. On CPUs without bf16 "
         "units a K+1-token verification then costs ~1.9 decoding steps instead of ~3, so speculation pays."
     )
+    prompt_upcast: bool | None = Field(
+        None, description="hf levels with bfloat16 / float16 weights on a CPU: run the linear layers of prefills "
+        "and catch-ups (32 tokens or more) in float32, which some CPUs compute faster than bf16 once a forward "
+        "is that large. None: a probe at load decides on this CPU; decoding steps and verifications are "
+        "unchanged either way.")
     enable_prefix_caching: bool = Field(
         True, description="hf levels: a new request reuses the KV of a finished one whose tokens its prompt starts "
         "with (a conversation's next turn, a shared system prompt or document), so its prefill feeds only the rest. "
@@ -223,6 +228,8 @@ class LevelConfig(_Strict):
         if not self.enable_prefix_caching and self.kind == "vllm":
             raise ValueError("enable_prefix_caching: a vllm level always caches prefixes (an engine argument specray "
                              "sets); it can be turned off for hf levels only")
+        if self.prompt_upcast is not None and self.kind != "hf":
+            raise ValueError(f"prompt_upcast is for hf levels (transformers on a CPU), not a {self.kind} level")
         if self.engine_args:
             self._check_engine_args()
         if self.native_speculation is not None:
@@ -242,6 +249,10 @@ class LevelConfig(_Strict):
         """kind auto -> vllm if the vllm package is importable here, else hf (with the vllm-only fields dropped)."""
         if vllm_installed():
             self.kind = "vllm"
+            if self.prompt_upcast is not None:
+                log.info("level %s: kind auto runs on vLLM; prompt_upcast (hf only) does not apply",
+                         self.display_name)
+                self.prompt_upcast = None
             return
         self.kind = "hf"
         vllm_only = {"engine_verify": self.engine_verify, "engine_args": self.engine_args,

@@ -37,6 +37,7 @@ def create_worker(cfg: LevelConfig) -> Worker:
             cfg.model or "", name=cfg.display_name, dtype=cfg.dtype, device=cfg.device,
             num_threads=cfg.num_threads, attn_implementation=cfg.attn_implementation,
             max_context=cfg.max_context, cpu_prepack=cfg.cpu_prepack, prefix_caching=cfg.enable_prefix_caching,
+            prompt_upcast=cfg.prompt_upcast,
         )
     if cfg.kind == "vllm":
         if cfg.native_speculation is not None:

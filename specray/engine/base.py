@@ -184,9 +184,13 @@ class LogitsWorker(abc.ABC):
             while len(seq.tokens) - seq.kv_len > self.prefill_threshold:
                 start = seq.kv_len
                 chunk = seq.tokens[start : min(len(seq.tokens) - 1, start + self.prefill_chunk)]
-                self._forward([seq], [chunk], [1])
+                self._prefill(seq, chunk)
                 seq.kv_len = start + len(chunk)
         return seqs
+
+    def _prefill(self, seq: SeqState, chunk: Sequence[int]) -> None:
+        """Feed one chunk of a row's text it has not seen (a prompt, a catch-up) into its KV cache."""
+        self._forward([seq], [chunk], [1])
 
     # ----- protocol: propose / verify -----------------------------------------------------------
     @pinned

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from specray.engine.base import LogitsWorker
 from specray.engine.kv_cache import SlotKVCache
@@ -47,6 +48,68 @@ _CUDA_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBac
 def attention_kernels(backends: Sequence[SDPBackend] | None) -> contextlib.AbstractContextManager:
     """Restrict scaled-dot-product attention to `backends` for the forward (None: PyTorch's own choice)."""
     return contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends))
+
+
+#: a forward whose linear layers take at least this many token rows is prompt-sized (`PromptUpcast`)
+PROMPT_ROWS = 32
+
+
+class PromptUpcast(TorchFunctionMode):
+    """Runs the half-precision linear layers of a prompt-sized forward in float32: the weight is widened into one
+    preallocated buffer, the product is float32, and the result is rounded back to the model's dtype.
+
+    On some CPUs oneDNN's bf16 GEMM is the slower of the two once a forward feeds many tokens (a prefill, a
+    catch-up: compute bound, where a decoding step is bound by reading the weights), and the widening costs
+    ~1 ms per large weight against tens of ms saved. Decoding steps and verifications never use it: their
+    numerics stay those of the model's dtype, so only prefills change, the same for every plan."""
+
+    def __init__(self, model: torch.nn.Module, skip: torch.nn.Module | None) -> None:
+        super().__init__()
+        largest = max((m.weight.numel() for m in model.modules()
+                       if isinstance(m, torch.nn.Linear) and m is not skip), default=0)
+        self.buffer = torch.empty(largest, dtype=torch.float32)
+        self.widened = 0  # linear calls run in float32 (`HFWorker.stats`)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x = args[0] if args else kwargs["input"]
+            w = args[1] if len(args) > 1 else kwargs["weight"]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (x.dtype in (torch.bfloat16, torch.float16) and w.numel() <= self.buffer.numel()
+                    and x.numel() >= PROMPT_ROWS * x.shape[-1]):
+                wide = self.buffer[: w.numel()].view(w.shape)
+                wide.copy_(w)
+                out = torch.nn.functional.linear(x.float(), wide, None if b is None else b.float())
+                self.widened += 1
+                return out.to(x.dtype)
+        return func(*args, **kwargs)
+
+
+def prompt_upcast_pays(dtype: torch.dtype, rows: int, features: int, out_features: int, repeats: int = 3) -> bool:
+    """Whether a prompt-sized linear of this shape runs at least 10% faster widened to float32 (`PromptUpcast`)
+    than in `dtype` on this CPU, with the threads this worker will use: a few timed GEMMs at load."""
+    x = torch.randn(rows, features).to(dtype)
+    w = torch.randn(out_features, features).to(dtype)
+    wide = torch.empty(out_features, features)
+
+    def half() -> None:
+        torch.nn.functional.linear(x, w)
+
+    def widened() -> None:
+        wide.copy_(w)
+        torch.nn.functional.linear(x.float(), wide).to(dtype)
+
+    best = {}
+    for name, fn in (("half", half), ("wide", widened)):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times)
+    return best["wide"] < 0.9 * best["half"]
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
@@ -125,6 +188,7 @@ class HFWorker(LogitsWorker):
         initial_slots: int = 4,
         cpu_prepack: bool = False,
         prefix_caching: bool = True,
+        prompt_upcast: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -156,6 +220,7 @@ class HFWorker(LogitsWorker):
                 raise ValueError(f"{self.name}: cpu_prepack needs dtype float32 on a CPU device")
             with torch.no_grad():
                 prepack_linears(self.model)
+        self.upcast = self._prompt_upcast(prompt_upcast)
         self.eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -176,6 +241,31 @@ class HFWorker(LogitsWorker):
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s) in %.1fs", self.name, self.dtype, self.load_seconds)
 
+    def _prompt_upcast(self, wanted: bool | None) -> PromptUpcast | None:
+        """The float32 mode of prompt-sized forwards (`PromptUpcast`): on a CPU with half-precision weights, where
+        asked (`wanted`), or where unasked (None) and a probe at load says it pays on this CPU."""
+        half = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+        if wanted and not half:
+            raise ValueError(f"{self.name}: prompt_upcast is for bfloat16 / float16 weights on a CPU device")
+        if not half or wanted is False:
+            return None
+        head = self.model.get_output_embeddings()
+        linears = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        if not linears:
+            return None
+        if wanted is None:
+            big = max(linears, key=lambda m: m.weight.numel())
+            wanted = prompt_upcast_pays(self.dtype, 256, big.in_features, big.out_features)
+            log.info("%s: prompts run their linear layers in %s on this CPU (a probe at load)", self.name,
+                     "float32" if wanted else self.dtype)
+        return PromptUpcast(self.model, head) if wanted else None
+
+    def _prefill(self, seq: SeqState, chunk: Sequence[int]) -> None:
+        if self.upcast is None or len(chunk) < PROMPT_ROWS:
+            return super()._prefill(seq, chunk)
+        with self.upcast:
+            return super()._prefill(seq, chunk)
+
     def _allocate(self, prompt: Sequence[int]) -> tuple[int, int]:
         return self.cache.allocate(prompt)
 
@@ -191,7 +281,8 @@ class HFWorker(LogitsWorker):
     def stats(self) -> WorkerStats:
         st = super().stats()
         st.extra.update(forward_calls=self.forward_calls, forward_seconds=self.forward_seconds,
-                        prefix_cache_hits=self.cache.prefix_hits, prefix_cache_tokens=self.cache.prefix_tokens)
+                        prefix_cache_hits=self.cache.prefix_hits, prefix_cache_tokens=self.cache.prefix_tokens,
+                        prompt_linears_fp32=self.upcast.widened if self.upcast is not None else 0)
         return st
 
     def _move_kv(self, slots: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:
