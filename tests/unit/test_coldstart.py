@@ -373,3 +373,46 @@ def test_each_batch_size_prices_extra_tokens_at_its_own_measured_slope():
     q = np.arange(8)
     for batch in (1, 2, 4, 8):
         assert cost.predict_many(batch, q).tolist() == pytest.approx([cost.predict(batch, int(x)) for x in q])
+
+
+def _draft_target() -> list[Level]:
+    return [Level("draft", worker=FakeWorker("draft", vocab=8), k=4), Level("t", worker=FakeWorker("t", vocab=8))]
+
+
+def test_warm_up_times_the_configured_drafter_on_a_few_calls_before_ranking_it():
+    """A drafter timed once (its first call, here 20x its real step) is not switched off on that one call: warm-up
+    runs the configured plan until it was timed `warmup_timed` times, then the ranking prices it from those."""
+    levels = _draft_target()
+    p = Planner(levels, k_max=4)
+    draft_plan = Plan((0, 1), (4,))
+    assert p(1) == draft_plan and p.last_reason == "warmup"
+    p.on_call(1, "verify", 1, 1, 0.1)  # the first round: the target's prefill, no draft
+    step = 0.01
+    answers = []
+    for n in range(4):
+        plan = p(1)
+        answers.append((plan, p.last_reason))
+        p.on_call(0, "propose", 1, 4, 4 * (0.2 if n == 0 else step))  # the first timed call: slow
+        p.on_call(1, "verify", 1, 5, 0.1)
+        p.on_verify(1, 0, [4], [4])
+    assert answers[:3] == [(draft_plan, "warmup")] * 3  # three timed calls of the drafter first
+    assert answers[3] == (draft_plan, "ranked")  # then ranked from them: drafting pays
+    p2 = Planner(levels, k_max=4, warmup_timed=1)  # timed once, on the slow call: switched off at once
+    p2(1)
+    p2.on_call(1, "verify", 1, 1, 0.1)
+    p2(1)
+    p2.on_call(0, "propose", 1, 4, 4 * 0.2)
+    p2.on_call(1, "verify", 1, 5, 0.1)
+    p2.on_verify(1, 0, [4], [1])
+    assert p2(1) != draft_plan
+
+
+def test_warm_up_ends_after_a_bounded_number_of_rounds_if_the_drafter_is_never_timed():
+    levels = _draft_target()
+    p = Planner(levels, k_max=4, warmup=2)
+    reasons = []
+    for _ in range(10):
+        p(1)
+        reasons.append(p.last_reason)
+        p.on_call(1, "verify", 1, 1, 0.1)  # rows without drafts (all caught up in untimed calls, say)
+    assert reasons[:8] == ["warmup"] * 8 and "warmup" not in reasons[8:]
