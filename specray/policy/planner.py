@@ -96,7 +96,6 @@ class Planner:
         prior_cost_ratio: float = 0.1,
         prior_target: tuple[float, float, float] = (1.0, 0.02, 0.0),
         warmup: int = 2,
-        warmup_timed: int = 3,
         probe_batch: int = 2,
         decisive: float = 1.0,
         rerank_every: int = 1,
@@ -118,10 +117,6 @@ class Planner:
             raise ValueError("k_choices must be >= 1 (plain decoding is always a candidate)")
         self.hysteresis, self.patience = hysteresis, patience
         self.warmup = warmup
-        #: warm-up goes on (the configured plan, for at most 4 x `warmup` target calls) until every model drafter of
-        #: the configured plan was timed on this many calls: priced from one call (its first, often with one-off
-        #: work in it), a drafter that looks slow is switched off, and then only an affordable probe measures it
-        self.warmup_timed = warmup_timed
         self.decisive = decisive
         if rerank_every < 1:
             raise ValueError("rerank_every must be >= 1")
@@ -370,10 +365,6 @@ class Planner:
             self._current, self._streak = start, 0
             self._last, self.last_reason = (batch, start), "warmup"
             return start
-        if self._undertimed():
-            self._current, self._streak = self.default_plan, 0
-            self._last, self.last_reason = (batch, self.default_plan), "warmup"
-            return self.default_plan
         bucket, grew = batch_bucket(batch), 0 < self._last_bucket < batch_bucket(batch)
         self._bucket_run = self._bucket_run + 1 if bucket == self._last_bucket else 1
         self._last_bucket = bucket
@@ -411,14 +402,6 @@ class Planner:
         return self._current
 
     __call__ = plan
-
-    def _undertimed(self) -> bool:
-        """Whether warm-up goes on to time the configured plan's model drafters (`warmup_timed`): only while it
-        was the warm-up's plan, and for at most 4 x `warmup` target calls."""
-        m = self.measurements
-        if self._current != self.default_plan or m.clock >= 4 * self.warmup:
-            return False
-        return any(m.costs[i].n_obs < self.warmup_timed for i in self.pricing.drafters(self.default_plan))
 
     def plan_groups(self, batch_size: int, backlog: Backlog | None = None) -> list[tuple[Plan, int]]:
         """Like `plan`, as [(plan, number of sequences)]: an exploration probe runs on at most `probe_batch`
