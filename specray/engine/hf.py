@@ -59,9 +59,10 @@ class PromptUpcast(TorchFunctionMode):
     preallocated buffer, the product is float32, and the result is rounded back to the model's dtype.
 
     On some CPUs oneDNN's bf16 GEMM is the slower of the two once a forward feeds many tokens (a prefill, a
-    catch-up: compute bound, where a decoding step is bound by reading the weights), and the widening costs
-    ~1 ms per large weight against tens of ms saved. Decoding steps and verifications never use it: their
-    numerics stay those of the model's dtype, so only prefills change, the same for every plan."""
+    catch-up: compute bound, where a decoding step is bound by reading the weights), and widening a weight costs a
+    small share of such a product (`prompt_upcast_pays` measures both at load). Decoding steps and verifications
+    never use it: their numerics stay those of the model's dtype, so only prefills change, the same for every
+    plan."""
 
     def __init__(self, model: torch.nn.Module, skip: torch.nn.Module | None) -> None:
         super().__init__()
