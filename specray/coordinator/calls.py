@@ -39,7 +39,7 @@ def drafted_steps(lvl: Level, want: Sequence[int], drafts: Sequence[Sequence[int
     """Forwards a model level's proposal ran: one per token of the longest draft asked for, or, for a level that
     stops at a token it is unsure of (`Level.confidence`), of the longest draft it made (its rows all stopped
     there). Timed as that many steps, its step cost is not diluted by the ones it never ran."""
-    if lvl.confidence > 0:
+    if lvl.stops_drafts:
         return max((len(d) for d in drafts), default=0)
     return max(want, default=0)
 

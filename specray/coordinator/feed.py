@@ -279,17 +279,12 @@ class PlannerFeed:
                 self._hybrid(ob, ev, rows)
             elif ev.lower is not None and rows:
                 lens, acc = [len(drafts[b]) for b in rows], [res.num_accepted[b] for b in rows]
-                if ev.asked is not None and self._stops(ev.lower) and isinstance(ob, StopObserver):
+                if ev.asked is not None and self.levels[ev.lower].stops_drafts and isinstance(ob, StopObserver):
                     ob.on_drafted(ev.level, ev.lower, lens, acc, [ev.asked[b] for b in rows])
                 else:
                     ob.on_verify(ev.level, ev.lower, lens, acc)
             if warm and isinstance(ob, NativeObserver):
                 ob.on_native(ev.level, [fed[b] for b in warm], [res.num_accepted[b] for b in warm])
-
-    def _stops(self, level: int) -> bool:
-        """Whether model `level` ends drafts at a token it is unsure of (`Level.confidence`)."""
-        lvl = self.levels[level]
-        return not lvl.is_ngram and lvl.confidence > 0
 
     def _hybrid(self, ob: Observer, ev: Verified, rows: Sequence[int]) -> None:
         """A hybrid round's acceptance, per drafter: the lookup level over every row, a row that took the model's

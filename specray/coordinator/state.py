@@ -83,6 +83,12 @@ class Level:
         self.method = VerifyMethod(self.method)
 
     @property
+    def stops_drafts(self) -> bool:
+        """A model level that ends a row's draft after a token it is unsure of (`confidence`), so its drafts are
+        often shorter than asked: the planner measures and prices how far they go."""
+        return self.worker is not None and self.confidence > 0
+
+    @property
     def is_ngram(self) -> bool:
         """A lookup level (n-gram or suffix): drafts inside the coordinator at ~no cost, deterministically (so
         rejection over it is the deterministic method), and only as level 0."""

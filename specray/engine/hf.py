@@ -64,10 +64,9 @@ class PromptUpcast(TorchFunctionMode):
     never use it: their numerics stay those of the model's dtype, so only prefills change, the same for every
     plan."""
 
-    def __init__(self, model: torch.nn.Module, skip: torch.nn.Module | None) -> None:
+    def __init__(self, largest: int) -> None:
+        """`largest`: elements of the largest weight to widen (a real model's larger output head keeps its dtype)."""
         super().__init__()
-        largest = max((m.weight.numel() for m in model.modules()
-                       if isinstance(m, torch.nn.Linear) and m is not skip), default=0)
         self.buffer = torch.empty(largest, dtype=torch.float32)
         self.widened = 0  # linear calls run in float32 (`HFWorker.stats`)
 
@@ -254,12 +253,12 @@ class HFWorker(LogitsWorker):
         linears = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
         if not linears:
             return None
+        big = max(linears, key=lambda m: m.weight.numel())
         if wanted is None:
-            big = max(linears, key=lambda m: m.weight.numel())
             wanted = prompt_upcast_pays(self.dtype, 256, big.in_features, big.out_features)
             log.info("%s: prompts run their linear layers in %s on this CPU (a probe at load)", self.name,
                      "float32" if wanted else self.dtype)
-        return PromptUpcast(self.model, head) if wanted else None
+        return PromptUpcast(big.weight.numel()) if wanted else None
 
     def _prefill(self, seq: SeqState, chunk: Sequence[int]) -> None:
         if self.upcast is None or len(chunk) < PROMPT_ROWS:

@@ -131,7 +131,7 @@ class Measurements:
         #: its draft goes on past each position (`on_drafted`; 1 until measured: a level that fills its K)
         self.stops: dict[int, Acceptance] = {
             i: Acceptance(1.0, decay=decay, k_max=max(32, max(self.k_choices) + 1))
-            for i, lvl in enumerate(levels[:-1]) if not lvl.is_ngram and lvl.confidence > 0}
+            for i, lvl in enumerate(levels[:-1]) if lvl.stops_drafts}
         self.clock = 0  # target verify calls seen (~ engine rounds)
         #: pair, tree key or "plain" -> clock of its latest measurement
         self.measured_at: dict[tuple[int, ...] | str, int] = {}
