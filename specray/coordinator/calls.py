@@ -28,7 +28,7 @@ from specray.spec.tree import DraftTree
 if TYPE_CHECKING:
     from specray.coordinator.inner import Nesting, PendingVerify
 
-__all__ = ["LevelCalls", "Relayed", "drafted_steps", "longest_path"]
+__all__ = ["LevelCalls", "Relayed", "catch_up_rows", "drafted_steps", "longest_path", "spread"]
 
 #: a call in which some row first catches up on more tokens than this (a level that sat out rounds, or starts a
 #: sequence) runs a prefill-sized forward: its time says nothing about a step, so the planner is not fed it
@@ -44,14 +44,19 @@ def drafted_steps(lvl: Level, want: Sequence[int], drafts: Sequence[Sequence[int
     return max(want, default=0)
 
 
+def catch_up_rows(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> list[int]:
+    """Per row, the tokens of canonical text it appends before the call's own work (its context beyond `tails`)."""
+    return [max(0, len(y.append) - len(t)) for y, t in zip(syncs, tails)]
+
+
 def _catch_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:
     """The most tokens of canonical text any row had to append before the call's own work."""
-    return max((len(y.append) - len(t) for y, t in zip(syncs, tails)), default=0)
+    return max(catch_up_rows(syncs, tails), default=0)
 
 
 def _caught_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:
     """The tokens of canonical text all rows appended before the call's own work (what a prefill-sized call fed)."""
-    return sum(max(0, len(y.append) - len(t)) for y, t in zip(syncs, tails))
+    return sum(catch_up_rows(syncs, tails))
 
 
 class LevelCalls:
@@ -79,7 +84,18 @@ class LevelCalls:
     ) -> DraftProposal:
         """Model level `i` drafts want[b] tokens beyond each row's context, for level `upper`, in one call.
         `relay`: it also sends them to the target for that verification (`verify_later`; sent from here if it
-        could not)."""
+        could not), which then expects drafts for every row (`Drafter` relays only rows asked for tokens).
+
+        A row asked for nothing is not sent: a worker runs no forward for it and would only hold its new text
+        until its next call, whose first forward would feed that text too. Sent then, the text is that call's
+        catch-up, and a call that caught a row up on a prompt is never timed as a step."""
+        asked = [b for b, w in enumerate(want) if w > 0]
+        if relay is None and len(asked) < len(rows):
+            if not asked:
+                return DraftProposal([[] for _ in rows])
+            sub = self.propose(i, upper, [rows[b] for b in asked], [tails[b] for b in asked],
+                               [want[b] for b in asked], override)
+            return spread(sub, asked, len(rows))
         lvl = self.levels[i]
         syncs = [self.sync(i, s, t) for s, t in zip(rows, tails)]
         mode = DraftMode.for_method(self.method(upper, i, override))
@@ -108,6 +124,13 @@ class LevelCalls:
         """Model level `i` (with `WorkerCaps.tree_propose`) drafts a token tree per row beyond its text, for level
         `upper`, in one call (`Worker.propose_tree`). The worker appends nothing, so neither does its mirror: the
         next sync brings the accepted path, whose KV the worker keeps."""
+        asked = [b for b, d in enumerate(depth) if d > 0]  # as `propose`: a row asked for nothing is not sent
+        if len(asked) < len(rows):
+            if not asked:
+                return DraftProposal([[] for _ in rows], trees=[None] * len(rows))
+            sub = self.propose_tree(i, upper, [rows[b] for b in asked], [depth[b] for b in asked], width,
+                                    [max_nodes[b] for b in asked], override)
+            return spread(sub, asked, len(rows))
         lvl = self.levels[i]
         syncs = [self.sync(i, s, ()) for s in rows]
         mode = DraftMode.for_method(self.method(upper, i, override))
@@ -304,6 +327,19 @@ class Relayed:
         self.since = time.perf_counter()
         if not sent:
             self.pending.send_drafts(drafts)
+
+
+def spread(prop: DraftProposal, idx: Sequence[int], n: int) -> DraftProposal:
+    """A proposal for the rows `idx` of n, as one for all n (no draft for the others; their q rows zero)."""
+    out = DraftProposal([[] for _ in range(n)], None, None if prop.trees is None else [None] * n)
+    for j, b in enumerate(idx):
+        out.token_ids[b] = prop.token_ids[j]
+        if out.trees is not None and prop.trees is not None:
+            out.trees[b] = prop.trees[j]
+    if prop.probs is not None:
+        out.probs = prop.probs.new_zeros(n, *prop.probs.shape[1:])
+        out.probs[list(idx)] = prop.probs
+    return out
 
 
 def longest_path(tree: DraftTree | None) -> list[int]:

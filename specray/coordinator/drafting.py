@@ -36,7 +36,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specray.coordinator.calls import LevelCalls, Relayed, drafted_steps, longest_path
+from specray.coordinator.calls import (
+    UNTIMED_CATCH_UP,
+    LevelCalls,
+    Relayed,
+    catch_up_rows,
+    drafted_steps,
+    longest_path,
+    spread,
+)
 from specray.coordinator.failover import LevelCallError
 from specray.coordinator.feed import Verified, fed_lengths
 from specray.coordinator.inner import InnerLog, NestedDraft, Nesting, inner_rounds
@@ -186,9 +194,11 @@ class Drafter:
                 return self._propose_trees(r, rows, want, shape)
             if until is not None and any(until.rows):
                 return Drafts(self._propose_bounded(r, rows, tails, want, until))
-            if relay and self._relays(r, ci):  # the round's drafts: the target verifies what i sends it
-                return self._relaying(r, ci, list(range(len(rows))), lambda rel: self.calls.propose(
-                    i, r.top, rows, tails, want, r.override, relay=rel), "the drafting level failed")
+            idx = [b for b in range(len(rows)) if want[b] > 0]  # the rows `LevelCalls.propose` sends
+            if relay and idx and self._relays(r, ci):  # the round's drafts: the target verifies what i sends it
+                return self._relaying(r, ci, idx, lambda rel: spread(self.calls.propose(
+                    i, r.top, [rows[b] for b in idx], [tails[b] for b in idx], [want[b] for b in idx], r.override,
+                    relay=rel), idx, len(rows)), "the drafting level failed")
             return self.calls.propose(i, r.chain[1], rows, tails, want, r.override)
         return self._inner_rounds(r, ci, rows, tails, want, until, relay)
 
@@ -384,19 +394,18 @@ class Drafter:
     ) -> Drafts:
         i, lower = r.chain[ci], r.chain[ci - 1]
         lvl, low = self.levels[i], self.levels[lower]
-        out = Drafts([[] for _ in rows])
         sub, sub_tails = [rows[b] for b in idx], [tails[b] for b in idx]
         # an n-gram level below runs beside the middle level's model, on its own copy of each row's text
         low_key = lower if low.ngram is None else -1 - i
         low_syncs = ([self.calls.sync(lower, s, t) for s, t in zip(sub, sub_tails)] if low.ngram is None
                      else [self.calls.lookup_sync(i, s, t) for s, t in zip(sub, sub_tails)])
+        mid_syncs = [self.calls.sync(i, s, t) for s, t in zip(sub, sub_tails)]
         call = NestedDraft(
-            i, lower, [s.seq_id for s in sub], [s.sampling for s in sub],
-            [self.calls.sync(i, s, t) for s, t in zip(sub, sub_tails)],
-            low_syncs,
+            i, lower, [s.seq_id for s in sub], [s.sampling for s in sub], mid_syncs, low_syncs,
             [want[b] for b in idx], r.k(lower), self.calls.method(i, lower, r.override),
             DraftMode.for_method(self.calls.method(i, lower, r.override)), need_probs, lvl.confidence,
-            low.confidence, lvl.caps.vocab_size, lvl.inner_min_share, low.ngram)
+            low.confidence, lvl.caps.vocab_size, lvl.inner_min_share, low.ngram,
+            mid_owed=catch_up_rows(mid_syncs, sub_tails), low_owed=catch_up_rows(low_syncs, sub_tails))
         if relayed is None:
             got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call)
         else:
@@ -407,27 +416,25 @@ class Drafter:
             s.mirror[i].extend(mh)
             s.mirror[low_key].extend(lh)
         width = self.tree_width(r, ci - 1)
-        for log in got.logs:
+        for log in got.logs:  # timed as `LevelCalls` times the calls it makes: not a call that caught a row up
             if log.steps and low.ngram is None:  # lookups are not timed (as when drafted from here)
                 steps = log.steps if log.trees is not None else drafted_steps(low, [log.steps], log.drafts)
-                self.calls.feed.proposed(lower, len(log.idx), steps, log.propose_s)
+                if log.low_caught[0] <= UNTIMED_CATCH_UP:
+                    self.calls.feed.proposed(lower, log.asked, steps, log.propose_s)
+                else:
+                    self.calls.feed.caught_up(lower, "propose", log.asked, steps, log.low_caught[1], log.propose_s)
+            timed, caught = log.mid_caught[0] <= UNTIMED_CATCH_UP, log.mid_caught[1]
             if log.trees is not None:
                 self.calls.feed.verified(Verified(i, lower, [longest_path(t) for t in log.trees], log.result,
-                                                  log.verify_s, trees=log.trees, width=width))
+                                                  log.verify_s, trees=log.trees, width=width, timed=timed,
+                                                  caught_up=caught))
             else:
-                self.calls.feed.verified(Verified(i, lower, log.drafts, log.result, log.verify_s))
+                self.calls.feed.verified(Verified(i, lower, log.drafts, log.result, log.verify_s, timed=timed,
+                                                  caught_up=caught))
             _record(sub, i, lower, log)
         if got.low_error is not None:
             raise LevelCallError(lower, low.name, got.low_error)
-        if len(idx) == len(rows):
-            return got.drafts
-        for j, b in enumerate(idx):
-            out.token_ids[b] = got.drafts.token_ids[j]
-        if got.drafts.probs is not None:
-            probs = got.drafts.probs.new_zeros(len(rows), *got.drafts.probs.shape[1:])
-            probs[idx] = got.drafts.probs
-            out = Drafts(out.token_ids, probs)
-        return out
+        return got.drafts if len(idx) == len(rows) else spread(got.drafts, idx, len(rows))
 
     def _propose_bounded(
         self, r: RoundState, rows: list[Seq], tails: list[list[int]], want: list[int], until: Until,

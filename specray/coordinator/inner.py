@@ -51,6 +51,12 @@ class InnerLog:
     propose_s: float = 0.0
     steps: int = 0
     trees: list[DraftTree | None] | None = None
+    #: (most, total) tokens of a row's earlier text the call to the level below / to the middle level fed before
+    #: its own work (a row's first forward at that level feeds its prompt): such a call is not a step's time
+    low_caught: tuple[int, int] = (0, 0)
+    mid_caught: tuple[int, int] = (0, 0)
+    #: rows the level below was asked for tokens (the others, sent only for their syncs, ran no forward)
+    asked: int = 0
 
 
 def inner_rounds(
@@ -92,7 +98,7 @@ def inner_rounds(
         t1 = time.perf_counter()
         res = verify(idx, sub_outs, d)
         log = InnerLog(idx, [list(x) for x in d.token_ids], res, time.perf_counter() - t1, propose_s, steps,
-                       None if d.trees is None else list(d.trees))
+                       None if d.trees is None else list(d.trees), asked=sum(1 for w in sub_want if w > 0))
         for j, b in enumerate(idx):
             toks = res.token_ids[j]
             if res.confidence is not None and confidence > 0:  # keep up to the first unsure token, then stop
@@ -147,6 +153,10 @@ class NestedDraft:
     #: the level below is this n-gram lookup, run beside the middle level's model (`LookupHolder`); `low_syncs`
     #: then bring the holder's copy of each row in line with its context
     lookup: NgramConfig | None = None
+    #: per row, the tokens of its context that `mid_syncs` / `low_syncs` bring and that level's first forward over
+    #: the row feeds before its own work (its catch-up, `InnerLog.mid_caught` / `low_caught`); empty: none
+    mid_owed: list[int] = field(default_factory=list)
+    low_owed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -256,10 +266,18 @@ class LookupHolder:
 class _Held:
     """What one level holds of each row beyond its context, so that the loop can send it minimal syncs."""
 
-    def __init__(self, syncs: Sequence[SeqSync]) -> None:
+    def __init__(self, syncs: Sequence[SeqSync], owed: Sequence[int] = ()) -> None:
         self.start = [s.keep + len(s.append) for s in syncs]
         self.held: list[list[int]] = [[] for _ in syncs]
         self.first: list[SeqSync | None] = list(syncs)
+        self.owed = list(owed) if owed else [0] * len(syncs)  # context tokens no forward of the level fed yet
+
+    def feed(self, rows: Sequence[int]) -> tuple[int, int]:
+        """A forward over `rows` feeds what they owe: (most, total) tokens caught up."""
+        got = [self.owed[b] for b in rows]
+        for b in rows:
+            self.owed[b] = 0
+        return max(got, default=0), sum(got)
 
     def sync(self, b: int, target: list[int]) -> SeqSync:
         """Hold the row's context + `target`."""
@@ -280,14 +298,16 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
     """The middle level's side of a `NestedDraft`: inner rounds with `mid` (the level's own worker) verifying,
     and `propose_low(seq_ids, k, sampling, mode=, level=, sync=, stop_below=)` reaching the level below.
     A failure of the level below ends the loop (`NestedOutcome.low_error`); a failure of `mid` raises."""
-    mid_held, low_held = _Held(call.mid_syncs), _Held(call.low_syncs)
+    mid_held, low_held = _Held(call.mid_syncs, call.mid_owed), _Held(call.low_syncs, call.low_owed)
     logs: list[InnerLog] = []
     failed: list[BaseException] = []
+    caught: dict[str, tuple[int, int]] = {}  # this inner round's catch-up per level, for its log
 
     def propose(idx: list[int], outs: list[list[int]], k: list[int]) -> DraftProposal:
         if failed:
             return DraftProposal([[] for _ in idx])
         syncs = [low_held.sync(b, o) for b, o in zip(idx, outs)]
+        caught["low"] = low_held.feed([b for b, kk in zip(idx, k) if kk > 0])  # rows asked nothing run no forward
         try:
             d = propose_low([call.seq_ids[b] for b in idx], k, [call.sampling[b] for b in idx], mode=call.mode,
                             level=call.low, sync=syncs, stop_below=call.stop_below)
@@ -302,6 +322,7 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
 
     def verify(idx: list[int], outs: list[list[int]], d: DraftProposal) -> VerifyResult:
         syncs = [mid_held.sync(b, o) for b, o in zip(idx, outs)]
+        caught["mid"] = mid_held.feed(idx)
         check = mid.verify if d.trees is None else mid.verify_tree
         res = check([call.seq_ids[b] for b in idx], d.token_ids if d.trees is None else d.trees, d.probs,
                     [call.sampling[b] for b in idx], call.method, level=call.mid, sync=syncs,
@@ -313,7 +334,11 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
     def stop() -> list[bool] | None:
         return [True] * len(call.want) if failed else None
 
+    def record(log: InnerLog) -> None:
+        log.low_caught, log.mid_caught = caught.pop("low", (0, 0)), caught.pop("mid", (0, 0))
+        logs.append(log)
+
     drafts = inner_rounds(call.want, call.k_low, propose, verify, confidence=call.confidence,
-                          need_probs=call.need_probs, vocab=call.vocab, stop=stop, on_round=logs.append,
+                          need_probs=call.need_probs, vocab=call.vocab, stop=stop, on_round=record,
                           always_propose_first=True, min_share=call.min_share)
     return NestedOutcome(drafts, mid_held.held, low_held.held, logs, failed[0] if failed else None)

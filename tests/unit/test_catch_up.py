@@ -152,3 +152,54 @@ def test_the_engine_loop_hands_the_planner_its_backlog():
     run_to_completion(engine, seqs, p)
     assert asked and all(b is not None for b in asked)
     assert asked[0] == Backlog({0: len(PROMPT)}, 8)
+
+
+class Calls(CatchUps):
+    """`CatchUps` that also records the timed calls (level, kind, batch, tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timed: list[tuple[int, str, int, int]] = []
+
+    def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None:
+        self.timed.append((level, kind, batch, tokens))
+
+
+def test_a_row_asked_for_no_draft_is_not_sent_and_its_first_draft_is_a_catch_up():
+    """A worker runs no forward for a row asked for no tokens: sent, it would only hold the row's text until its
+    next call, which would then prefill the prompt inside what the planner takes for one drafting step. So such a
+    row is not sent, and the call that first drafts for it reports the prompt as a catch-up. A target that
+    verifies in its engine step asks no draft in a new row's first round (its prefill)."""
+    levels = _levels()
+    levels[1] = Level("target", worker=levels[1].worker, engine_verify=4)
+    engine = CascadeEngine(levels)
+    rec = Calls()
+    engine.observers.append(rec)
+    seqs = [engine.new_sequence(PROMPT, SamplingParams(0.0), max_tokens=20) for _ in range(2)]
+    engine.step(seqs, Plan((0, 1), (4,)))
+    assert levels[0].worker.stats().live_sequences == 0  # the drafter has not met the rows
+    assert not any(s.mirror.get(0) for s in seqs)
+    assert engine.backlog(seqs).uncovered == {0: sum(len(s.tokens) for s in seqs)}
+    assert rec.seen == [(1, "verify", 2 * len(PROMPT))] and all(t[0] == 1 for t in rec.timed)
+
+    rec.seen.clear()
+    engine.step(seqs, Plan((0, 1), (4,)))
+    assert rec.seen == [(0, "propose", 2 * (len(PROMPT) + 1))]  # each row's prompt and first token
+    assert not [t for t in rec.timed if t[0] == 0]  # no drafting step timed on that call
+    engine.step(seqs, Plan((0, 1), (4,)))
+    assert (0, "propose", 2, 4) in rec.timed  # the next one is a step's time
+
+
+def test_a_row_with_nothing_to_draft_stays_out_of_a_batched_proposal():
+    """In a batch, only the rows asked for tokens go to the drafter: one with a single token left is verified
+    without a draft, and the call is timed at the batch it drafted for."""
+    engine = CascadeEngine(_levels())
+    rec = Calls()
+    engine.observers.append(rec)
+    seqs = [engine.new_sequence(PROMPT, SamplingParams(0.0), max_tokens=n) for n in (1, 30)]
+    engine.step(seqs, Plan((0, 1), (4,)))  # the long row's drafter meets its prompt (a catch-up)
+    assert rec.seen[0] == (0, "propose", len(PROMPT))
+    assert not seqs[0].mirror.get(0)  # the one-token row never reached the drafter
+    rec.timed.clear()
+    engine.step(seqs[1:], Plan((0, 1), (4,)))
+    assert (0, "propose", 1, 4) in rec.timed

@@ -257,6 +257,7 @@ class RelayNesting(LocalNesting):
         self.post = post
         self.relayed = 0
         self.sent_by_coordinator = 0
+        self.proposes = 0  # relayed proposals of a first level right below the target
         self.aborts: list[str] = []
 
     def relays(self, mid: Worker, target: Worker) -> bool:
@@ -267,6 +268,7 @@ class RelayNesting(LocalNesting):
 
     def propose(self, worker, relay, seq_ids, k, sampling, *, mode, level, sync, stop_below):
         prop = worker.propose(seq_ids, k, sampling, mode=mode, level=level, sync=sync, stop_below=stop_below)
+        self.proposes += 1
         if self.post:
             relay.deliver(prop)
             self.relayed += 1
@@ -337,7 +339,9 @@ def test_a_look_ahead_is_not_relayed():
 @pytest.mark.parametrize("post", [True, False])
 def test_a_first_level_right_below_the_target_relays_its_drafts_too(method, sampling, post):
     """d2 -> t: the drafting level's `propose` also sends its drafts to the target (or the coordinator does,
-    when it could not): the same tokens and statistics as without relays, one relayed verification per round."""
+    when it could not): the same tokens and statistics as without relays, one relayed verification per round
+    that asks for a draft. A round that asks none (every row has one token left) is not relayed: the drafting
+    level is not called."""
     out = []
     for nesting in (None, RelayNesting(post=post)):
         lv = levels(method)[1:]
@@ -348,7 +352,8 @@ def test_a_first_level_right_below_the_target_relays_its_drafts_too(method, samp
     assert [r.token_ids for r in relayed.results] == [r.token_ids for r in plain.results]
     assert {n: s.as_dict() for n, s in relayed.stats.items()} == {n: s.as_dict() for n, s in plain.stats.items()}
     rounds = max(r.rounds for r in relayed.results)
-    assert (nesting.relayed if post else nesting.sent_by_coordinator) == rounds
+    assert (nesting.relayed if post else nesting.sent_by_coordinator) == nesting.proposes
+    assert rounds - 1 <= nesting.proposes <= rounds
     assert lv[1].worker.verifies == rounds
 
 
@@ -361,3 +366,41 @@ def test_a_first_level_that_fails_aborts_its_relayed_verification():
 
     run_with_a_failure(lv, nest, 30, at_round)
     assert nest.aborts and "drafting level failed" in nest.aborts[0]
+
+
+class Feed:
+    """Records what the planner is fed: timed calls (without their seconds) and catch-ups."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None:
+        self.events.append(("call", level, kind, batch, tokens))
+
+    def on_verify(self, level: int, lower: int, draft_lens, accepted) -> None:
+        self.events.append(("verify", level, lower, list(draft_lens), list(accepted)))
+
+    def on_catch_up(self, level: int, kind: str, batch: int, tokens: int, caught: int, seconds: float) -> None:
+        self.events.append(("catch_up", level, kind, batch, tokens, caught))
+
+
+@pytest.mark.parametrize("engine_verify", [0, 4])
+def test_a_nested_level_feeds_the_planner_what_the_coordinators_calls_would(engine_verify):
+    """The inner rounds' calls reach the planner as the same timed calls and catch-ups as when the coordinator
+    makes them: a row's first forward at each level (its prompt, here longer than a step's worth) is a catch-up,
+    never a step's time, whichever side runs the loop. With a target that verifies in its engine step, a new
+    row's first round asks no draft, so the drafters meet the prompt one round later."""
+    prompts = [list(range(1, 13)) * 3, [5, 6, 7] * 9]
+    fed = []
+    for nesting in (None, LocalNesting()):
+        lv = levels(VerifyMethod.GREEDY)
+        lv[-1] = Level("t", worker=lv[-1].worker, engine_verify=engine_verify)
+        eng = CascadeEngine(lv, nesting=nesting)
+        feed = Feed()
+        eng.observers.append(feed)
+        generate(eng, prompts, max_tokens=17, ignore_eos=True)
+        fed.append(feed.events)
+    assert fed[0] == fed[1]
+    caught = [e for e in fed[0] if e[0] == "catch_up"]
+    assert {(e[1], e[2]) for e in caught} == {(0, "propose"), (1, "verify"), (2, "verify")}
+    assert all(e[5] >= 27 for e in caught)  # each a whole prompt (at least the shorter one's 27 tokens)
