@@ -96,6 +96,7 @@ class Planner:
         prior_cost_ratio: float = 0.1,
         prior_target: tuple[float, float, float] = (1.0, 0.02, 0.0),
         warmup: int = 2,
+        warmup_timed: int = 3,
         probe_batch: int = 2,
         decisive: float = 1.0,
         rerank_every: int = 1,
@@ -117,6 +118,10 @@ class Planner:
             raise ValueError("k_choices must be >= 1 (plain decoding is always a candidate)")
         self.hysteresis, self.patience = hysteresis, patience
         self.warmup = warmup
+        #: warm-up goes on with its plan (for at most 4 x `warmup` answers) until each model drafter of that plan was
+        #: timed on this many calls: priced from one call (its first, often with one-off work in it), a drafter that
+        #: looks slow is switched off, and then only a probe that pays its catch-up on a new prompt can time it again
+        self.warmup_timed = warmup_timed
         self.decisive = decisive
         if rerank_every < 1:
             raise ValueError("rerank_every must be >= 1")
@@ -358,6 +363,14 @@ class Planner:
             best_gp = self._score(best, batch)
             if plain_gp >= best_gp:
                 best, best_gp = self.plain, plain_gp
+        same_bucket = self._last is not None and batch_bucket(self._last[0]) == batch_bucket(batch)
+        if self.last_reason == "warmup" and same_bucket:
+            if self._undertimed():
+                self._last = (batch, self._current)  # the warm-up plan's drafters are not timed enough yet: keep it
+                return self._current
+            if self.measurements.clock >= self.warmup:
+                # the warm-up's plan was never ranked: the first ranking replaces it without hysteresis or patience
+                self._current, self._streak = best, 0
         if self.measurements.clock < self.warmup:
             # nothing measured yet: run the configured plan unless even the priors say it loses
             start = self.default_plan if self._score(self.default_plan, batch) >= self._score(
@@ -402,6 +415,14 @@ class Planner:
         return self._current
 
     __call__ = plan
+
+    def _undertimed(self) -> bool:
+        """Whether warm-up goes on with its plan to time that plan's model drafters (`warmup_timed` calls each),
+        for at most 4 x `warmup` answers."""
+        if self._calls > 4 * self.warmup:
+            return False
+        m = self.measurements
+        return any(m.costs[i].n_obs < self.warmup_timed for i in self.pricing.drafters(self._current) if i in m.costs)
 
     def plan_groups(self, batch_size: int, backlog: Backlog | None = None) -> list[tuple[Plan, int]]:
         """Like `plan`, as [(plan, number of sequences)]: an exploration probe runs on at most `probe_batch`

@@ -373,3 +373,46 @@ def test_each_batch_size_prices_extra_tokens_at_its_own_measured_slope():
     q = np.arange(8)
     for batch in (1, 2, 4, 8):
         assert cost.predict_many(batch, q).tolist() == pytest.approx([cost.predict(batch, int(x)) for x in q])
+
+
+def _draft_target() -> list[Level]:
+    return [Level("draft", worker=FakeWorker("draft", vocab=8), k=4), Level("t", worker=FakeWorker("t", vocab=8))]
+
+
+def _round(p: Planner, step: float, accepted: int = 4) -> None:
+    """One round of the draft plan, timed: 4 drafting steps of `step` s, a 5-token verification of 0.1 s."""
+    p.on_call(0, "propose", 1, 4, 4 * step)
+    p.on_call(1, "verify", 1, 5, 0.1)
+    p.on_verify(1, 0, [4], [accepted])
+
+
+def test_warm_up_times_its_drafter_on_a_few_calls_before_the_ranking_prices_it():
+    """The observed cold start: a new row's first round drafts nothing (its prefill at the target is a catch-up,
+    untimed), and the drafter's first timed call is slow (here 20x its step: a first forward's one-off work). Ranked
+    on that one call, the drafter would be switched off at once and, with every later prompt to catch up on, never
+    timed again. Warm-up keeps its plan until the drafter was timed `warmup_timed` times, then ranks from those."""
+    p = Planner(_draft_target(), k_max=4)
+    draft_plan = Plan((0, 1), (4,))
+    assert p(1) == draft_plan and p.last_reason == "warmup"  # the prefill round: no timed call
+    answers = []
+    for n in range(4):
+        answers.append((p(1), p.last_reason))
+        _round(p, 0.2 if n == 0 else 0.01)
+    assert answers[:3] == [(draft_plan, "warmup")] * 3
+    assert answers[3][0].levels == (0, 1) and answers[3][1] == "ranked"  # timed three times: drafting pays
+
+    once = Planner(_draft_target(), k_max=4, warmup_timed=1)  # priced from the slow call alone
+    once(1)
+    once(1)
+    _round(once, 0.2)
+    assert once(1) == once.plain
+
+
+def test_warm_up_ends_after_a_bounded_number_of_answers_if_its_drafter_is_never_timed():
+    p = Planner(_draft_target(), k_max=4, warmup=2)
+    reasons = []
+    for _ in range(12):
+        p(1)
+        reasons.append(p.last_reason)
+        p.on_call(1, "verify", 1, 1, 0.1)  # rows without drafts (their drafting calls all caught up, untimed)
+    assert reasons[:8] == ["warmup"] * 8 and "warmup" not in reasons[8:]

@@ -430,16 +430,25 @@ def test_the_ranking_keeps_within_its_time_budget(monkeypatch):
 
 
 def test_hysteresis_holds_under_noise_and_follows_a_real_change():
-    p = Planner(two_levels())
-    sim = Sim(p, {1: linear_cost(0.02, 0.0005), 0: linear_cost(0.003, 0.0001)}, {(1, 0): 0.9}, noise=0.2)
-    sim.run(4, 50)
-    switches, prev = 0, p.current
-    for _ in range(500):
-        sim.run(4, 1)
-        switches += p.current != prev
-        prev = p.current
-    assert p.current.levels == (0, 1)
-    assert switches < 5
+    """Plan switches over 500 noisy rounds (costs +-20%): fewer than 5 in the median run (without hysteresis, 57-89
+    in every one of 30 runs). The median over runs of several seeds, since one run's count is one draw of a spread
+    (0-8 over 30 seeds) that any change to the rounds before it reshuffles."""
+    def noisy(seed: int) -> tuple[Planner, Sim, int]:
+        p = Planner(two_levels())
+        sim = Sim(p, {1: linear_cost(0.02, 0.0005), 0: linear_cost(0.003, 0.0001)}, {(1, 0): 0.9}, noise=0.2,
+                  seed=seed)
+        sim.run(4, 50)
+        switches, prev = 0, p.current
+        for _ in range(500):
+            sim.run(4, 1)
+            switches += p.current != prev
+            prev = p.current
+        assert p.current.levels == (0, 1)
+        return p, sim, switches
+
+    runs = [noisy(seed) for seed in range(9)]
+    assert sorted(n for _, _, n in runs)[4] < 5
+    p, sim, _ = runs[0]
     sim.alpha[(1, 0)] = 0.1  # the drafter stops matching the target
     for _ in range(60):
         sim.run(4, 1)
