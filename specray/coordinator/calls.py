@@ -84,7 +84,7 @@ class LevelCalls:
     ) -> DraftProposal:
         """Model level `i` drafts want[b] tokens beyond each row's context, for level `upper`, in one call.
         `relay`: it also sends them to the target for that verification (`verify_later`; sent from here if it
-        could not), which then expects drafts for every row (`Drafter` relays only rows asked for tokens).
+        could not), for every row of the call (`Drafter` relays only the rows asked for tokens).
 
         A row asked for nothing is not sent: a worker runs no forward for it and would only hold its new text
         until its next call, whose first forward would feed that text too. Sent then, the text is that call's

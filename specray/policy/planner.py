@@ -371,8 +371,10 @@ class Planner:
             if self.measurements.clock >= self.warmup:
                 # the warm-up's plan was never ranked: the first ranking replaces it without hysteresis or patience
                 self._current, self._streak = best, 0
-        if self.measurements.clock < self.warmup:
-            # nothing measured yet: run the configured plan unless even the priors say it loses
+        if self.measurements.clock < self.warmup or self._calls <= self.warmup:
+            # nothing measured yet, or nothing of the planner's own plans (a server's first requests may all have
+            # named their plan, e.g. plain decoding, while the target's clock ran): run the configured plan unless
+            # even the priors (or what was measured) say it loses
             start = self.default_plan if self._score(self.default_plan, batch) >= self._score(
                 self.plain, batch) else best
             self._current, self._streak = start, 0

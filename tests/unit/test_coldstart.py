@@ -416,3 +416,19 @@ def test_warm_up_ends_after_a_bounded_number_of_answers_if_its_drafter_is_never_
         reasons.append(p.last_reason)
         p.on_call(1, "verify", 1, 1, 0.1)  # rows without drafts (their drafting calls all caught up, untimed)
     assert reasons[:8] == ["warmup"] * 8 and "warmup" not in reasons[8:]
+
+
+def test_warm_up_runs_at_the_first_answers_even_after_requests_that_named_their_plan():
+    """A server's first requests may all name their plan (`speculation: none`): the target's clock runs on their
+    plain steps, but the drafters are timed only by the planner's own plans. Warm-up is also the planner's first
+    `warmup` answers, so the configured plan runs then and its drafter is timed."""
+    p = Planner(_draft_target(), k_max=4)
+    for _ in range(20):  # plain rounds the planner measured without choosing them
+        p.on_call(1, "verify", 1, 1, 0.1)
+    draft_plan = Plan((0, 1), (4,))
+    answers = []
+    for _ in range(4):
+        answers.append((p(1), p.last_reason))
+        _round(p, 0.01)
+    assert answers[:3] == [(draft_plan, "warmup")] * 3  # the first answers, then until timed three times
+    assert answers[3][0].levels == (0, 1) and answers[3][1] == "ranked"
