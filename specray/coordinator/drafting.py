@@ -194,8 +194,8 @@ class Drafter:
                 return self._propose_trees(r, rows, want, shape)
             if until is not None and any(until.rows):
                 return Drafts(self._propose_bounded(r, rows, tails, want, until))
-            idx = [b for b in range(len(rows)) if want[b] > 0]  # the rows `LevelCalls.propose` sends
-            if relay and idx and self._relays(r, ci):  # the round's drafts: the target verifies what i sends it
+            if relay and any(want) and self._relays(r, ci):  # the round's drafts: the target verifies what i sends
+                idx = [b for b in range(len(rows)) if want[b] > 0]  # the rows `LevelCalls.propose` would send
                 return self._relaying(r, ci, idx, lambda rel: spread(self.calls.propose(
                     i, r.top, [rows[b] for b in idx], [tails[b] for b in idx], [want[b] for b in idx], r.override,
                     relay=rel), idx, len(rows)), "the drafting level failed")

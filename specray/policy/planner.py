@@ -347,6 +347,11 @@ class Planner:
             self._retune(batch)
             self._last, self.last_reason = (batch, self._current), "hold"
             return self._current
+        same_bucket = self._last is not None and batch_bucket(self._last[0]) == batch_bucket(batch)
+        warming = self.last_reason == "warmup" and same_bucket
+        if warming and self._undertimed():  # the warm-up plan's drafters are not timed enough yet: keep it, unranked
+            self._last = (batch, self._current)
+            return self._current
         self._unranked = 0
         self._hot_seen = self._hot_share(self._current)
         t0 = time.perf_counter()
@@ -363,14 +368,9 @@ class Planner:
             best_gp = self._score(best, batch)
             if plain_gp >= best_gp:
                 best, best_gp = self.plain, plain_gp
-        same_bucket = self._last is not None and batch_bucket(self._last[0]) == batch_bucket(batch)
-        if self.last_reason == "warmup" and same_bucket:
-            if self._undertimed():
-                self._last = (batch, self._current)  # the warm-up plan's drafters are not timed enough yet: keep it
-                return self._current
-            if self.measurements.clock >= self.warmup:
-                # the warm-up's plan was never ranked: the first ranking replaces it without hysteresis or patience
-                self._current, self._streak = best, 0
+        if warming and self.measurements.clock >= self.warmup:
+            # the warm-up's plan was never ranked: the first ranking replaces it without hysteresis or patience
+            self._current, self._streak = best, 0
         if self.measurements.clock < self.warmup or self._calls <= self.warmup:
             # nothing measured yet, or nothing of the planner's own plans (a server's first requests may all have
             # named their plan, e.g. plain decoding, while the target's clock ran): run the configured plan unless
@@ -424,7 +424,7 @@ class Planner:
         if self._calls > 4 * self.warmup:
             return False
         m = self.measurements
-        return any(m.costs[i].n_obs < self.warmup_timed for i in self.pricing.drafters(self._current) if i in m.costs)
+        return any(m.costs[i].n_obs < self.warmup_timed for i in self.pricing.drafters(self._current))
 
     def plan_groups(self, batch_size: int, backlog: Backlog | None = None) -> list[tuple[Plan, int]]:
         """Like `plan`, as [(plan, number of sequences)]: an exploration probe runs on at most `probe_batch`
