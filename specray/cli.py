@@ -60,6 +60,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="n-gram: longest suffix to look up")
     p.add_argument("--prompt-lookup-occurrence", choices=["recent", "earliest"], default="recent",
                    help="n-gram: draft from the most recent or the earliest (vLLM's choice) occurrence of the suffix")
+    p.add_argument("--prompt-lookup-max-spec-factor", type=float, default=0.0,
+                   help="n-gram: a match of m tokens drafts at most max(1, this x m) tokens (0: up to --k)")
     p.add_argument("--verify-method", "--method", dest="verify_method", choices=[m.value for m in VerifyMethod],
                    default=VerifyMethod.REJECTION.value,
                    help="verification method at temperature > 0 (temperature 0 is always greedy); --method is its "
@@ -108,7 +110,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.ngram:
         levels.append(LevelConfig(kind="ngram", num_speculative_tokens=ks[0], verify_method=args.verify_method,
                                   prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-                                  prompt_lookup_occurrence=args.prompt_lookup_occurrence))
+                                  prompt_lookup_occurrence=args.prompt_lookup_occurrence,
+                                  prompt_lookup_max_spec_factor=args.prompt_lookup_max_spec_factor))
     for i, d in enumerate(args.draft):
         levels.append(LevelConfig(kind="hf", model=d, num_speculative_tokens=ks[i + (1 if args.ngram else 0)],
                                   draft_confidence=args.confidence, **common))

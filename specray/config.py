@@ -111,6 +111,10 @@ class LevelConfig(_Strict):
     prompt_lookup_occurrence: Literal["recent", "earliest"] = Field(
         "recent", description="n-gram: which occurrence of the longest matching suffix drafts: the most recent, "
         "or the earliest (what vLLM's own n-gram proposer takes; often better on code editing).")
+    prompt_lookup_max_spec_factor: float = Field(
+        0.0, ge=0, le=64, description="n-gram: a match of m tokens drafts at most max(1, this x m) tokens "
+        "(SuffixDecoding's rule; a one-token match predicts little, and a CPU target's step grows with the tokens it "
+        "verifies). 0: drafts run to num_speculative_tokens, as in vLLM.")
     suffix_decoding_max_tree_depth: int = Field(
         24, ge=1, le=1024, description="suffix: depth of its suffix tries; a match plus its draft spans at most this "
         "many tokens (vLLM's knob and default).")
@@ -220,6 +224,10 @@ class LevelConfig(_Strict):
         if self.kind == "ngram":
             if self.prompt_lookup_max < self.prompt_lookup_min:
                 raise ValueError("prompt_lookup_max must be >= prompt_lookup_min")
+        elif self.prompt_lookup_max_spec_factor:
+            raise ValueError(f"prompt_lookup_max_spec_factor is for ngram levels, not a {self.kind} level"
+                             + (" (a suffix level takes suffix_decoding_max_spec_factor)" if self.kind == "suffix"
+                                else ""))
         elif self.kind == "suffix":
             if self.model:
                 raise ValueError("a suffix level takes no `model` (it drafts from text it has seen)")

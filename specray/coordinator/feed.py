@@ -28,7 +28,8 @@ Confidence-stopped drafts: a model level with `Level.confidence` > 0 ends a row'
 of, so it often drafts fewer tokens than the round asked for. A `StopObserver` (the planner) gets the target's
 verification of such drafts as `on_drafted(level, lower, draft_lens, accepted, asked)` instead of `on_verify`, with
 the tokens each row was asked for (`Verified.asked`): how far the drafts go is a measurement of its own (what the
-level's calls and the target's verification cost), and a short draft accepted whole ended the round there.
+level's calls and the target's verification cost), and a short draft accepted whole ended the round there. An n-gram
+level that caps a draft by its match's length (`NgramConfig.max_spec_factor`) reaches it the same way.
 """
 
 from __future__ import annotations

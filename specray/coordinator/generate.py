@@ -76,7 +76,7 @@ def vllm_worker_kwargs(cfg: LevelConfig) -> dict[str, Any]:
 def level_from_config(cfg: LevelConfig, worker: Worker | None = None) -> Level:
     if cfg.kind == "ngram":
         ng = NgramConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
-                         cfg.prompt_lookup_occurrence)
+                         cfg.prompt_lookup_occurrence, cfg.prompt_lookup_max_spec_factor)
         return Level(cfg.display_name, ngram=ng, k=cfg.num_speculative_tokens, method=cfg.verify_method)
     if cfg.kind == "suffix":
         sx = SuffixDrafter(SuffixConfig(

@@ -84,8 +84,11 @@ class Level:
 
     @property
     def stops_drafts(self) -> bool:
-        """A model level that ends a row's draft after a token it is unsure of (`confidence`), so its drafts are
-        often shorter than asked: the planner measures and prices how far they go."""
+        """A level that ends a row's draft short of what was asked by a rule of its own, so its drafts are often
+        shorter than asked: a model level after a token it is unsure of (`confidence`), an n-gram level at its
+        match-length cap (`NgramConfig.max_spec_factor`). The planner measures and prices how far they go."""
+        if self.ngram is not None:
+            return self.ngram.max_spec_factor > 0
         return self.worker is not None and self.confidence > 0
 
     @property

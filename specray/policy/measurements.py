@@ -127,8 +127,9 @@ class Measurements:
             for up in range(1, self.top + 1):
                 for split in (self.hot, self.cold):
                     split[(up, 0)] = Acceptance(prior_alpha_ngram, decay=decay, k_max=k_acc)
-        #: model level that ends drafts at a token it is unsure of (`Level.confidence`) -> the decayed chance that
-        #: its draft goes on past each position (`on_drafted`; 1 until measured: a level that fills its K)
+        #: level that ends drafts short by a rule of its own (`Level.stops_drafts`: a model level's confidence, an
+        #: n-gram level's match-length cap) -> the decayed chance that its draft goes on past each position
+        #: (`on_drafted`; 1 until measured: a level that fills its K)
         self.stops: dict[int, Acceptance] = {
             i: Acceptance(1.0, decay=decay, k_max=max(32, max(self.k_choices) + 1))
             for i, lvl in enumerate(levels[:-1]) if lvl.stops_drafts}
@@ -229,7 +230,8 @@ class Measurements:
 
     def on_drafted(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
                    asked: Sequence[int]) -> None:
-        """The target's verification of drafts from a level that stops at a token it is unsure of, one entry per
+        """The target's verification of drafts from a level that stops short by a rule of its own (a model level at
+        a token it is unsure of, an n-gram level at its match-length cap: `Level.stops_drafts`), one entry per
         row, with the tokens each row asked for. A draft shorter than asked stopped after its last token: its
         length is measured (`stops`: the level's calls and the target's verification are priced at what it
         drafts, `Pricing.draft_lengths`), and if it was accepted whole the round ended there, a failure after it

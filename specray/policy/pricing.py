@@ -55,7 +55,9 @@ chance that a draft goes on past each position, `Measurements.stops`), so its pr
 ceil(D / E_i) inner rounds) and the target verifies round(D) + 1 tokens per row. Its acceptance counts a draft that
 stopped short and was accepted whole as a failure after it (the round ended there), so E[L](K) is what such rounds
 emit. Priced at K instead, a level that drafts two or three tokens of a K of 16 looked several times dearer than it
-is, and its long K were never chosen. (Overlapped rounds are priced as before.)
+is, and its long K were never chosen. (Overlapped rounds are priced as before.) An n-gram level that caps a draft by
+its match's length (`NgramConfig.max_spec_factor`) is measured and priced the same way: where it matched, the
+target verifies round(D) + 1 tokens, and a capped draft accepted whole ended its round.
 
 Overlap (an engine drafting the next round while the target verifies, `specray.coordinator.lookahead`): a
 bounded look-ahead is priced as a hit/miss renewal chain (`Pricing._bounded`): a miss drafts one drafter step
@@ -322,9 +324,10 @@ class Pricing:
         """The target verifying an n-gram level's K-token drafts: a row without a match drafts nothing, so a call
         in which no row matched (probability (1 - m)^B at match rate m) is a plain step, not a K + 1 one. Priced
         at K + 1 regardless, a lookup that matches half the time looked dearer the longer its K, and on a CPU
-        target, whose step grows with the tokens fed, the planner held K short into copies."""
+        target, whose step grows with the tokens fed, the planner held K short into copies. A level that caps its
+        drafts by their match's length (`Level.stops_drafts`) drafts D(B, K) tokens where it matched (`fed`)."""
         none = (1.0 - self.match_rate(prior=1.0)) ** batch
-        return (1.0 - none) * self._verify_time(batch, k) + none * self.plain_verify_time(batch)
+        return (1.0 - none) * self._verify_time(batch, self.fed(0, batch, k)) + none * self.plain_verify_time(batch)
 
     def _hybrid(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(E[L], T) of a round of a hybrid plan (module docstring)."""

@@ -18,13 +18,16 @@ from dataclasses import dataclass
 OCCURRENCES = ("recent", "earliest")
 
 
-def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int, occurrence: str = "recent") -> list[int]:
+def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int, occurrence: str = "recent",
+                  max_spec_factor: float = 0.0) -> list[int]:
     """Draft up to k tokens by finding the sequence's own suffix earlier in the sequence.
 
     The longest suffix n-gram (max_n down to min_n) that occurs earlier wins; among its occurrences the
     most recent one is used (occurrence="earliest": the first one, as vLLM does); the draft is the tokens
     that followed it (possibly fewer than k, and possibly running into the suffix itself). The search covers
-    prompt plus generated tokens.
+    prompt plus generated tokens. `max_spec_factor` > 0 caps a draft after an n-token match at
+    max(1, floor(max_spec_factor x n)) tokens (SuffixDecoding's rule): a one-token match predicts little, and on
+    a target whose step grows with the tokens it verifies (a CPU) a long draft behind it costs more than it brings.
 
     Worked example: tokens [1, 2, 3, 4, 2, 3], min_n 2, max_n 3, k 4. The 3-gram suffix [4, 2, 3] does not
     occur earlier; the 2-gram [2, 3] occurs at index 1, followed by [4, 2, 3] -> draft [4, 2, 3]. In
@@ -39,19 +42,22 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int, occurre
     [9, 1]
     >>> propose_ngram([1, 2, 3], k=2, min_n=1, max_n=2)
     []
+    >>> propose_ngram([7, 1, 2, 3, 4, 5, 6, 8, 1], k=4, min_n=1, max_n=2, max_spec_factor=2)  # a 1-token match
+    [2, 3]
     """
     if occurrence not in OCCURRENCES:
         raise ValueError(f"occurrence must be one of {OCCURRENCES}, not {occurrence!r}")
     if k <= 0 or min_n < 1 or max_n < min_n:
         return []
-    return _search(array(_CODE, tokens).tobytes(), k, min_n, max_n, occurrence)
+    return _search(array(_CODE, tokens).tobytes(), k, min_n, max_n, occurrence, max_spec_factor)
 
 
 _CODE = "i"  # 32-bit signed token ids (vocabularies stay far below 2**31)
 _W = array(_CODE).itemsize
 
 
-def _search(data: bytes | bytearray, k: int, min_n: int, max_n: int, occurrence: str) -> list[int]:
+def _search(data: bytes | bytearray, k: int, min_n: int, max_n: int, occurrence: str,
+            max_spec_factor: float = 0.0) -> list[int]:
     """`propose_ngram` over the text as fixed-width bytes: the search runs in C (`bytes.find` / `rfind`), not a
     Python loop over the text, since a row's whole context is scanned every round and contexts run to thousands
     of tokens."""
@@ -62,6 +68,8 @@ def _search(data: bytes | bytearray, k: int, min_n: int, max_n: int, occurrence:
     for n in range(min(max_n, n_tokens - 1), min_n - 1, -1):
         start = _find(data, data[_W * (n_tokens - n):], end, occurrence == "earliest")
         if start >= 0:
+            if max_spec_factor > 0:
+                k = min(k, max(1, int(max_spec_factor * n)))
             return array(_CODE, data[_W * (start + n): _W * (start + n + k)]).tolist()
     return []
 
@@ -118,6 +126,8 @@ class NgramConfig:
     prompt_lookup_max: int = 4
     #: which occurrence of the longest matching suffix drafts: "recent" or "earliest" (vLLM's)
     occurrence: str = "recent"
+    #: > 0: a draft after an n-token match has at most max(1, floor(factor x n)) tokens (`propose_ngram`); 0: up to k
+    max_spec_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min < 1 or self.prompt_lookup_max < self.prompt_lookup_min:
@@ -126,13 +136,16 @@ class NgramConfig:
             raise ValueError(f"occurrence must be one of {OCCURRENCES}, not {self.occurrence!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if self.max_spec_factor < 0:
+            raise ValueError("max_spec_factor must be >= 0")
 
     def propose(self, tokens: Sequence[int], k: int | None = None) -> list[int]:
         kk = self.num_speculative_tokens if k is None else k
-        return propose_ngram(tokens, kk, self.prompt_lookup_min, self.prompt_lookup_max, self.occurrence)
+        return propose_ngram(tokens, kk, self.prompt_lookup_min, self.prompt_lookup_max, self.occurrence,
+                             self.max_spec_factor)
 
     def propose_text(self, text: TokenText, k: int | None = None, tail: Sequence[int] = ()) -> list[int]:
         """`propose` over `text` followed by `tail`, without converting the text again."""
         kk = self.num_speculative_tokens if k is None else k
         data = text.data + array(_CODE, tail).tobytes() if tail else text.data
-        return _search(data, kk, self.prompt_lookup_min, self.prompt_lookup_max, self.occurrence)
+        return _search(data, kk, self.prompt_lookup_min, self.prompt_lookup_max, self.occurrence, self.max_spec_factor)

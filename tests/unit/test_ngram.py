@@ -124,3 +124,40 @@ def test_a_token_text_drafts_as_its_tokens_do():
     assert text.tokens() == [5, 1, 2, 9, 1, 2, 9]
     assert cfg.propose_text(text) == cfg.propose([5, 1, 2, 9, 1, 2, 9]) == [1, 2, 9]
     assert cfg.propose_text(TokenText()) == []
+
+
+def _match_length(tokens, lo, hi, occurrence):
+    """The length of the suffix `_reference` drafts after (0: none)."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        if any(tokens[s:s + n] == suffix for s in range(len(tokens) - n)):
+            return n
+    return 0
+
+
+def test_a_match_length_cap_shortens_a_draft_to_its_factor_times_the_match():
+    """`max_spec_factor` f > 0: the uncapped draft cut to max(1, floor(f x m)) tokens, m the match's length; 0
+    leaves it whole. Random texts, every occurrence rule, through the token list and the cached text alike."""
+    import random
+
+    from specray.spec.ngram import TokenText
+
+    rng = random.Random(1)
+    cut = 0
+    for _ in range(2000):
+        tokens = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(0, 50))]
+        lo = rng.randrange(1, 3)
+        hi = lo + rng.randrange(0, 4)
+        k = rng.randrange(0, 12)
+        f = rng.choice([0.0, 0.5, 1.0, 1.5, 2.0, 3.0])
+        for occ in ("recent", "earliest"):
+            whole = _reference(tokens, k, lo, hi, occ)
+            m = _match_length(tokens, lo, hi, occ)
+            want = whole[:max(1, int(f * m))] if f > 0 else whole
+            cfg = NgramConfig(k, lo, hi, occ, max_spec_factor=f)
+            assert cfg.propose(tokens) == want, (tokens, k, lo, hi, f)
+            assert cfg.propose_text(TokenText(tokens)) == want
+            cut += len(want) < len(whole)
+    assert cut > 100  # the cap was binding often
+    with pytest.raises(ValueError, match="max_spec_factor"):
+        NgramConfig(4, 1, 4, max_spec_factor=-1.0)
