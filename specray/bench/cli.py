@@ -299,6 +299,10 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         levels = (build or (lambda c: _load_levels(c, not args.quiet)))(cfg)
         pol = app.policy if app is not None else None
         planner_kwargs = pol.planner_kwargs() if pol is not None else {}
+        if pol is not None and pol.trace_file:  # the adaptive passes' planners append their rounds to it
+            from specray.policy.trace import json_lines
+
+            planner_kwargs["trace"] = json_lines(pol.trace_file)
         k_max = args.k_max or (pol.k_max if pol is not None else 8)
         overlap = args.overlap or bool(app is not None and app.server.overlap)
         suffix, tree_width = suffix_factory(cfg, args)

@@ -237,24 +237,32 @@ class Measurements:
         drafts, `Pricing.draft_lengths`), and if it was accepted whole the round ended there, a failure after it
         (as for a lookup that drafted less than asked)."""
         with self.lock:
-            stops = self.stops.get(lower)
-            if stops is not None:
-                # went on past positions 1..n-1; stopped at n when short of what was asked (else n was the last)
-                went = [(n, n - 1) if n < w else (n - 1, n - 1) for n, w in zip(draft_lens, asked) if 0 < n <= w]
-                went = [(t, g) for t, g in went if t > 0]
-                if went:
-                    stops.observe([t for t, _ in went], [g for _, g in went])
+            self._stopped(lower, draft_lens, asked)
             lens = [n + 1 if 0 < n < w and a >= n else n for n, a, w in zip(draft_lens, accepted, asked)]
             self._observe(level, lower, lens, accepted, None, ran=True)
+
+    def _stopped(self, lower: int, draft_lens: Sequence[int], asked: Sequence[int]) -> None:
+        """How far `lower`'s drafts went, where it stops short by a rule of its own (`stops`)."""
+        stops = self.stops.get(lower)
+        if stops is None:
+            return
+        # went on past positions 1..n-1; stopped at n when short of what was asked (else n was the last)
+        went = [(n, n - 1) if n < w else (n - 1, n - 1) for n, w in zip(draft_lens, asked) if 0 < n <= w]
+        went = [(t, g) for t, g in went if t > 0]
+        if went:
+            stops.observe([t for t, _ in went], [g for _, g in went])
 
     def on_shadow(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
                   asked: int) -> None:
         """Drafts of lookup level `lower` that no round verified, checked against the text `level` committed after
         them (`PlannerFeed.shadowed`): its acceptance is measured as a round of the pair would have measured it,
         so a switched-off n-gram's price follows the text being generated now instead of what it was when it last
-        ran. The pair still counts as unmeasured for exploration: what its rounds cost (a step feeding K + 1
-        tokens) is only measured by running them."""
-        self._observe(level, lower, draft_lens, accepted, asked, ran=False)
+        ran, and so does how far its drafts go where it caps them by their match (`stops`). The pair still counts
+        as unmeasured for exploration: what its rounds cost (a step feeding K + 1 tokens) is only measured by
+        running them."""
+        with self.lock:
+            self._stopped(lower, draft_lens, [asked] * len(draft_lens))
+            self._observe(level, lower, draft_lens, accepted, asked, ran=False)
 
     def _observe(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int], asked: int | None,
                  ran: bool) -> None:

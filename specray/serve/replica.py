@@ -17,7 +17,6 @@ Python handle API (non-streaming and streaming):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -28,6 +27,7 @@ from specray.config import AppConfig
 from specray.coordinator.cascade import CascadeEngine
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler, Speculation
 from specray.metrics import MetricsSink, SpecMetrics
+from specray.policy.trace import json_lines
 from specray.serve.actors import ActorWorker
 from specray.serve.autoscaling import BreakEvenCache, coordinator_stats
 from specray.serve.protocol import Busy, SpeculationOptions, usage_from_stats
@@ -55,16 +55,6 @@ def _speculation(spec: Mapping[str, Any] | SpeculationOptions | Speculation | No
 
 #: builds a metrics sink in the process that records (Serve: `RayMetricsSink`, made in the replica)
 SinkFactory = Callable[[], MetricsSink]
-
-
-def _json_lines(path: str) -> Callable[[dict[str, Any]], None]:
-    """A sink that appends each record to `path` as one JSON line (line-buffered: readable while serving)."""
-    out = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the replica's life
-
-    def write(record: dict[str, Any]) -> None:
-        out.write(json.dumps(record) + "\n")
-
-    return write
 
 
 class Coordinator:
@@ -109,7 +99,7 @@ class Coordinator:
         if pol.adaptive and len(levels) > 1:
             from specray.policy.planner import Planner
 
-            trace = _json_lines(pol.trace_file) if pol.trace_file else None
+            trace = json_lines(pol.trace_file) if pol.trace_file else None
             self.planner = Planner(levels, k_max=pol.k_max, trace=trace, **pol.planner_kwargs()).attach(self.engine)
         self.scheduler = Scheduler(
             self.engine, self.tokenizer, max_batch_size=server.max_batch_size, planner=self.planner,

@@ -514,6 +514,8 @@ def test_vllm_peers_beside_a_running_server_run_the_named_model(tiny, workload, 
 def test_a_serve_config_file_gives_the_cascade_and_the_planners_policy(tiny, workload, tmp_path):
     import yaml
 
+    trace = tmp_path / "trace.jsonl"
+
     cascade = {"levels": [
         {"kind": "ngram", "num_speculative_tokens": 3},
         {"kind": "hf", "model": str(tiny.draft_dirs["mid"]), "name": "mid", "dtype": "float32",
@@ -523,15 +525,23 @@ def test_a_serve_config_file_gives_the_cascade_and_the_planners_policy(tiny, wor
     serve = tmp_path / "serve.yaml"
     serve.write_text(yaml.safe_dump({"applications": [{"name": "specray", "import_path": "specray.serve.app:build_app",
                                                        "args": {"config": {"cascade": cascade,
-                                                                           "policy": {"k_max": 3}}}}]}))
+                                                                           "policy": {"k_max": 3,
+                                                                                      "trace_file": str(trace)}}}}]}))
     bare = tmp_path / "cascade.yaml"
     bare.write_text(yaml.safe_dump(cascade))
+    traced = 0
     for path in (serve, bare):
         report = run_bench(_args("--config", str(path), "--workload-file", str(workload), "--max-tokens", "8",
                                  "--quiet", "--no-warmup", "--modes", "none", "ngram", "adaptive"))
         validate(report)
         assert report["target"]["levels"] == ["ngram", "mid", "target"]
         assert report["outputs_identical"] is True and report["skipped"] == []
+        if path == serve:  # its policy's trace file got the adaptive pass's rounds, as a server's planner writes them
+            rounds = [json.loads(line) for line in trace.read_text().splitlines()]
+            traced = len(rounds)
+            assert traced and {"batch", "plan", "reason"} <= set(rounds[0])
+        else:
+            assert len(trace.read_text().splitlines()) == traced
     bad = tmp_path / "bad.yaml"
     bad.write_text("- a list\n")
     assert cli_main(["bench", "--config", str(bad), "--workload-file", str(workload), "--quiet"]) == 2

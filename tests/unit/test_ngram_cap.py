@@ -112,3 +112,19 @@ def test_a_capped_lookup_is_priced_at_the_drafts_it_makes():
     # the vectorised ranking prices it as the one-by-one pricing does
     for plan_, gp in capped.explain(1):
         assert gp == pytest.approx(capped.pricing.goodput(plan_, 1), rel=1e-9)
+
+
+def test_shadow_lookups_measure_how_far_capped_drafts_run():
+    """A switched-off capped lookup is still looked up every round (shadow drafts): how far its drafts run is
+    measured there too, so its plans are priced at what they would feed before any of them runs."""
+    capped, full = _planner(2.0), _planner(0.0)
+    for p in (capped, full):
+        for q in (1, 3, 9):
+            for _ in range(3):
+                p.on_call(1, "verify", 1, q, 0.1 + 0.01 * q)
+        for _ in range(30):
+            p.on_shadow(1, 0, [2, 2, 0], [2, 1, 0], 8)
+    assert capped.pricing.fed(0, 1, 8) == 2 and full.pricing.fed(0, 1, 8) == 8
+    assert capped.measurements.stops[0].n_obs == 30
+    plan = Plan((0, 1), (8,))
+    assert capped.pricing.round_time(plan, 1) < full.pricing.round_time(plan, 1)
