@@ -143,6 +143,7 @@ class Planner:
         self.margin = float(margin)
         self._unranked = 0  # rounds since the last ranking that kept the held plan
         self._hot_seen: float | None = None  # the held lookup plan's rows' state its K was priced for (`_retune`)
+        self._copy_seen: float | None = None  # the lookup's rows' state (shadows) at the latest ranking (`_hold`)
         self._rank_cost = 0.0  # seconds the latest ranking took
         self._rank_end = 0.0  # perf_counter() when it ended
         self._probe_round = False
@@ -272,11 +273,20 @@ class Planner:
         self._current = max((Plan(levels, (k,)) for k in self.k_choices),
                             key=lambda plan: self.pricing.goodput(plan, batch))
 
+    def _copy_share(self) -> float | None:
+        """Under a plan without the lookup: the share of rows whose whole shadow draft was just matched (a copy under
+        way, `Measurements.hot_share`); a change wakes the ranking (`_hold`): a copy outlasts few held rounds."""
+        if not self.is_ngram[0] or 0 in self._current.levels:
+            return None
+        return self.measurements.hot_share((self.top, 0))
+
     def _hold(self, batch: int) -> bool:
         """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;
         otherwise until `rerank_every` rounds have passed and, with a `rerank_budget`, until the time since the
         last ranking is at least its cost over the budget."""
         if self._calls <= 1 or self.measurements.clock < self.warmup or batch_bucket(batch) != self._last_bucket:
+            return False
+        if self._copy_share() not in (None, 0.0, self._copy_seen):  # a copy started under a plan without the lookup
             return False
         if self._unranked + 1 < self.rerank_every:
             return True
@@ -354,6 +364,7 @@ class Planner:
             return self._current
         self._unranked = 0
         self._hot_seen = self._hot_share(self._current)
+        self._copy_seen = self._copy_share()
         t0 = time.perf_counter()
         ranked = self.explain(batch)
         best = ranked[0][0]
@@ -372,9 +383,8 @@ class Planner:
             # the warm-up's plan was never ranked: the first ranking replaces it without hysteresis or patience
             self._current, self._streak = best, 0
         if self.measurements.clock < self.warmup or self._calls <= self.warmup:
-            # nothing measured yet, or nothing of the planner's own plans (a server's first requests may all have
-            # named their plan, e.g. plain decoding, while the target's clock ran): run the configured plan unless
-            # even the priors (or what was measured) say it loses
+            # nothing measured yet, or nothing of the planner's own plans (a server's first requests may all name
+            # their plan while the target's clock runs): the configured plan unless even the priors say it loses
             start = self.default_plan if self._score(self.default_plan, batch) >= self._score(
                 self.plain, batch) else best
             self._current, self._streak = start, 0
@@ -385,9 +395,8 @@ class Planner:
         self._last_bucket = bucket
         if grew and best == self.plain != self._current and bucket in self.measurements.plain_at:
             # the batch grew into a larger bucket where plain decoding is measured and predicted to win: patience
-            # guards against noise at one batch size, but the held plan was chosen for a smaller one, and holding
-            # it here for `patience` rounds is what makes a drafter catch up on the rows that grew the batch (a
-            # whole prefill of each, which no step measurement prices) for rounds that lose anyway
+            # guards against noise at one batch size, but holding a plan chosen for a smaller one `patience` rounds
+            # makes a drafter catch up on the rows that grew the batch (whole prefills) for rounds that lose anyway
             self._current, self._streak = best, 0
         if self.exploration.plain_probe(bucket, self._bucket_run, bool(self._pairs(self._current))):
             self._last, self.last_reason = (batch, self._current), "plain_probe"
@@ -402,10 +411,10 @@ class Planner:
             cur_gp = self._score(self._current, batch)
             if best_gp > cur_gp * (1.0 + self.hysteresis):
                 self._streak += 1
-                # plain decoding predicted to beat the held plan by more than `decisive` (2x by default) is
-                # not noise -- both costs are measured at this batch (the held plan runs; plain is probed
-                # at every new batch bucket): switch at once instead of paying `patience` more rounds of a
-                # plan that loses big. A speculative plan's cost here may be an extrapolation: patience.
+                # plain decoding predicted to beat the held plan by more than `decisive` (2x by default) is not
+                # noise -- both costs are measured at this batch (the held plan runs; plain is probed at every new
+                # bucket): switch at once, not after `patience` rounds of a plan that loses big. A speculative
+                # plan's cost here may be an extrapolation: patience.
                 decisive = best == self.plain and best_gp > cur_gp * (1.0 + self.decisive)
                 if self._streak >= self.patience or decisive or self._free_switch(best):
                     self._current, self._streak = best, 0

@@ -128,3 +128,36 @@ def test_shadow_lookups_measure_how_far_capped_drafts_run():
     assert capped.measurements.stops[0].n_obs == 30
     plan = Plan((0, 1), (8,))
     assert capped.pricing.round_time(plan, 1) < full.pricing.round_time(plan, 1)
+
+
+def test_a_copy_seen_by_shadow_lookups_wakes_the_ranking_under_plain_decoding():
+    """Plain decoding held between rankings (a ranking budget of many rounds): a round in which a row's whole shadow
+    draft matched the target's text (a copy starting) makes the next answer a ranking, which switches to the
+    lookup at once; a shadow draft that missed keeps the held plan."""
+    def planner() -> Planner:
+        p = Planner([Level("ngram", ngram=NgramConfig(8, 1, 4), k=8), Level("t", worker=_dummy("t"))],
+                    k_max=8, rerank_every=1000)
+        for q in (1, 5, 9):
+            for _ in range(3):
+                p.on_call(1, "verify", 1, q, 0.1 + 0.05 * q)  # each draft token costs a third of a step
+        # rounds of the lookup: after a row's whole draft was accepted the next one is too (a copy), else rejected
+        for whole in [True] * 4 + [False] * 6 + [True] * 4 + [False] * 6:
+            p.on_call(1, "verify", 1, 5, 0.35)
+            p.on_verify(1, 0, [4], [4 if whole else 0])
+        return p
+
+    for matched in (True, False):
+        p = planner()
+        reasons = []
+        for _ in range(5):  # the warm-up's answers, a ranking, then held rounds
+            p.on_call(1, "verify", 1, 1, 0.15)
+            p.on_shadow(1, 0, [4], [0], 8)  # rows cold: plain decoding ranks best
+            reasons.append(p.last_reason if p.plan(1) == p.plain else "lookup")
+        assert reasons[-3:] == ["ranked", "hold", "hold"]
+        p.on_call(1, "verify", 1, 1, 0.15)
+        p.on_shadow(1, 0, [4], [4 if matched else 1], 8)
+        chosen = p.plan(1)
+        if matched:
+            assert p.last_reason == "ranked" and 0 in chosen.levels
+        else:
+            assert p.last_reason == "hold" and chosen == p.plain
