@@ -264,7 +264,7 @@ class Measurements:
             self._stopped(lower, draft_lens, [asked] * len(draft_lens))
             self._observe(level, lower, draft_lens, accepted, asked, ran=False)
             if (level, lower) in self.hot:  # the rows' state, as a round of the pair would have left it
-                self.row_hot[(level, lower)] = (self.clock, [0 < n <= a for n, a in zip(draft_lens, accepted)])
+                self.row_hot[(level, lower)] = (self.clock, _whole(draft_lens, accepted))
 
     def _observe(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int], asked: int | None,
                  ran: bool) -> None:
@@ -311,7 +311,7 @@ class Measurements:
             rows = [j for j, h in enumerate(hot) if h == state]
             if rows:
                 split.observe([draft_lens[j] for j in rows], [accepted[j] for j in rows], proposed=proposed)
-        self.row_hot[pair] = (self.clock, [n > 0 and a >= n for n, a in zip(draft_lens, accepted)])
+        self.row_hot[pair] = (self.clock, _whole(draft_lens, accepted))
 
     def hot_share(self, pair: tuple[int, int]) -> float | None:
         """The share of rows whose whole draft of `pair` was accepted in the latest round, where that round ran the
@@ -374,3 +374,7 @@ class Measurements:
             # accepted whole is cut short (no failure after it); a row without a tree is the lookup's miss
             self.on_verify(level, lower, [w.spine for w in walks], [w.spine_accepted for w in walks], asked=1)
 
+
+def _whole(draft_lens: Sequence[int], accepted: Sequence[int]) -> list[bool]:
+    """Per row, whether its whole draft was accepted: a copy under way (the row's state, `Measurements.hot_share`)."""
+    return [0 < n <= a for n, a in zip(draft_lens, accepted)]

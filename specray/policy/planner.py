@@ -30,7 +30,6 @@ long prompts that it would spend longer prefilling than it saves.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,6 +39,7 @@ from specray.policy.exploration import Exploration
 from specray.policy.measurements import Measurements, batch_bucket
 from specray.policy.pricing import Pricing
 from specray.policy.ranking import REGIMES, Ranking, regime_of
+from specray.policy.trace import PendingTrace
 from specray.spec.params import VerifyMethod
 
 if TYPE_CHECKING:
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
     from specray.policy.cost import Acceptance, StepCost
 
 __all__ = ["Planner", "regime_of"]
-
-log = logging.getLogger(__name__)
 
 
 class Planner:
@@ -177,7 +175,7 @@ class Planner:
         #: gets one record per answer (`_record`), completed with the round's seconds where the caller reports them
         #: (`on_round`): what to read when a deployment speculates more or less than expected
         self.trace = trace
-        self._pending: dict[str, Any] | None = None  # the latest record, waiting for its round's seconds
+        self._pending = PendingTrace(trace) if trace is not None else None  # the latest record, awaiting its seconds
         for lo, _hi, spec in self.table:  # fail at start-up, not mid-serving, on a bad table
             plan = None if spec in (*REGIMES, "hybrid") else self._parse(spec, lo)
             if plan is not None and (plan.levels[-1] != self.top or max(plan.levels) > self.top):
@@ -201,7 +199,7 @@ class Planner:
         served time or a probe's cost for exploration (`Exploration.on_round`)."""
         with self._lock:
             if self._pending is not None:
-                self._flush(seconds)
+                self._pending.flush(seconds)
             self.exploration.on_round(batch, seconds)
 
     # ----- choosing --------------------------------------------------------------------------------
@@ -303,28 +301,25 @@ class Planner:
             self._catch_up.clear()
             try:
                 chosen = self._choose(batch)
-                if self.trace is not None:
-                    self._record(batch, chosen)
+                if self._pending is not None:
+                    self._pending.hold(self._record(batch, chosen))
                 return chosen
             finally:
                 self._backlog = None
 
-    def _record(self, batch: int, chosen: Plan) -> None:
+    def _record(self, batch: int, chosen: Plan) -> dict[str, Any]:
         """The trace record of this answer: the plan and why; unless it held the plan, also the best-ranked candidates
         and plain decoding (goodput with the catch-up paid, tokens per round, predicted round seconds) and the
         backlog."""
-        if self._pending is not None:
-            self._flush(None)
         if self.last_reason == "hold":  # between rankings: nothing was priced
-            self._pending = {"time": round(time.time(), 3), "batch": batch, "plan": self.plan_name(chosen),
-                             "reason": "hold"}
-            return
+            return {"time": round(time.time(), 3), "batch": batch, "plan": self.plan_name(chosen), "reason": "hold"}
+
         def priced(plan: Plan, gp: float) -> dict[str, Any]:
             return self.ranking.priced(plan, self._paid_back(plan, gp), batch)
 
         ranked = self.explain(batch) if self.last_reason != "table" else []
         backlog = self._backlog
-        self._pending = {
+        return {
             "time": round(time.time(), 3), "batch": batch, "plan": self.plan_name(chosen), "reason": self.last_reason,
             "clock": self.measurements.clock,
             "predicted_s": round(self.pricing.round_time(chosen, batch), 4),
@@ -333,16 +328,6 @@ class Planner:
             "backlog": None if backlog is None else {"uncovered": {self.names[i]: n for i, n in
                                                                    backlog.uncovered.items()},
                                                      "remaining": backlog.remaining}}
-
-    def _flush(self, seconds: float | None) -> None:
-        record, self._pending = self._pending, None
-        if record is None or self.trace is None:
-            return
-        record["round_s"] = None if seconds is None else round(seconds, 4)
-        try:
-            self.trace(record)
-        except Exception:  # a trace sink must never break planning
-            log.exception("planner trace failed")
 
     def _choose(self, batch: int) -> Plan:
         self.answers += 1

@@ -254,7 +254,11 @@ class Pricing:
         return out
 
     def drafted(self, level: int, batch: int, k: int) -> float:
-        """`draft_lengths(level, batch, k)[k]`: the expected longest draft when asked for k tokens."""
+        """`draft_lengths(level, batch, k)[k]`: the expected longest draft when asked for k tokens (k itself for a
+        level that fills its K, without building the list)."""
+        stops = self.measured.stops.get(level)
+        if stops is None or not stops.n_obs:
+            return float(k)
         return self.draft_lengths(level, batch, k)[k]
 
     def fed(self, level: int, batch: int, k: int) -> int:
@@ -327,8 +331,7 @@ class Pricing:
         target, whose step grows with the tokens fed, the planner held K short into copies. A level that caps its
         drafts by their match's length (`Level.stops_drafts`) drafts D(B, K) tokens where it matched (`fed`)."""
         none = (1.0 - self.match_rate(prior=1.0)) ** batch
-        fed = self.fed(0, batch, k) if 0 in self.measured.stops else k
-        return (1.0 - none) * self._verify_time(batch, fed) + none * self.plain_verify_time(batch)
+        return (1.0 - none) * self._verify_time(batch, self.fed(0, batch, k)) + none * self.plain_verify_time(batch)
 
     def _hybrid(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(E[L], T) of a round of a hybrid plan (module docstring)."""
