@@ -164,7 +164,7 @@ class LevelCalls:
             s.mirror[i].extend(toks)
         self.feed.verified(Verified(i, lower, drafts, res, seconds, drafters,
                                     timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP,
-                                    caught_up=_caught_up(syncs, tails), asked=asked))
+                                    caught_up=_caught_up(syncs, tails), asked=asked, rows=rows))
         return res
 
     def verify_later(

@@ -30,6 +30,16 @@ verification of such drafts as `on_drafted(level, lower, draft_lens, accepted, a
 the tokens each row was asked for (`Verified.asked`): how far the drafts go is a measurement of its own (what the
 level's calls and the target's verification cost), and a short draft accepted whole ended the round there. An n-gram
 level that caps a draft by its match's length (`NgramConfig.max_spec_factor`) reaches it the same way.
+
+One token past the ask: a round measures its drafts' acceptance only up to the K it asked for, and the planner
+prices a longer K from the deepest position measured. For an n-gram level that estimate is the wrong one: at the last
+position of a short K, the drafts that stop there by their match-length cap (failures all, since the round ends
+with them) sit beside copies that would have gone on, so the planner held K short and cut long copies into many
+rounds. A lookup costs nothing to consult again, and the target's bonus token is what it would have said of one
+more draft token: where a row's lookup draft filled its ask and was accepted whole, the feed looks the lookup's
+next token up and reports the row as a round asking one token more would have measured it (`on_drafted`: that
+token accepted if it equals the bonus token; a failure past the draft where the lookup had no next token), for at
+most `SHADOW_LOOKUPS` rows a call. Each K measures K + 1, so a K held short learns whether the next one pays.
 """
 
 from __future__ import annotations
@@ -161,6 +171,8 @@ class Verified:
     caught_up: int = 0
     #: the draft tokens each row was asked for, where the round knows it (the target's verification of a chain)
     asked: Sequence[int] | None = None
+    #: the rows verified, before they commit (a lookup's next token past a draft: "One token past the ask")
+    rows: Sequence[Seq] | None = None
 
 
 def fed_lengths(res: VerifyResult, drafts: Sequence[Sequence[int]]) -> list[int]:
@@ -269,6 +281,8 @@ class PlannerFeed:
         if not timed:
             self.caught_up(ev.level, kind, len(drafts), tokens, ev.caught_up, ev.seconds)
         walks = None
+        past = (self._one_more(ev, rows) if ev.drafters is None and ev.trees is None
+                and any(isinstance(ob, StopObserver) for ob in self.observers) else None)
         for ob in self.observers:
             if timed:
                 ob.on_call(ev.level, kind, len(drafts), tokens, ev.seconds)
@@ -280,12 +294,39 @@ class PlannerFeed:
                 self._hybrid(ob, ev, rows)
             elif ev.lower is not None and rows:
                 lens, acc = [len(drafts[b]) for b in rows], [res.num_accepted[b] for b in rows]
-                if ev.asked is not None and self.levels[ev.lower].stops_drafts and isinstance(ob, StopObserver):
+                if past is not None and isinstance(ob, StopObserver):
+                    ob.on_drafted(ev.level, ev.lower, *past)
+                elif ev.asked is not None and self.levels[ev.lower].stops_drafts and isinstance(ob, StopObserver):
                     ob.on_drafted(ev.level, ev.lower, lens, acc, [ev.asked[b] for b in rows])
                 else:
                     ob.on_verify(ev.level, ev.lower, lens, acc)
             if warm and isinstance(ob, NativeObserver):
                 ob.on_native(ev.level, [fed[b] for b in warm], [res.num_accepted[b] for b in warm])
+
+    def _one_more(self, ev: Verified, rows: Sequence[int]) -> tuple[list[int], list[int], list[int]] | None:
+        """(draft lengths, accepted, asked) of the n-gram level 0's drafts verified by `ev`, a row whose draft filled
+        its ask and was accepted whole extended by the lookup's next token (module docstring, "One token past the
+        ask"); None where `ev` is not such a verification."""
+        if self._lookup is None or ev.lower != 0 or ev.asked is None or ev.rows is None:
+            return None
+        res, lens, acc, asked = ev.result, [], [], []
+        looked = 0
+        for b in rows:
+            draft = ev.drafts[b]
+            n, a, w = len(draft), res.num_accepted[b], ev.asked[b]
+            emitted = res.token_ids[b]
+            if 0 < n == w <= a and len(emitted) > n and looked < SHADOW_LOOKUPS:
+                looked += 1
+                more = self._lookup.propose_text(ev.rows[b].lookup_text(), n + 1)
+                if more[:n] == list(draft):  # the same match (the search does not depend on K)
+                    w += 1
+                    if len(more) > n:
+                        a += int(more[n] == emitted[n])
+                        n += 1
+            lens.append(n)
+            acc.append(a)
+            asked.append(w)
+        return lens, acc, asked
 
     def _hybrid(self, ob: Observer, ev: Verified, rows: Sequence[int]) -> None:
         """A hybrid round's acceptance, per drafter: the lookup level over every row, a row that took the model's

@@ -239,7 +239,9 @@ class Measurements:
         with self.lock:
             self._stopped(lower, draft_lens, asked)
             lens = [n + 1 if 0 < n < w and a >= n else n for n, a, w in zip(draft_lens, accepted, asked)]
-            self._observe(level, lower, lens, accepted, None, ran=True)
+            # every row's stop is in `lens` now; a lookup row that drafted nothing still counts a failure at the
+            # first position (asked 1), and a row that filled its ask is censored there, whatever the others asked
+            self._observe(level, lower, lens, accepted, 1, ran=True)
 
     def _stopped(self, lower: int, draft_lens: Sequence[int], asked: Sequence[int]) -> None:
         """How far `lower`'s drafts went, where it stops short by a rule of its own (`stops`)."""
