@@ -148,7 +148,11 @@ class Scheduler:
         self._active: list[_Live] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="specray-round")
+        # Rounds run one after another in ONE thread unless pipelined: an in-process worker's OpenMP team belongs to
+        # the OS thread that calls it, and a pool of several threads hands consecutive rounds to different ones
+        # (the next round is submitted before the last thread is counted idle), whose teams then spin against
+        # each other on the same cores between steps (docs/architecture.md, "One thread for the rounds").
+        self._pool = ThreadPoolExecutor(max_workers=4 if pipeline else 1, thread_name_prefix="specray-round")
         self._ids = itertools.count()
         self.stats = SchedulerStats()
 

@@ -50,14 +50,18 @@ verification accepts of it), so the chain of the same level stays priced while t
 their plans are priced on the scalar path (`_tree_priced`), not by `specray.policy.chains`.
 
 Confidence-stopped drafts (a model level with `Level.confidence` > 0 ends a row's draft after a token it is unsure
-of): asked for K, it drafts D(B, K) = E[longest draft of the call] tokens (`Pricing.draft_lengths`, from the measured
-chance that a draft goes on past each position, `Measurements.stops`), so its proposal costs D steps (a middle level:
-ceil(D / E_i) inner rounds) and the target verifies round(D) + 1 tokens per row. Its acceptance counts a draft that
-stopped short and was accepted whole as a failure after it (the round ended there), so E[L](K) is what such rounds
-emit. Priced at K instead, a level that drafts two or three tokens of a K of 16 looked several times dearer than it
-is, and its long K were never chosen. (Overlapped rounds are priced as before.) An n-gram level that caps a draft by
-its match's length (`NgramConfig.max_spec_factor`) is measured and priced the same way: where it matched, the
-target verifies round(D) + 1 tokens, and a capped draft accepted whole ended its round.
+of): asked for K, it drafts D(B, K) = E[longest draft of the call] tokens (`Pricing.draft_lengths`, from the
+measured chance that a draft goes on past each position, `Measurements.stops`), so its proposal costs D steps (a
+middle level: ceil(D / E_i) inner rounds), and the target's verification is priced at its expected time over the
+longest draft of the call, E[V(D)] = V(0) + sum_{i<=K} P(D >= i) (V(i) - V(i - 1)) with V(j) the target verifying j
+draft tokens per row (`verify_times`): a CPU engine's step does not grow linearly with the tokens it verifies (its
+matrix kernels take rows in blocks), and priced at V(round(E[D])), one K more or less flipped the price by a block.
+Its acceptance counts a draft that stopped short and was accepted whole as a failure after it (the round ended
+there), so E[L](K) is what such rounds emit. Priced at K instead, a level that drafts two or three tokens of a K of
+16 looked several times dearer than it is, and its long K were never chosen. (Overlapped rounds are priced as
+before.) An n-gram level that caps a draft by its match's length (`NgramConfig.max_spec_factor`) is measured and
+priced the same way, a row drafting only where it matched (P(D >= i) = 1 - (1 - m S_i)^B at match rate m, S_i the
+chance a matched row's draft reaches i; V(0): a plain step), and a capped draft accepted whole ended its round.
 
 Overlap (an engine drafting the next round while the target verifies, `specray.coordinator.lookahead`): a
 bounded look-ahead is priced as a hit/miss renewal chain (`Pricing._bounded`): a miss drafts one drafter step
@@ -237,8 +241,8 @@ class Pricing:
         """Expected longest draft of a call over `batch` rows when model `level` is asked for K tokens, at index
         K = 0..k_max: K, unless the level stops at a token it is unsure of (`Measurements.stops`), then
         sum_{i<=K} 1 - (1 - S_i)^B, S_i = prod_{j<i} c_j the measured chance that a draft reaches position i. Its
-        proposal runs that many steps (a middle level: that many tokens of inner rounds) and the target verifies
-        that many tokens (rounded) per row. Memoised; callers must not modify the list."""
+        proposal runs that many steps (a middle level: that many tokens of inner rounds); the target's verification
+        is priced over the same reach probabilities (`verify_times`). Memoised; callers must not modify the list."""
         stops = self.measured.stops.get(level)
         if stops is None or not stops.n_obs:
             return [float(k) for k in range(k_max + 1)]
@@ -261,9 +265,35 @@ class Pricing:
             return float(k)
         return self.draft_lengths(level, batch, k)[k]
 
-    def fed(self, level: int, batch: int, k: int) -> int:
-        """Draft tokens per row the target verifies when model `level` is asked for k (`draft_lengths`, rounded)."""
-        return int(self.drafted(level, batch, k) + 0.5)
+    def stops(self, level: int) -> bool:
+        """Whether `level`'s drafts are measured to stop short of their K (`Measurements.stops`)."""
+        stops = self.measured.stops.get(level)
+        return stops is not None and bool(stops.n_obs)
+
+    def verify_times(self, level: int, batch: int, k_max: int) -> list[float]:
+        """For a level that stops short (`stops`): the target's expected seconds verifying its drafts when it is
+        asked for K = 0..k_max tokens, over the longest draft D of the call: V(0) + sum_{i<=K} P(D >= i) (V(i) -
+        V(i - 1)), P(D >= i) = 1 - (1 - m S_i)^B (m: the lookup's match rate, 1 for a model level; S_i the measured
+        chance that a draft reaches position i), V(j) `_verify_time` and V(0) a plain step (module docstring).
+        Memoised; callers must not modify the list."""
+        m = self.measured
+        match = min(max(self.match_rate(prior=1.0), 0.0), 1.0) if m.is_ngram[level] else 1.0
+        key = ("vt", level, batch, k_max, match)
+        out = m.memo.get(key)
+        if out is None:
+            total = before = self.plain_verify_time(batch)
+            out, reach = [total], 1.0
+            for i, c in enumerate(m.stops[level].alphas(k_max), start=1):
+                v = self._verify_time(batch, i)
+                total += (1.0 - (1.0 - match * reach) ** batch) * (v - before)
+                out.append(total)
+                before, reach = v, reach * c
+            m.memo[key] = out
+        return out
+
+    def _stopping_verify_time(self, level: int, batch: int, k: int) -> float:
+        """`verify_times(level, batch, .)[k]`, over at least the K the planner considers (one list per level)."""
+        return self.verify_times(level, batch, max(k, max(self.measured.k_choices)))[k]
 
     def _produce(self, plan: Plan, i: int, batch: int, want: int) -> float:
         """Expected seconds for plan.levels[i] to produce `want` tokens for the level above it."""
@@ -329,9 +359,12 @@ class Pricing:
         in which no row matched (probability (1 - m)^B at match rate m) is a plain step, not a K + 1 one. Priced
         at K + 1 regardless, a lookup that matches half the time looked dearer the longer its K, and on a CPU
         target, whose step grows with the tokens fed, the planner held K short into copies. A level that caps its
-        drafts by their match's length (`Level.stops_drafts`) drafts D(B, K) tokens where it matched (`fed`)."""
+        drafts by their match's length (`Level.stops_drafts`) is priced over the lengths its drafts run to
+        (`verify_times`)."""
+        if self.stops(0):
+            return self._stopping_verify_time(0, batch, k)
         none = (1.0 - self.match_rate(prior=1.0)) ** batch
-        return (1.0 - none) * self._verify_time(batch, self.fed(0, batch, k)) + none * self.plain_verify_time(batch)
+        return (1.0 - none) * self._verify_time(batch, k) + none * self.plain_verify_time(batch)
 
     def _hybrid(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(E[L], T) of a round of a hybrid plan (module docstring)."""
@@ -385,8 +418,10 @@ class Pricing:
             verify = self.step_time(m.top, batch, self._fed(m.top, lower, k, width))
         elif m.is_ngram[lower]:
             verify = self._lookup_verify_time(batch, k)
+        elif self.stops(lower):
+            verify = self._stopping_verify_time(lower, batch, k)
         else:
-            verify = self._verify_time(batch, self.fed(lower, batch, k))
+            verify = self._verify_time(batch, k)
         return self._produce(plan, len(plan.levels) - 2, batch, k) + verify + self.overhead
 
     def _overlapped(self, plan: Plan) -> bool:

@@ -82,12 +82,17 @@ def test_a_stopping_drafter_is_priced_at_the_drafts_it_makes():
         full.on_verify(1, 0, [2, 2], [2, 2])
     pr = stop.pricing
     assert 2.0 <= pr.drafted(0, 1, 8) < 2.3  # measured: drafts end at 2
-    assert pr.fed(0, 1, 8) == 2 and pr.drafted(0, 4, 8) >= pr.drafted(0, 1, 8)
+    assert round(pr.drafted(0, 1, 8)) == 2 and pr.drafted(0, 4, 8) >= pr.drafted(0, 1, 8)
     assert pr.draft_lengths(0, 1, 8)[:3] == [0.0, 1.0, pytest.approx(2.0, abs=0.1)]  # shrunk a little
     assert full.pricing.drafted(0, 1, 8) == 8.0  # a level without the stop fills its K
 
     plan = Plan((0, 1), (8,))
-    want = pr.drafted(0, 1, 8) * pr.step_time(0, 1, 1) + pr._verify_time(1, 2) + pr.overhead
+    # the verification: over the lengths the drafts run to, nearly always 2 (verify_times: a stop after 2 measured
+    # 30 times, shrunk a little towards going on)
+    verify = pr.verify_times(0, 1, 8)[8]
+    v2, v3 = pr._verify_time(1, 2), pr._verify_time(1, 3)
+    assert v2 < verify < v2 + 0.1 * (v3 - v2)
+    want = pr.drafted(0, 1, 8) * pr.step_time(0, 1, 1) + verify + pr.overhead
     assert pr.round_time(plan, 1) == pytest.approx(want)
     assert pr.round_time(plan, 1) < 0.6 * full.pricing.round_time(plan, 1)  # 8 drafter steps and 9 tokens fed
     # a stopped draft accepted whole ends the round: K 8 emits the 2 tokens and one more, not 8 more

@@ -120,17 +120,18 @@ def test_what_a_round_reports_past_its_ask_is_what_the_target_wrote_there():
 
 
 def _priced(peeks: bool) -> Planner:
-    """A planner that held a capped lookup at K 3 on text copying long spans: half the rows' matches are one token
-    (drafts of 2, accepted whole: the round ends there), half two or more (drafts of 3 accepted whole, and the
-    copy goes on past them). Verifying costs a step plus a fifteenth of one per draft token."""
+    """A planner that held a capped lookup at K 3 on text copying long spans: of two rows, one finds one-token matches
+    (drafts of 2, accepted whole: the round ends there), the other copies (drafts of 3 accepted whole, and the copy
+    goes on past them). Verifying costs a step plus a fifteenth of one per draft token."""
     p = Planner([Level("ngram", ngram=CAPPED, k=8), Level("t", worker=_dummy("t"))], k_max=8, rerank_every=1)
     for q in (1, 4, 9):
         for _ in range(3):
             p.on_call(1, "verify", 1, q, 0.15 + 0.01 * q)
-    for _ in range(40):
-        copy = ([4], [4], [4]) if peeks else ([3], [3], [3])
-        p.on_drafted(1, 0, [2], [2], [3])
-        p.on_drafted(1, 0, *copy)
+    for _ in range(40):  # two rows: one whose matches are one token, one copying
+        if peeks:
+            p.on_drafted(1, 0, [2, 4], [2, 4], [3, 4])
+        else:
+            p.on_drafted(1, 0, [2, 3], [2, 3], [3, 3])
     return p
 
 
@@ -141,7 +142,7 @@ def test_a_k_held_short_learns_that_a_longer_one_pays():
     assert a_with[3] > 0.9 > a_without[3]
     best = {}
     for name, p in (("with", with_peeks), ("without", without)):
-        ranked = [(plan, gp) for plan, gp in p.explain(1) if plan.levels == (0, 1)]
+        ranked = [(plan, gp) for plan, gp in p.explain(2) if plan.levels == (0, 1)]
         best[name] = max(ranked, key=lambda x: x[1])[0].k[-1]
     assert best["with"] > 3
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -323,3 +324,36 @@ def test_stop_token_ids_end_the_text_before_the_stop_token(tiny):
     j = toks.index(stop)
     assert ctoks == toks[: j + 1] and clast.finish_reason == "stop" and clast.completion_tokens == j + 1
     assert ctext == tok.decode(toks[:j], skip_special_tokens=True)
+
+
+class ThreadRecorder(FakeWorker):
+    """A FakeWorker that records the OS thread of every call."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.threads: set[int] = set()
+
+    def verify(self, *a, **kw):
+        self.threads.add(threading.get_ident())
+        return super().verify(*a, **kw)
+
+    def propose(self, *a, **kw):
+        self.threads.add(threading.get_ident())
+        return super().propose(*a, **kw)
+
+
+def test_every_round_runs_in_one_thread():
+    """An in-process worker's OpenMP team belongs to the OS thread that calls it: rounds handed to several threads
+    leave teams spinning against each other on the same cores (a CPU engine's steps ran 18% slower on average).
+    Requests one after another and side by side, many rounds: every worker call comes from one thread."""
+    lv = [Level("draft", worker=ThreadRecorder("draft", vocab=16, order=2, noise=0.6, noise_seed=3), k=2),
+          Level("target", worker=ThreadRecorder("target", vocab=16, order=2))]
+    sched = Scheduler(CascadeEngine(lv), max_batch_size=4)
+
+    async def main():
+        for _ in range(40):
+            await asyncio.gather(*[collect(sched, Request(p, SamplingParams(), 40)) for p in PROMPTS[:3]])
+        await sched.close()
+
+    asyncio.run(main())
+    assert len(lv[0].worker.threads | lv[1].worker.threads) == 1
