@@ -64,15 +64,25 @@ def iomp_library() -> str | None:
     return path if os.path.exists(path) else None
 
 
+#: milliseconds an Intel OpenMP thread spins after a parallel region before it sleeps (vLLM's own CPU workers set 5)
+KMP_BLOCKTIME_MS = "5"
+
+
 def preload_env(num_gpus: float = 0.0) -> dict[str, str]:
     """Environment for a process that will run a CPU vLLM engine: LD_PRELOAD with the Intel OpenMP runtime
-    (kept first, before anything already preloaded). Empty on GPU, when the library is missing, or with
-    SPECRAY_NO_PRELOAD=1."""
+    (kept first, before anything already preloaded), and KMP_BLOCKTIME 5 ms unless set: the runtime's default lets
+    a team's threads spin 200 ms after every parallel region, so between two steps they hold the cores that the
+    coordinator, the HTTP stream and the other levels need, and a second team (a call from another thread) runs
+    against them (docs/vllm.md). vLLM sets the same for the CPU workers it starts itself. Empty on GPU, when the
+    library is missing, or with SPECRAY_NO_PRELOAD=1."""
     lib = iomp_library()
     if num_gpus or lib is None or os.environ.get("SPECRAY_NO_PRELOAD") == "1":
         return {}
     rest = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p and p != lib]
-    return {"LD_PRELOAD": ":".join([lib, *rest])}
+    env = {"LD_PRELOAD": ":".join([lib, *rest])}
+    if "KMP_BLOCKTIME" not in os.environ:
+        env["KMP_BLOCKTIME"] = KMP_BLOCKTIME_MS
+    return env
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}

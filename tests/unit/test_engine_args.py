@@ -109,9 +109,14 @@ def test_cpu_vllm_actors_preload_the_intel_openmp_runtime(monkeypatch, tmp_path)
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
     monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
     monkeypatch.delenv("SPECRAY_NO_PRELOAD", raising=False)
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
     assert vllm_mod.iomp_library() == str(lib)
     opts = actor_options(LevelConfig(kind="vllm", model="m"))
-    assert opts["runtime_env"] == {"env_vars": {"LD_PRELOAD": f"{lib}:/opt/other.so"}}
+    # and its threads sleep 5 ms after a parallel region, not 200 (the runtime's default): unless set already
+    assert opts["runtime_env"] == {"env_vars": {"LD_PRELOAD": f"{lib}:/opt/other.so", "KMP_BLOCKTIME": "5"}}
+    monkeypatch.setenv("KMP_BLOCKTIME", "0")
+    assert actor_options(LevelConfig(kind="vllm", model="m"))["runtime_env"] == {
+        "env_vars": {"LD_PRELOAD": f"{lib}:/opt/other.so"}}
     assert "runtime_env" not in actor_options(LevelConfig(kind="vllm", model="m", num_gpus=1))
     assert "runtime_env" not in actor_options(LevelConfig(kind="hf", model="m"))
     monkeypatch.setenv("SPECRAY_NO_PRELOAD", "1")
