@@ -97,8 +97,7 @@ class ChainTable:
                     lookup_verify = np.array([0.0, *per_k])
                 t = produce + lookup_verify[k] + pricing.overhead
             elif pricing.stops(levels[-2]):  # a model drafter that stops short: over its drafts' lengths
-                kv = max(kmax, max(m.k_choices))  # the list `Pricing._stopping_verify_time` reads
-                t = produce + np.array(pricing.verify_times(levels[-2], batch, kv))[k] + pricing.overhead
+                t = produce + np.array(pricing.stopping_verify_times(levels[-2], batch, kmax))[k] + pricing.overhead
             else:  # a model drafter that fills its K
                 t = produce + verify[k] + pricing.overhead
             out[idx] = np.divide(elen(m.top, levels[-2])[k] * batch, t, out=np.full(len(t), np.inf), where=t > 0)

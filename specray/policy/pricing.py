@@ -243,14 +243,13 @@ class Pricing:
         sum_{i<=K} 1 - (1 - S_i)^B, S_i = prod_{j<i} c_j the measured chance that a draft reaches position i. Its
         proposal runs that many steps (a middle level: that many tokens of inner rounds); the target's verification
         is priced over the same reach probabilities (`verify_times`). Memoised; callers must not modify the list."""
-        stops = self.measured.stops.get(level)
-        if stops is None or not stops.n_obs:
+        if not self.stops(level):
             return [float(k) for k in range(k_max + 1)]
         key = ("dl", level, batch, k_max)
         out = self.measured.memo.get(key)
         if out is None:
             out, reach, total = [0.0], 1.0, 0.0
-            for c in stops.alphas(k_max):
+            for c in self.measured.stops[level].alphas(k_max):
                 total += 1.0 - (1.0 - reach) ** batch
                 out.append(total)
                 reach *= c
@@ -260,8 +259,7 @@ class Pricing:
     def drafted(self, level: int, batch: int, k: int) -> float:
         """`draft_lengths(level, batch, k)[k]`: the expected longest draft when asked for k tokens (k itself for a
         level that fills its K, without building the list)."""
-        stops = self.measured.stops.get(level)
-        if stops is None or not stops.n_obs:
+        if not self.stops(level):
             return float(k)
         return self.draft_lengths(level, batch, k)[k]
 
@@ -291,9 +289,13 @@ class Pricing:
             m.memo[key] = out
         return out
 
+    def stopping_verify_times(self, level: int, batch: int, k_max: int) -> list[float]:
+        """`verify_times` over at least the K the planner considers: one list per level and batch, which the scalar
+        and the vectorised ranking (`specray.policy.chains`) both read."""
+        return self.verify_times(level, batch, max(k_max, max(self.measured.k_choices)))
+
     def _stopping_verify_time(self, level: int, batch: int, k: int) -> float:
-        """`verify_times(level, batch, .)[k]`, over at least the K the planner considers (one list per level)."""
-        return self.verify_times(level, batch, max(k, max(self.measured.k_choices)))[k]
+        return self.stopping_verify_times(level, batch, k)[k]
 
     def _produce(self, plan: Plan, i: int, batch: int, want: int) -> float:
         """Expected seconds for plan.levels[i] to produce `want` tokens for the level above it."""
