@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LevelCalls", "Relayed", "catch_up_rows", "drafted_steps", "longest_path", "spread"]
 
-#: a call in which some row first catches up on more tokens than this (a level that sat out rounds, or starts a
-#: sequence) runs a prefill-sized forward: its time says nothing about a step, so the planner is not fed it
+#: a call in which some row first catches up on more tokens than this (a level that sat out rounds) runs a
+#: prefill-sized forward: its time says nothing about a step, so the planner is not fed it (`step_timed`)
 UNTIMED_CATCH_UP = 16
 
 
@@ -52,6 +52,14 @@ def catch_up_rows(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> l
 def _catch_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:
     """The most tokens of canonical text any row had to append before the call's own work."""
     return max(catch_up_rows(syncs, tails), default=0)
+
+
+def step_timed(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> bool:
+    """Whether a call's time is a step's, for the planner: no row starts in it (`SeqSync.start`: the call runs
+    that row's prefill, and at a batch size the level has not run before it grows its cache, a call of several
+    steps' time, which the step cost at that batch would keep) and none catches up on more than
+    `UNTIMED_CATCH_UP` tokens."""
+    return not any(y.keep == 0 for y in syncs) and _catch_up(syncs, tails) <= UNTIMED_CATCH_UP
 
 
 def _caught_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:
@@ -109,7 +117,7 @@ class LevelCalls:
             relay.drafted(prop, sent)
         seconds = time.perf_counter() - t0
         steps = drafted_steps(lvl, want, prop.token_ids)
-        if _catch_up(syncs, tails) <= UNTIMED_CATCH_UP:
+        if step_timed(syncs, tails):
             self.feed.proposed(i, len(rows), steps, seconds)
         else:
             self.feed.caught_up(i, "propose", len(rows), steps, _caught_up(syncs, tails), seconds)
@@ -138,7 +146,7 @@ class LevelCalls:
         prop = self.call(i, lvl.worker.propose_tree, [s.seq_id for s in rows], list(depth),
                          [s.sampling for s in rows], mode=mode, level=i, sync=syncs, width=width,
                          max_nodes=list(max_nodes))
-        if _catch_up(syncs, [()] * len(rows)) <= UNTIMED_CATCH_UP:
+        if step_timed(syncs, [()] * len(rows)):
             self.feed.proposed_tree(i, len(rows), max(depth, default=0), width, max(max_nodes, default=0),
                                     time.perf_counter() - t0)
         return prop
@@ -163,7 +171,7 @@ class LevelCalls:
         for s, toks in zip(rows, res.token_ids):
             s.mirror[i].extend(toks)
         self.feed.verified(Verified(i, lower, drafts, res, seconds, drafters,
-                                    timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP,
+                                    timed=step_timed(syncs, tails),
                                     caught_up=_caught_up(syncs, tails), asked=asked, rows=rows))
         return res
 
@@ -179,7 +187,7 @@ class LevelCalls:
         method = self.method(i, lower, override)
         pending = self.call(i, nesting.verify_later, worker, [s.seq_id for s in rows], [s.sampling for s in rows],
                             method, level=i, sync=syncs, fill=fill)
-        return Relayed(pending, nesting, _catch_up(syncs, [()] * len(rows)) <= UNTIMED_CATCH_UP)
+        return Relayed(pending, nesting, step_timed(syncs, [()] * len(rows)))
 
     def finish_relayed(
         self, i: int, lower: int, rows: Sequence[Seq], relayed: Relayed, drafts: Sequence[Sequence[int]],
@@ -226,7 +234,7 @@ class LevelCalls:
         for s, toks in zip(rows, res.token_ids):
             s.mirror[i].extend(toks)
         chains = [longest_path(t) for t in trees]
-        self.feed.verified(Verified(i, lower, chains, res, seconds, timed=_catch_up(syncs, tails) <= UNTIMED_CATCH_UP,
+        self.feed.verified(Verified(i, lower, chains, res, seconds, timed=step_timed(syncs, tails),
                                     trees=list(trees), width=width, caught_up=_caught_up(syncs, tails)))
         return res
 

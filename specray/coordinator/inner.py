@@ -55,6 +55,10 @@ class InnerLog:
     #: its own work (a row's first forward at that level feeds its prompt): such a call is not a step's time
     low_caught: tuple[int, int] = (0, 0)
     mid_caught: tuple[int, int] = (0, 0)
+    #: a row started in the call to the level below / to the middle level (`SeqSync.start`: not a step's time,
+    #: `specray.coordinator.calls.step_timed`)
+    low_started: bool = False
+    mid_started: bool = False
     #: rows the level below was asked for tokens (the others, sent only for their syncs, ran no forward)
     asked: int = 0
 
@@ -272,6 +276,10 @@ class _Held:
         self.first: list[SeqSync | None] = list(syncs)
         self.owed = list(owed) if owed else [0] * len(syncs)  # context tokens no forward of the level fed yet
 
+    def starts(self, rows: Sequence[int]) -> bool:
+        """Whether the next call over `rows` starts one of them (`SeqSync.start`); ask before `sync`."""
+        return any((y := self.first[b]) is not None and y.keep == 0 for b in rows)
+
     def feed(self, rows: Sequence[int]) -> tuple[int, int]:
         """A forward over `rows` feeds what they owe: (most, total) tokens caught up."""
         got = [self.owed[b] for b in rows]
@@ -302,10 +310,12 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
     logs: list[InnerLog] = []
     failed: list[BaseException] = []
     caught: dict[str, tuple[int, int]] = {}  # this inner round's catch-up per level, for its log
+    started: dict[str, bool] = {}  # whether this inner round's call to a level started a row, for its log
 
     def propose(idx: list[int], outs: list[list[int]], k: list[int]) -> DraftProposal:
         if failed:
             return DraftProposal([[] for _ in idx])
+        started["low"] = low_held.starts(idx)
         syncs = [low_held.sync(b, o) for b, o in zip(idx, outs)]
         caught["low"] = low_held.feed([b for b, kk in zip(idx, k) if kk > 0])  # rows asked nothing run no forward
         try:
@@ -321,6 +331,7 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
         return d
 
     def verify(idx: list[int], outs: list[list[int]], d: DraftProposal) -> VerifyResult:
+        started["mid"] = mid_held.starts(idx)
         syncs = [mid_held.sync(b, o) for b, o in zip(idx, outs)]
         caught["mid"] = mid_held.feed(idx)
         check = mid.verify if d.trees is None else mid.verify_tree
@@ -336,6 +347,7 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
 
     def record(log: InnerLog) -> None:
         log.low_caught, log.mid_caught = caught.pop("low", (0, 0)), caught.pop("mid", (0, 0))
+        log.low_started, log.mid_started = started.pop("low", False), started.pop("mid", False)
         logs.append(log)
 
     drafts = inner_rounds(call.want, call.k_low, propose, verify, confidence=call.confidence,

@@ -384,6 +384,27 @@ def test_target_failure_is_raised():
     assert ei.value.level == 1 and "target" in str(ei.value)
 
 
+def test_a_call_that_starts_a_row_is_not_timed_for_the_planner():
+    """A row's first call at a level runs its prefill (and, at a batch size new to the level, grows its cache):
+    however short the prompt, that call is not a step, so the planner gets no time for it; the calls after it are
+    timed. (Timed, the first call of 32 rows made plain decoding at batch 32 look several times dearer than it is.)"""
+    levels = [Level("target", worker=target())]
+    engine = CascadeEngine(levels)
+    timed: list[tuple[int, int]] = []
+
+    class Recorder:
+        def on_call(self, level, kind, batch, tokens, seconds):
+            timed.append((level, batch))
+
+    engine.feed.observers.append(Recorder())
+    calls = []
+    real = levels[0].worker.verify
+    levels[0].worker.verify = lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw)
+    generate(engine, [[5, 6], [7, 8, 9]], max_tokens=6, ignore_eos=True)
+    assert calls[0] == 2 and len(calls) >= 6
+    assert len(timed) == len(calls) - 1  # all but the call that started both rows
+
+
 def test_a_level_catching_up_on_earlier_text_is_not_timed_for_the_planner():
     """A drafter that sat out rounds (or joins a sequence) first feeds everything it missed: that call is a prefill,
     not a step, so the planner feed gets no time for it (it would price every later draft at a prefill's cost);
