@@ -28,7 +28,7 @@ from specray.spec.tree import DraftTree
 if TYPE_CHECKING:
     from specray.coordinator.inner import Nesting, PendingVerify
 
-__all__ = ["LevelCalls", "Relayed", "catch_up_rows", "drafted_steps", "longest_path", "spread"]
+__all__ = ["LevelCalls", "Relayed", "catch_up_rows", "drafted_steps", "is_step", "longest_path", "spread"]
 
 #: a call in which some row first catches up on more tokens than this (a level that sat out rounds) runs a
 #: prefill-sized forward: its time says nothing about a step, so the planner is not fed it (`step_timed`)
@@ -54,12 +54,17 @@ def _catch_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:
     return max(catch_up_rows(syncs, tails), default=0)
 
 
-def step_timed(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> bool:
+def is_step(started: bool, most_caught: int) -> bool:
     """Whether a call's time is a step's, for the planner: no row starts in it (`SeqSync.start`: the call runs
     that row's prefill, and at a batch size the level has not run before it grows its cache, a call of several
     steps' time, which the step cost at that batch would keep) and none catches up on more than
-    `UNTIMED_CATCH_UP` tokens."""
-    return not any(y.keep == 0 for y in syncs) and _catch_up(syncs, tails) <= UNTIMED_CATCH_UP
+    `UNTIMED_CATCH_UP` tokens (`most_caught`)."""
+    return not started and most_caught <= UNTIMED_CATCH_UP
+
+
+def step_timed(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> bool:
+    """`is_step` for a call made with `syncs`."""
+    return is_step(any(y.keep == 0 for y in syncs), _catch_up(syncs, tails))
 
 
 def _caught_up(syncs: Sequence[SeqSync], tails: Sequence[Sequence[int]]) -> int:

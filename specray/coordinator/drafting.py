@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from specray.coordinator.calls import (
-    UNTIMED_CATCH_UP,
     LevelCalls,
     Relayed,
     catch_up_rows,
     drafted_steps,
+    is_step,
     longest_path,
     spread,
 )
@@ -419,11 +419,11 @@ class Drafter:
         for log in got.logs:  # timed as `LevelCalls` times the calls it makes: not a call that caught a row up
             if log.steps and low.ngram is None:  # lookups are not timed (as when drafted from here)
                 steps = log.steps if log.trees is not None else drafted_steps(low, [log.steps], log.drafts)
-                if not log.low_started and log.low_caught[0] <= UNTIMED_CATCH_UP:
+                if is_step(log.low_caught[2], log.low_caught[0]):
                     self.calls.feed.proposed(lower, log.asked, steps, log.propose_s)
                 else:
                     self.calls.feed.caught_up(lower, "propose", log.asked, steps, log.low_caught[1], log.propose_s)
-            timed, caught = not log.mid_started and log.mid_caught[0] <= UNTIMED_CATCH_UP, log.mid_caught[1]
+            timed, caught = is_step(log.mid_caught[2], log.mid_caught[0]), log.mid_caught[1]
             if log.trees is not None:
                 self.calls.feed.verified(Verified(i, lower, [longest_path(t) for t in log.trees], log.result,
                                                   log.verify_s, trees=log.trees, width=width, timed=timed,

@@ -52,13 +52,10 @@ class InnerLog:
     steps: int = 0
     trees: list[DraftTree | None] | None = None
     #: (most, total) tokens of a row's earlier text the call to the level below / to the middle level fed before
-    #: its own work (a row's first forward at that level feeds its prompt): such a call is not a step's time
-    low_caught: tuple[int, int] = (0, 0)
-    mid_caught: tuple[int, int] = (0, 0)
-    #: a row started in the call to the level below / to the middle level (`SeqSync.start`: not a step's time,
-    #: `specray.coordinator.calls.step_timed`)
-    low_started: bool = False
-    mid_started: bool = False
+    #: its own work, and whether a row started there (its first forward at that level feeds its prompt): such a
+    #: call is not a step's time (`specray.coordinator.calls.is_step`)
+    low_caught: tuple[int, int, bool] = (0, 0, False)
+    mid_caught: tuple[int, int, bool] = (0, 0, False)
     #: rows the level below was asked for tokens (the others, sent only for their syncs, ran no forward)
     asked: int = 0
 
@@ -275,17 +272,16 @@ class _Held:
         self.held: list[list[int]] = [[] for _ in syncs]
         self.first: list[SeqSync | None] = list(syncs)
         self.owed = list(owed) if owed else [0] * len(syncs)  # context tokens no forward of the level fed yet
+        self.starting = [s.keep == 0 for s in syncs]  # rows the level starts (`SeqSync.start`) at their first forward
 
-    def starts(self, rows: Sequence[int]) -> bool:
-        """Whether the next call over `rows` starts one of them (`SeqSync.start`); ask before `sync`."""
-        return any((y := self.first[b]) is not None and y.keep == 0 for b in rows)
-
-    def feed(self, rows: Sequence[int]) -> tuple[int, int]:
-        """A forward over `rows` feeds what they owe: (most, total) tokens caught up."""
+    def feed(self, rows: Sequence[int]) -> tuple[int, int, bool]:
+        """A forward over `rows` feeds what they owe: (most, total) tokens caught up, and whether it started one."""
         got = [self.owed[b] for b in rows]
+        started = any(self.starting[b] for b in rows)
         for b in rows:
             self.owed[b] = 0
-        return max(got, default=0), sum(got)
+            self.starting[b] = False
+        return max(got, default=0), sum(got), started
 
     def sync(self, b: int, target: list[int]) -> SeqSync:
         """Hold the row's context + `target`."""
@@ -309,13 +305,11 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
     mid_held, low_held = _Held(call.mid_syncs, call.mid_owed), _Held(call.low_syncs, call.low_owed)
     logs: list[InnerLog] = []
     failed: list[BaseException] = []
-    caught: dict[str, tuple[int, int]] = {}  # this inner round's catch-up per level, for its log
-    started: dict[str, bool] = {}  # whether this inner round's call to a level started a row, for its log
+    caught: dict[str, tuple[int, int, bool]] = {}  # this inner round's catch-up per level, for its log
 
     def propose(idx: list[int], outs: list[list[int]], k: list[int]) -> DraftProposal:
         if failed:
             return DraftProposal([[] for _ in idx])
-        started["low"] = low_held.starts(idx)
         syncs = [low_held.sync(b, o) for b, o in zip(idx, outs)]
         caught["low"] = low_held.feed([b for b, kk in zip(idx, k) if kk > 0])  # rows asked nothing run no forward
         try:
@@ -331,7 +325,6 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
         return d
 
     def verify(idx: list[int], outs: list[list[int]], d: DraftProposal) -> VerifyResult:
-        started["mid"] = mid_held.starts(idx)
         syncs = [mid_held.sync(b, o) for b, o in zip(idx, outs)]
         caught["mid"] = mid_held.feed(idx)
         check = mid.verify if d.trees is None else mid.verify_tree
@@ -346,8 +339,7 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
         return [True] * len(call.want) if failed else None
 
     def record(log: InnerLog) -> None:
-        log.low_caught, log.mid_caught = caught.pop("low", (0, 0)), caught.pop("mid", (0, 0))
-        log.low_started, log.mid_started = started.pop("low", False), started.pop("mid", False)
+        log.low_caught, log.mid_caught = caught.pop("low", (0, 0, False)), caught.pop("mid", (0, 0, False))
         logs.append(log)
 
     drafts = inner_rounds(call.want, call.k_low, propose, verify, confidence=call.confidence,
