@@ -420,11 +420,13 @@ def test_the_planner_drives_model_tree_rounds_and_the_text_is_plain_decodings():
     greedy output is plain decoding's, whatever it picks."""
     from specray.policy.planner import Planner
 
-    plain = generate(levels()[1:], PROMPTS, max_tokens=16, ignore_eos=True, plain=True)
+    # The priors rank the configured tree plan below plain decoding and a chain, so trees run only when exploration
+    # probes them: after plain decoding or before it, depending on timings. 32 tokens leave room for both probes.
+    plain = generate(levels()[1:], PROMPTS, max_tokens=32, ignore_eos=True, plain=True)
     lv = levels()
     eng = CascadeEngine(lv)
     p = Planner(lv, k_choices=(2, 4), warmup=1, patience=1, explore_every=4).attach(eng)
     assert p.default_plan == Plan((0, 1), (4,), tree=2)
-    batch = generate(eng, PROMPTS, max_tokens=16, ignore_eos=True, plan=p)
+    batch = generate(eng, PROMPTS, max_tokens=32, ignore_eos=True, plan=p)
     assert [r.token_ids for r in batch.results] == [r.token_ids for r in plain.results]
     assert batch.stats["target"].tree_drafts > 0 and p.tree_acceptance[(1, 0, 2)].weight > 0
