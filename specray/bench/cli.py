@@ -60,6 +60,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-process batch sizes: B requests run together through the scheduler (default: 1)")
     g.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="C",
                    help="with --url: C streaming requests in flight together (default: 1)")
+    g.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="a closed loop: each pass sends N requests per workload (its requests in order, repeated to "
+                        "fill N), at most B (--batch) or C (--concurrency) in flight, a finished request's slot "
+                        "taking the next at once, as vLLM's benchmark client runs --num-prompts with "
+                        "--max-concurrency; the vllm_* peers get all N in one generate call with max_num_seqs B. "
+                        "Default: waves of B requests, each finished before the next starts (a wave ends with its "
+                        "slowest request, so rows that finish early leave their slots idle)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (outputs are compared across modes; so are seeded samples, --seed)")
     g.add_argument("--top-k", type=int, default=0, help="top-k at temperature > 0 (0: off)")
@@ -223,9 +230,13 @@ def _versions() -> dict[str, str | None]:
 # ------------------------------------------------------------------------------------------------- the run
 
 
-def _chunks(rows: Sequence[dict[str, Any]], batch: int) -> list[list[tuple[int, dict[str, Any]]]]:
-    """The workload's requests in chunks of `batch` (a workload smaller than the batch repeats to fill it)."""
+def _chunks(rows: Sequence[dict[str, Any]], batch: int, requests: int | None = None
+            ) -> list[list[tuple[int, dict[str, Any]]]]:
+    """The workload's requests in chunks of `batch` (a workload smaller than the batch repeats to fill it); with
+    `requests` (a closed loop), one chunk of that many, the workload's requests repeated in order to fill it."""
     n = len(rows)
+    if requests is not None:
+        return [[(i % n, rows[i % n]) for i in range(requests)]]
     reqs = [(i % n, rows[i % n]) for i in range(max(n, batch))]
     return [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
 
@@ -265,6 +276,8 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         raise ValueError("--samples needs --temperature > 0: a greedy output is one path")
     if args.repeat < 1:
         raise ValueError("--repeat must be at least 1")
+    if args.requests is not None and args.requests < 1:
+        raise ValueError("--requests must be at least 1")
     if args.samples > 1 and args.seed is not None:
         raise ValueError("--samples with --seed: every sample would take the same seed, hence the same path")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -377,21 +390,26 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
             cells[key] = Cell(w, b, name, kind, per_position=target.per_position if kind == "mode" else False)
         return cells[key]
 
+    def one_by_one(wrows: list[dict[str, Any]]) -> list[list[tuple[int, dict[str, Any]]]]:
+        """The requests the hf peers decode, one at a time (a closed loop of one slot)."""
+        return [[r] for c in _chunks(wrows, 1, args.requests) for r in c]
+
     steps = args.repeat * (
-        sum(len(_chunks(wrows, b)) * (len(modes) + (len(hf_peers) if b == 1 else 0))
+        sum(len(_chunks(wrows, b, args.requests)) * len(modes) + (len(one_by_one(wrows)) * len(hf_peers) if b == 1
+                                                                   else 0)
             for wrows in by_workload.values() for b in batches) + len(vllm_peers) * len(by_workload) * len(batches))
 
     def mode_passes(w: str, wrows: list[dict[str, Any]], b: int, order: Sequence[str], rep: int) -> None:
         for m in order:
             target.new_stream()
-            for chunk in _chunks(wrows, b):
+            for chunk in _chunks(wrows, b, args.requests):
                 bar.set_postfix_str(f"{w} {batch_kind} {b} {m}{rep_tag(rep)}")
                 res = target.run(m, chunk, b, args.max_tokens)
                 cell(w, b, m, "mode").add(res.seconds, res.requests)
                 bar.update(1)
 
     def hf_passes(w: str, wrows: list[dict[str, Any]], order: Sequence[str], rep: int) -> None:
-        for chunk in _chunks(wrows, 1):  # the hf peers decode one request at a time
+        for chunk in one_by_one(wrows):  # the hf peers decode one request at a time
             for p in order:
                 bar.set_postfix_str(f"{w} {p}{rep_tag(rep)}")
                 res = hf.run(p, ids_rows(chunk))
@@ -404,12 +422,13 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
         for p in order:
             for b in batches:  # the same chunks of b requests as the modes, each one generate call
                 bar.set_postfix_str(f"{w} {batch_kind} {b} {p} (fresh process){rep_tag(rep)}")
-                rows_b = [(i + shift, ids, mt) for i, ids, mt in ids_rows([r for c in _chunks(wrows, b) for r in c])]
+                rows_b = [(i + shift, ids, mt)
+                          for i, ids, mt in ids_rows([r for c in _chunks(wrows, b, args.requests) for r in c])]
                 try:
                     res = peers_mod.run_vllm(
                         p, peer_model, rows_b, threads=args.peer_threads, dtype=peer_dtype,
                         draft=peer_draft[0] if peer_draft else None, k=peer_draft[1] if peer_draft else 4,
-                        temperature=args.temperature, batch=b, log=log)
+                        temperature=args.temperature, batch=b, closed_loop=args.requests is not None, log=log)
                     for r in res.requests:
                         r.index -= shift
                     cell(w, b, p, "peer").add(res.seconds, res.requests)
@@ -438,7 +457,7 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
                         mode_passes(w, wrows, b, modes[::-1], rep)
     settings = {"modes": modes, "peers": peers, "batches": list(batches), "batch_kind": batch_kind,
                 "temperature": args.temperature, "seed": args.seed, "samples": args.samples, "repeat": args.repeat,
-                "max_tokens": args.max_tokens,
+                "requests": args.requests, "max_tokens": args.max_tokens,
                 "workloads": {w: len(r) for w, r in by_workload.items()}}
     return build_report(list(cells.values()), target=target.describe(), settings=settings, skipped=skipped,
                         check_outputs=args.temperature == 0 or args.seed is not None, versions=_versions(),

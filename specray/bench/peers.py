@@ -140,10 +140,11 @@ def vllm_speculative_config(peer: str, draft: str | None = None, k: int = 4) -> 
 
 def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], *, threads: int = 2,
              dtype: str = "bfloat16", draft: str | None = None, k: int = 4, temperature: float = 0.0,
-             batch: int = 1, log=None) -> Chunk:
+             batch: int = 1, closed_loop: bool = False, log=None) -> Chunk:
     """`peer` on `rows` ((index, prompt ids, max tokens)) in a fresh process, `batch` rows at a time (one
-    `LLM.generate` call each, which vLLM schedules as one batch); raises RuntimeError with the child's exit code if
-    it fails."""
+    `LLM.generate` call each, which vLLM schedules as one batch), or with `closed_loop` every row in one call to an
+    engine running at most `batch` of them at once (`max_num_seqs`: a finished row's slot takes the next row);
+    raises RuntimeError with the child's exit code if it fails."""
     from specray.engine.models import resolve_model
     from specray.engine.vllm import preload_env
 
@@ -151,7 +152,7 @@ def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], 
 
     spec = {"peer": peer, "model": str(resolve_model(model)), "threads": threads, "dtype": dtype,
             "draft": str(resolve_model(draft)) if draft else None, "k": k, "temperature": temperature,
-            "batch": max(1, int(batch)), "rows": [list(r) for r in rows]}
+            "batch": max(1, int(batch)), "closed_loop": bool(closed_loop), "rows": [list(r) for r in rows]}
     env = {**os.environ, **preload_env()}
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
@@ -199,7 +200,8 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    """In the fresh process: one vLLM engine, every row once, `batch` rows per generate call."""
+    """In the fresh process: one vLLM engine, every row once, `batch` rows per generate call (a closed loop: all rows
+    in one call, at most `batch` running)."""
     threads = int(spec["threads"])
     temperature = float(spec["temperature"])
     for key, value in thread_env(threads).items():
@@ -218,6 +220,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoConfig
 
     limit = getattr(AutoConfig.from_pretrained(spec["model"]), "max_position_embeddings", None)
+    rows, batch = spec["rows"], int(spec.get("batch", 1))
+    if spec.get("closed_loop"):
+        kwargs["max_num_seqs"] = batch
+        batch = len(rows)
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"], enforce_eager=True,
               max_model_len=min(4096, limit or 4096), enable_prefix_caching=True, seed=0,
               disable_log_stats=False, **kwargs)  # with stats on, each RequestOutput carries its first-token time
@@ -228,7 +234,6 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     warm = spec["rows"][0][1][:8]  # shorter than a KV block: prefix caching keeps nothing of it
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     requests, total = [], 0.0
-    rows, batch = spec["rows"], int(spec.get("batch", 1))
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
         sps = [SamplingParams(temperature=temperature, max_tokens=int(max_tokens),

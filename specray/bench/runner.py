@@ -2,7 +2,9 @@
 the same requests for every mode, interleaved, and what each request cost.
 
 A target runs one *chunk* at a time: `batch` requests submitted together (in process: through the continuous-
-batching `Scheduler` with `max_batch_size = batch`; over HTTP: `batch` concurrent streaming requests). The
+batching `Scheduler` with `max_batch_size = batch`; over HTTP: `batch` concurrent streaming requests). A chunk of
+more requests than `batch` (`--requests`) is a closed loop: at most `batch` in flight, a finished request's slot
+taking the next at once (the scheduler queues the rest; over HTTP a semaphore holds them back). The
 benchmark walks the workload chunk by chunk and runs every mode on a chunk before the next chunk starts, so load
 that comes and goes on a shared machine hits every mode alike and their ratios stay comparable.
 
@@ -216,8 +218,13 @@ class InProcessTarget:
         else:
             engine, planner, spec = self._engine(mode), None, Speculation(_METHOD[mode])
         sched = Scheduler(engine, self.tokenizer, max_batch_size=batch, planner=planner, stop_token_ids=self.stop_ids)
+        slots = asyncio.Semaphore(batch)  # a closed loop (more rows than the batch): timed from admission, as over HTTP
 
         async def one(index: int, row: dict[str, Any]) -> RequestResult:
+            async with slots:
+                return await send(index, row)
+
+        async def send(index: int, row: dict[str, Any]) -> RequestResult:
             req = Request(prompt_ids(self.tokenizer, row), self.sampling, row_max_tokens(row, max_tokens),
                           speculation=spec)
             t0 = time.perf_counter()
@@ -310,9 +317,9 @@ class HTTPTarget:
 
     def run(self, mode: str, rows: Sequence[tuple[int, dict[str, Any]]], batch: int, max_tokens: int | None
             ) -> Chunk:
-        return asyncio.run(self._run(mode, rows, max_tokens))
+        return asyncio.run(self._run(mode, rows, batch, max_tokens))
 
-    async def _run(self, mode, rows, max_tokens) -> Chunk:
+    async def _run(self, mode, rows, batch, max_tokens) -> Chunk:
         sp = self.sampling
         common: dict[str, Any] = {"model": self.model, "temperature": sp.temperature, "stream": True,
                                   "stream_options": {"include_usage": True},
@@ -321,9 +328,14 @@ class HTTPTarget:
             common["top_p"] = sp.top_p
             if sp.seed is not None:
                 common["seed"] = sp.seed
+        slots = asyncio.Semaphore(batch)  # a closed loop (more rows than C): a finished request's slot takes the next
         async with self._openai.AsyncOpenAI(**self._args) as client:
 
             async def one(index: int, row: dict[str, Any]) -> RequestResult:
+                async with slots:
+                    return await send(index, row)
+
+            async def send(index: int, row: dict[str, Any]) -> RequestResult:
                 n = row_max_tokens(row, max_tokens)
                 t0 = time.perf_counter()
                 if "messages" in row:

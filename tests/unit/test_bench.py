@@ -339,6 +339,100 @@ def test_vllm_peers_run_at_every_batch_size_on_the_modes_chunks(tiny, workload, 
     assert cells == {(w, b) for w in n for b in (1, 3)}
 
 
+def test_requests_run_a_closed_loop_of_n_requests_at_most_b_in_flight(tiny, workload, monkeypatch):
+    """--requests N: each pass is one chunk of N requests (the workload's, repeated in order), at most B of them in
+    the scheduler at once, each timed from its admission; greedy outputs still equal plain decoding's, and a vLLM
+    peer gets all N in one call with the batch as its engine's limit."""
+    from specray.bench.runner import Chunk
+
+    monkeypatch.setattr(peers_mod, "installed", lambda module: True)
+    calls = []
+
+    def fake_run_vllm(peer, model, rows, *, batch=1, closed_loop=False, **kw):
+        calls.append((len(rows), batch, closed_loop))
+        return Chunk(0.5, [RequestResult(i, 4, 0.5, 0.1, [1, 2, 3, 4]) for i, _, _ in rows])
+
+    monkeypatch.setattr(peers_mod, "run_vllm", fake_run_vllm)
+    running, peak = [0], [0]
+
+    def counting(sched_cls):
+        class Counting(sched_cls):
+            async def generate(self, req):
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+                try:
+                    async for ev in super().generate(req):
+                        yield ev
+                finally:
+                    running[0] -= 1
+        return Counting
+
+    import specray.coordinator.scheduler as sched_mod
+    monkeypatch.setattr(sched_mod, "Scheduler", counting(sched_mod.Scheduler))
+    report = run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "cascade", "--batch", "2",
+                                          "--requests", "5", "--no-warmup", "--peers", "vllm_plain")))
+    validate(report)
+    assert report["settings"]["requests"] == 5
+    modes = [r for r in report["results"] if r["kind"] == "mode"]
+    assert {(r["workload"], r["name"]) for r in modes} == {(w, m) for w in ("copy", "chat")
+                                                           for m in ("none", "cascade")}
+    assert all(r["requests"] == 5 and len(r["per_request"]) == 5 for r in modes)
+    assert peak[0] == 2  # never more than the batch in flight, and the slots were used
+    assert report["outputs_identical"] is True and report["outputs_compared"] == 3  # by prompt: 2 copy, 1 chat
+    assert sorted(calls) == [(5, 2, True), (5, 2, True)]
+
+
+def test_requests_over_http_hold_at_most_c_streams_open():
+    """Over HTTP the closed loop's cap is the client's: at most C streams open at once, in the order given."""
+    import asyncio
+
+    from specray.bench.runner import HTTPTarget
+    from specray.spec.params import SamplingParams
+
+    opened, peak, order = [0], [0], []
+
+    class Stream:
+        def __init__(self, text):
+            self.text, self.sent = text, False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.sent:
+                opened[0] -= 1
+                raise StopAsyncIteration
+            self.sent = True
+            await asyncio.sleep(0.01)
+            delta = argparse.Namespace(content=self.text)
+            return argparse.Namespace(choices=[argparse.Namespace(delta=delta)], usage=None)
+
+    class Completions:
+        async def create(self, messages, **kw):
+            opened[0] += 1
+            peak[0] = max(peak[0], opened[0])
+            order.append(messages[0]["content"])
+            return Stream(messages[0]["content"])
+
+    class Client:
+        def __init__(self, **kw):
+            self.chat = argparse.Namespace(completions=Completions())
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+    target = HTTPTarget.__new__(HTTPTarget)
+    target._openai, target._args = argparse.Namespace(AsyncOpenAI=Client), {}
+    target.sampling, target.model = SamplingParams(0.0), "m"
+    rows = [(i, {"messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(7)]
+    chunk = target.run("none", rows, 3, 4)
+    assert peak[0] == 3 and order == [f"q{i}" for i in range(7)]
+    assert [r.output for r in chunk.requests] == [f"q{i}" for i in range(7)]
+
+
 def test_samples_send_each_workloads_requests_over_again_each_a_path_of_its_own(tiny, workload, monkeypatch):
     """--samples N at T > 0: each workload's requests N times over, in file order per pass, for every mode and peer;
     a vLLM peer seeds each request by its index, so every sample of a prompt gets a seed of its own."""
@@ -563,6 +657,22 @@ def test_vllm_peer_child_batches_rows_and_greedy_does_not_depend_on_the_batch(re
     assert by_index[0].seconds == by_index[1].seconds  # one generate call: one wall time for the chunk
     assert res.seconds == pytest.approx(by_index[0].seconds + by_index[2].seconds)
     assert all(r.stats == {} for r in res.requests)  # plain: no speculation counts
+
+
+@pytest.mark.slow  # a vLLM engine start in a fresh process (~30-80 s here)
+def test_vllm_peer_child_runs_a_closed_loop_in_one_call(rep_target):
+    """closed_loop: every row in one generate call (one wall time), at most `batch` running; the same greedy tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(rep_target))
+    a, b = tok.encode("def fibonacci(n):"), tok.encode("The river ran quietly past")
+    rows = [(0, a, 10), (1, b, 10), (2, a, 10)]
+    res = peers_mod.run_vllm("vllm_plain", str(rep_target), rows, threads=1, dtype="float32", batch=2,
+                             closed_loop=True)
+    by_index = {r.index: r for r in res.requests}
+    assert sorted(by_index) == [0, 1, 2] and all(r.tokens == 10 for r in res.requests)
+    assert by_index[0].output == by_index[2].output
+    assert {r.seconds for r in res.requests} == {res.seconds}
 
 
 @pytest.mark.slow  # a vLLM engine start in a fresh process (~30-80 s here)
