@@ -253,9 +253,10 @@ class PlannerFeed:
 
     def hosted(self, plan: Plan, batch: int, seconds: float) -> None:
         """A round of `plan` over `batch` rows spent `seconds` outside its workers' calls (`HostObserver`)."""
+        drafting = tuple(plan.levels[:-1]) if len(plan.levels) > 1 and plan.k[-1] > 0 else ()
         for ob in self.observers:
             if isinstance(ob, HostObserver):
-                ob.on_host(plan.drafting, batch, seconds)
+                ob.on_host(drafting, batch, seconds)
 
     def proposed(self, level: int, batch: int, steps: int, seconds: float) -> None:
         for ob in self.observers:

@@ -398,7 +398,7 @@ class Pricing:
         """Seconds a round of `plan` spends outside the workers' calls: the configured `overhead` plus the
         coordinator's own work measured for rounds drafted by the same levels at this batch size
         (`specray.policy.host`)."""
-        return self.host_of(plan.drafting, batch)
+        return self.host_of(tuple(plan.levels[:-1]) if len(plan.levels) > 1 and plan.k[-1] > 0 else (), batch)
 
     def host_of(self, drafting: tuple[int, ...], batch: int) -> float:
         """`host` for a round drafted by `drafting` (() plain decoding)."""
