@@ -555,6 +555,15 @@ class TimedPlanner:
     def on_native(self, *args: Any) -> None:
         self._timed("on_native", self.planner.on_native, *args)
 
+    def on_shadow(self, *args: Any) -> None:
+        self._timed("on_shadow", self.planner.on_shadow, *args)
+
+    def on_drafted(self, *args: Any) -> None:
+        self._timed("on_drafted", self.planner.on_drafted, *args)
+
+    def on_host(self, *args: Any) -> None:
+        self._timed("on_host", self.planner.on_host, *args)
+
     def reset(self) -> None:
         self.cpu.clear()
         self.calls.clear()

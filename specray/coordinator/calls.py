@@ -11,6 +11,7 @@ the coordinator's work per call grows with the batch, not with the sequences' le
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ class LevelCalls:
         self.levels = list(levels)
         self.failover = failover
         self.feed = feed
+        self._busy = threading.local()  # seconds each thread spent inside worker calls (`busy`)
 
     def method(self, level: int, lower: int | None, override: VerifyMethod | None = None) -> VerifyMethod:
         """How `level` verifies drafts from `lower`: the request's override or the level's configured method;
@@ -304,12 +306,20 @@ class LevelCalls:
         return SeqSync(keep, tuple(append))
 
     def call(self, i: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except LevelCallError:
             raise
         except Exception as exc:
             raise LevelCallError(i, self.levels[i].name, exc) from exc
+        finally:
+            self._busy.seconds = self.busy() + time.perf_counter() - t0
+
+    def busy(self) -> float:
+        """Seconds the calling thread has spent inside worker calls (`call`) so far: a round's wall time less what
+        this grew by is the coordinator's own work (`CascadeEngine.step`)."""
+        return getattr(self._busy, "seconds", 0.0)
 
     def release(self, s: Seq) -> None:
         """Free the sequence on every level that has seen it (idempotent; a dead level lost it anyway). A suffix

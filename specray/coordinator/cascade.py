@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -164,11 +165,16 @@ class CascadeEngine:
             # ahead (overlap) and skip draft probabilities under a configured rejection method
             override = VerifyMethod.GREEDY
         failed: set[int] = set()  # levels that failed in this round: its retries run without them
+        t0, busy = time.perf_counter(), self.calls.busy()
         for _ in range(len(self.levels)):
             r = new_round(active, self.failover.available(plan, failed), override, self.immediate, self.lookahead,
                           tree)
             try:
                 committed = run_round(r, self.calls)
+                if not failed and not isinstance(r.source, LookAhead):
+                    # the coordinator's own time this round (a look-ahead's calls run in another thread beside it)
+                    own = time.perf_counter() - t0 - (self.calls.busy() - busy)
+                    self.calls.feed.hosted(r.plan, len(active), own)
                 break
             except LevelCallError as exc:
                 if exc.level == self.top:

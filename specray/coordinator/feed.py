@@ -40,6 +40,10 @@ more draft token: where a row's lookup draft filled its ask and was accepted who
 next token up and reports the row as a round asking one token more would have measured it (`on_drafted`: that
 token accepted if it equals the bonus token; a failure past the draft where the lookup had no next token), for at
 most `SHADOW_LOOKUPS` rows a call. Each K measures K + 1, so a K held short learns whether the next one pays.
+
+The round's own time: `CascadeEngine.step` reports the seconds each round spent outside its workers' calls (the
+coordinator's lookups, drafts, syncs, commits and this feed) with the levels that drafted for the target (() for
+plain decoding), to a `HostObserver` (the planner) as `on_host(drafting, batch, seconds)`; `specray.policy.host`.
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
     from specray.spec.tree import DraftTree
 
-__all__ = ["SHADOW_LOOKUPS", "CatchUpObserver", "NativeObserver", "Observer", "PlannerFeed", "ShadowObserver",
-           "StopObserver", "TreeObserver", "TreeProposeObserver", "TreeWalk", "Verified", "fed_lengths", "tree_walk"]
+__all__ = ["SHADOW_LOOKUPS", "CatchUpObserver", "HostObserver", "NativeObserver", "Observer", "PlannerFeed",
+           "ShadowObserver", "StopObserver", "TreeObserver", "TreeProposeObserver", "TreeWalk", "Verified",
+           "fed_lengths", "tree_walk"]
 
 #: at most this many rows of a round start a shadow lookup (an n-gram scan of the row's text each): a sample of the
 #: batch measures the same acceptance, and the coordinator's work per round stays bounded at large batches
@@ -85,6 +90,14 @@ class CatchUpObserver(Protocol):
     request, or one that sat out rounds): kind and tokens as `on_call`'s, for the call's own work."""
 
     def on_catch_up(self, level: int, kind: str, batch: int, tokens: int, caught: int, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class HostObserver(Protocol):
+    """Gets each round's own time outside the workers' calls (`CascadeEngine.step`): the levels that drafted for the
+    target (() plain decoding), the batch, and the seconds (`specray.policy.host`)."""
+
+    def on_host(self, drafting: tuple[int, ...], batch: int, seconds: float) -> None: ...
 
 
 @runtime_checkable
@@ -237,6 +250,12 @@ class PlannerFeed:
         if lens:
             for ob in shadows:
                 ob.on_shadow(len(self.levels) - 1, 0, lens, accepted, asked)
+
+    def hosted(self, plan: Plan, batch: int, seconds: float) -> None:
+        """A round of `plan` over `batch` rows spent `seconds` outside its workers' calls (`HostObserver`)."""
+        for ob in self.observers:
+            if isinstance(ob, HostObserver):
+                ob.on_host(plan.drafting, batch, seconds)
 
     def proposed(self, level: int, batch: int, steps: int, seconds: float) -> None:
         for ob in self.observers:

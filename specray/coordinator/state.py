@@ -146,6 +146,11 @@ class Plan:
     def speculative(self) -> bool:
         return len(self.levels) > 1 and any(self.k)
 
+    @property
+    def drafting(self) -> tuple[int, ...]:
+        """The levels that draft for the target in a round of this plan; () for plain decoding (K 0 at the target)."""
+        return tuple(self.levels[:-1]) if len(self.levels) > 1 and self.k[-1] > 0 else ()
+
 
 def plan_name(plan: Plan, names: Sequence[str]) -> str:
     """A plan's label: 'ngram:4>draft:4>target', 'target' (plain decoding), 'ngram:4|draft:4>target' (hybrid);

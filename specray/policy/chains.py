@@ -90,16 +90,16 @@ class ChainTable:
                 lvl, k_low = levels[i], kk[:, i - 1]
                 inner = np.ceil(dl(lvl)[kk[:, i]] / elen(lvl, levels[i - 1])[k_low] - 1e-9)
                 produce = inner * (produce + step(lvl)[k_low + 1])
-            k = kk[:, -1]
+            k, host = kk[:, -1], pricing.host_of(tuple(levels[:-1]), batch)
             if m.is_ngram[levels[-2]] and not m.chain_fed(m.top, levels[-2]):  # no match: a plain step
                 if lookup_verify is None:
                     per_k = [pricing._lookup_verify_time(batch, j) for j in range(1, kmax + 1)]
                     lookup_verify = np.array([0.0, *per_k])
-                t = produce + lookup_verify[k] + pricing.overhead
+                t = produce + lookup_verify[k] + host
             elif pricing.stops(levels[-2]):  # a model drafter that stops short: over its drafts' lengths
-                t = produce + np.array(pricing.stopping_verify_times(levels[-2], batch, kmax))[k] + pricing.overhead
+                t = produce + np.array(pricing.stopping_verify_times(levels[-2], batch, kmax))[k] + host
             else:  # a model drafter that fills its K
-                t = produce + verify[k] + pricing.overhead
+                t = produce + verify[k] + host
             out[idx] = np.divide(elen(m.top, levels[-2])[k] * batch, t, out=np.full(len(t), np.inf), where=t > 0)
             covered[idx] = True
         return out, covered

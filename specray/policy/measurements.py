@@ -5,9 +5,8 @@ level's step-cost fit (`StepCost`), the acceptance of each (verifier, drafter) p
 match rate and the acceptance of its matches (hybrid plans), the token trees' acceptance and nodes fed, the native
 target's own speculation, and the clock of each item's latest measurement, which exploration reads to find the
 stalest. The engine feeds them through its observer hooks (`on_call`, `on_verify`, `on_native`, `on_tree`,
-`on_propose_tree`, `on_shadow`: the typed events of `specray.coordinator.feed`, through the planner's hooks of the
-same names);
-every measurement clears `memo`, the predictions derived from them.
+`on_propose_tree`, `on_shadow`, `on_host`: the typed events of `specray.coordinator.feed`, through the planner's
+hooks of the same names); every measurement clears `memo`, the predictions derived from them.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from specray.policy.cost import Acceptance, StepCost
+from specray.policy.host import HostTimes
 from specray.spec.params import tree_feeds
 
 if TYPE_CHECKING:
@@ -144,6 +144,8 @@ class Measurements:
         #: level that sat out rounds, or meets a row for the first time, pays per token of text to catch up
         self.catch_up: dict[int, list[float]] = {}
         self.decay_catch_up = decay
+        #: the coordinator's own seconds per round, by the plan's drafting levels and batch bucket (`on_host`)
+        self.host = HostTimes()
 
     def _scaled_prior(self, ratio: float):
         target = self.costs[self.top]
@@ -154,7 +156,18 @@ class Measurements:
         trees for it (its chains are often shorter than K)."""
         return self.is_ngram[lower] and (level, lower, self.tree_width) in self.tree_acceptance
 
+    def host_time(self, drafting: tuple[int, ...], batch: int) -> float:
+        """Seconds a round drafted by `drafting` (() plain decoding) spends outside the workers' calls at `batch`."""
+        return self.host.seconds(drafting, batch_bucket(batch))
+
     # ----- engine observer hooks ------------------------------------------------------------------
+    def on_host(self, drafting: tuple[int, ...], batch: int, seconds: float) -> None:
+        """A round drafted by `drafting` (() plain decoding) over `batch` rows spent `seconds` outside its workers'
+        calls (`specray.policy.host`)."""
+        with self.lock:
+            self.host.observe(drafting, batch_bucket(batch), seconds)
+            self.memo.clear()
+
     def on_call(self, level: int, kind: str, batch: int, tokens: int, seconds: float) -> None:
         """A timed worker call: kind 'propose' (tokens = sequential steps) or 'verify' (tokens = q)."""
         with self.lock:

@@ -491,6 +491,9 @@ class Planner:
     def on_catch_up(self, level: int, kind: str, batch: int, tokens: int, caught: int, seconds: float) -> None:
         self.measurements.on_catch_up(level, kind, batch, tokens, caught, seconds)
 
+    def on_host(self, drafting: tuple[int, ...], batch: int, seconds: float) -> None:
+        self.measurements.on_host(drafting, batch, seconds)
+
     @property
     def costs(self) -> dict[int, StepCost]:
         return self.measurements.costs

@@ -12,7 +12,11 @@ Goodput of a plan at batch B is E[L] * B / T_round, extended to cascades:
   produces K_i tokens in ceil(K_i / E_i) inner rounds with E_i = E[L](alpha(l_i | l_{i-1}), K_{i-1}), each
   costing P_{l_{i-1}}(K_{i-1}) + T_{l_i}(B, K_{i-1}+1); so recursively
   P_{l_i}(K_i) = ceil(K_i / E_i) * (P_{l_{i-1}}(K_{i-1}) + T_{l_i}(B, K_{i-1}+1)), and
-  T_round = P_{l_{m-1}}(K_{m-1}) + T_t(B, K_{m-1}+1) + overhead, E[L] = E[L](alpha(t | l_{m-1}), K_{m-1}).
+  T_round = P_{l_{m-1}}(K_{m-1}) + T_t(B, K_{m-1}+1) + H, E[L] = E[L](alpha(t | l_{m-1}), K_{m-1}).
+- H (`host`), in every T_round: the coordinator's own seconds per round outside the workers' calls (lookups,
+  drafts, syncs, the verdict, the feed), measured per kind of round (the plan's drafting levels; plain decoding
+  is one kind) and batch bucket (`specray.policy.host`), plus the configured `overhead`. Negligible on a CPU step,
+  a share of a GPU step, and larger for a speculative round than a plain one.
 
 Native target (a vLLM engine with its own speculative_config, `specray.engine.vllm_native`): its plain plan
 is vLLM speculating by itself, so E[L] = E[L](alpha(t | t), K_native) with alpha measured from the engine's
@@ -108,8 +112,8 @@ def _effective(plan: Plan) -> list[int]:
 class Pricing:
     """The goodput model over `measured` (the planner's live measurements: step-cost fits, acceptances, trees, the
     native target; `measured.memo` holds the predictions, cleared by every measurement), with the round's fixed
-    costs (`overhead`, `ngram_cost`) and the engine's overlap settings (`overlap`, `bounded`, `ahead_chunk`: set by
-    `Planner.attach`)."""
+    costs (`overhead`, added to the measured host time: `host`; `ngram_cost`) and the engine's overlap settings
+    (`overlap`, `bounded`, `ahead_chunk`: set by `Planner.attach`)."""
 
     def __init__(self, measured: Measurements, *, overhead: float, ngram_cost: float, rejection_top: bool) -> None:
         self.measured = measured
@@ -387,8 +391,18 @@ class Pricing:
         propose = self.drafted(model, unmatched, k_d) * self.step_time(model, unmatched, 1)
         verify = all_matched * self._verify_time(batch, k_l) + (1.0 - all_matched) * self._verify_time(
             batch, max(k_l, k_d))
-        got = memo[key] = (elen, self.ngram_cost + (1.0 - all_matched) * propose + verify + self.overhead)
+        got = memo[key] = (elen, self.ngram_cost + (1.0 - all_matched) * propose + verify + self.host(plan, batch))
         return got
+
+    def host(self, plan: Plan, batch: int) -> float:
+        """Seconds a round of `plan` spends outside the workers' calls: the configured `overhead` plus the
+        coordinator's own work measured for rounds drafted by the same levels at this batch size
+        (`specray.policy.host`)."""
+        return self.host_of(plan.drafting, batch)
+
+    def host_of(self, drafting: tuple[int, ...], batch: int) -> float:
+        """`host` for a round drafted by `drafting` (() plain decoding)."""
+        return self.overhead + self.measured.host_time(drafting, batch)
 
     def round_time(self, plan: Plan, batch: int) -> float:
         """Expected seconds of one round of `plan` over `batch` sequences (module docstring)."""
@@ -402,19 +416,19 @@ class Pricing:
                 t = m.memo.get(key)
                 if t is None:
                     t = m.memo[key] = m.native_cost.predict(batch, q)
-                return t + self.overhead
-            return self.step_time(m.top, batch, 1) + self.overhead
+                return t + self.host(plan, batch)
+            return self.step_time(m.top, batch, 1) + self.host(plan, batch)
         k = plan.k[-1]
         if self._overlapped(plan):
             if self.bounded:
-                return self._bounded(plan, batch)[1] + self.overhead
+                return self._bounded(plan, batch)[1] + self.host(plan, batch)
             # unbounded overlap: the levels below draft K + 1 ahead while the target verifies; the next
             # round skips drafting when all K and the bonus token match (probability ~ prod alpha_1..K+1)
             produce = self._produce(plan, len(plan.levels) - 2, batch, k)
             verify = self._verify_time(batch, k)
             ahead = self._produce(plan, len(plan.levels) - 2, batch, k + 1)
             hit = math.prod(self.alphas(m.top, plan.levels[-2], k + 1))
-            return (1.0 - hit) * produce + max(verify, ahead) + self.overhead
+            return (1.0 - hit) * produce + max(verify, ahead) + self.host(plan, batch)
         width, lower = self.width(plan, len(plan.levels) - 2), plan.levels[-2]
         if width > 1 or m.chain_fed(m.top, lower):  # priced at what it feeds
             verify = self.step_time(m.top, batch, self._fed(m.top, lower, k, width))
@@ -424,7 +438,7 @@ class Pricing:
             verify = self._stopping_verify_time(lower, batch, k)
         else:
             verify = self._verify_time(batch, k)
-        return self._produce(plan, len(plan.levels) - 2, batch, k) + verify + self.overhead
+        return self._produce(plan, len(plan.levels) - 2, batch, k) + verify + self.host(plan, batch)
 
     def _overlapped(self, plan: Plan) -> bool:
         """Whether the engine drafts this plan's next round while the target verifies (lookahead.py)."""
