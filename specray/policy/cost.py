@@ -69,7 +69,10 @@ class StepCost:
     One slope for every batch size is wrong on a CPU engine: there a 5-token verification costs about a plain step at
     batch 1 and twice one at batch 4. So each batch size where calls of several tokens per row were measured keeps
     its own cost per extra token fed (a decayed ratio of the seconds beyond that batch's plain step to the extra
-    tokens, aged only by such calls), and the curve at that batch is its plain step plus that slope. Between two
+    tokens, aged only by such calls), and the curve at that batch is its plain step plus that slope, even below
+    `slope_floor` up to the most tokens per row measured there (a prompt's cost per token includes a new row's setup,
+    which a verification does not pay: floored, a 2-token verification on a small CPU model was priced 1.2x a plain
+    step that it cost 1.05x of, and lookup rounds lost to plain decoding they beat). Between two
     measured batch sizes the slope is interpolated; above the largest it is at least the largest's (the cost per
     token grows with the batch on both a CPU and a GPU); below the smallest the fit prices it, optimistic until
     measured.
@@ -212,7 +215,7 @@ class StepCost:
         a, b, c = coefs
         own = self._batch_slope(batch, coefs)
         if own is not None:
-            out = self._predict(coefs, batch, 1) + max(own[0], self.slope_floor) * batch * (tokens - 1)
+            out = self._predict(coefs, batch, 1) + own[0] * batch * (tokens - 1)
             top = own[1]
         else:
             out = a + b * batch * tokens + c * batch
@@ -225,8 +228,7 @@ class StepCost:
     def _line(self, coefs: Coefs, ref_b: float, batch: int, slope: float, q_top: int, tokens: int) -> float:
         """The batch's plain step plus `slope` per extra token fed up to `q_top` tokens per row, and beyond that as
         optimistic as the fit's extrapolation (class docstring)."""
-        steep = max(slope, self.slope_floor)
-        out = self._predict(coefs, batch, 1) + steep * batch * (min(tokens, q_top) - 1)
+        out = self._predict(coefs, batch, 1) + slope * batch * (min(tokens, q_top) - 1)
         if tokens > q_top:
             out += max(min(slope, coefs[1], ref_b), self.slope_floor) * batch * (tokens - q_top)
         return out

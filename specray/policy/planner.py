@@ -129,7 +129,7 @@ class Planner:
         self.rerank_every = int(rerank_every)
         if rerank_budget is not None and not 0 < rerank_budget <= 1:
             raise ValueError("rerank_budget must be in (0, 1]")
-        #: the largest share of the wall time the ranking may take: after a ranking that took t seconds, the next
+        #: the largest share of the wall time the ranking may take: after a ranking that took t CPU seconds, the next
         #: waits until t / rerank_budget seconds have passed (None: rank by `rerank_every` alone). Short rounds
         #: (GPU steps) then rank every many rounds, long ones (CPU steps) every round or two.
         self.rerank_budget = rerank_budget
@@ -142,7 +142,7 @@ class Planner:
         self._unranked = 0  # rounds since the last ranking that kept the held plan
         self._hot_seen: float | None = None  # the held lookup plan's rows' state its K was priced for (`_retune`)
         self._copy_seen: float | None = None  # the lookup's rows' state (shadows) at the latest ranking (`_hold`)
-        self._rank_cost = 0.0  # seconds the latest ranking took
+        self._rank_cost = 0.0  # CPU seconds the latest ranking took
         self._rank_end = 0.0  # perf_counter() when it ended
         self._probe_round = False
         #: why the latest plan() answer was chosen (metrics): 'table' (an override there), 'warmup', 'hold'
@@ -350,14 +350,16 @@ class Planner:
         self._unranked = 0
         self._hot_seen = self._hot_share(self._current)
         self._copy_seen = self._copy_share()
-        t0 = time.perf_counter()
+        cpu0 = time.thread_time()
         ranked = self.explain(batch)
         best = ranked[0][0]
         if self._backlog is not None and self._backlog.uncovered:
             # the best plan once its drafters' catch-up is paid (the ranking itself, memoised, leaves it out)
             best = max(ranked, key=lambda pg: self._paid_back(*pg))[0]
         self._rank_end = time.perf_counter()
-        self._rank_cost = self._rank_end - t0
+        # the coordinator's CPU the ranking took: its thread waiting for the GIL or for a core (a busy event loop, a
+        # noisy neighbour) is not its cost, and one such wait of a switch interval held the plan for a second
+        self._rank_cost = time.thread_time() - cpu0
         best_gp = self._paid_back(best, self.ranking.goodput(best, batch, self._current))
         if self.margin and self._pairs(best):
             plain_gp = self._score(self.plain, batch)

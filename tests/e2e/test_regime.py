@@ -1,12 +1,13 @@
 """A real local run (HTTP on 127.0.0.1, live planner, real model): raising concurrency from 1 to 32 changes
-the plan, and /metrics shows it (rounds per plan in `specray_round_latency_seconds_count{plan}`).
+the plan, and /metrics shows it (rounds per plan in `specray_round_latency_seconds_count{plan}`): at one request
+most rounds draft, at 32 most decode plainly.
 
 The target is a 4-layer, 512-wide model built here. On CPU its step is flat in the tokens fed at batch 1 (q=2
 costs ~1.0x q=1) but not at batch 32 (~1.5x): a draft that is accepted less than about half the time pays at
 batch 1 and loses at batch 32. Its embeddings are tied and its blocks' output projections scaled by 48, so its
 greedy text repeats itself now and then: prompt lookup (earliest occurrence) drafts it about that well.
 Measured with fixed plans through this server (2-core Xeon, 128 tokens a request): at batch 1 n-gram K 1-2
-ran 1.1-1.25x plain decoding, at batch 32 plain decoding ran 1.2x n-gram K 1 and more against deeper K.
+ran 1.1-1.4x plain decoding, at batch 32 plain decoding ran 1.2x n-gram K 1 and more against deeper K.
 
 Neither end may be a near-tie, or the planner's pick is timing noise: with a scale of 8 the text repeats
 so much that speculation also wins at batch 32 (by ~1.2x), and an untied random model writes noise that
@@ -54,10 +55,16 @@ def total_k(plan: str) -> int:
     return sum(int(k) for k in re.findall(r":(\d+)", plan))
 
 
-def dominant(before: dict[str, float], after: dict[str, float]) -> tuple[str, dict[str, float]]:
+def rounds_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     delta = {p: after.get(p, 0) - before.get(p, 0) for p in after}
-    delta = {p: d for p, d in delta.items() if d > 0}
-    return max(delta, key=delta.get), delta
+    return {p: d for p, d in delta.items() if d > 0}
+
+
+def drafting_share(rounds: dict[str, float]) -> float:
+    """The share of rounds whose plan drafted: the planner moves a lookup's K with the text (a copy under way or
+    not), so at batch 1 speculation spreads over several plans, none of which need outnumber plain decoding's
+    probes alone."""
+    return sum(n for p, n in rounds.items() if total_k(p) > 0) / sum(rounds.values())
 
 
 def test_concurrency_1_to_32_changes_the_plan(bigger_target):
@@ -97,12 +104,11 @@ def test_concurrency_1_to_32_changes_the_plan(bigger_target):
             t.join(300)
         assert time.monotonic() - t0 < 300
         m2 = rounds_per_plan(srv.url)
-        solo, solo_rounds = dominant(m0, m1)
-        busy, busy_rounds = dominant(m1, m2)
+        solo_rounds, busy_rounds = rounds_between(m0, m1), rounds_between(m1, m2)
         print(f"\nconcurrency 1: {solo_rounds}\nconcurrency 32: {busy_rounds}")
-        assert total_k(solo) > 0, f"at batch 1 the planner should speculate: {solo_rounds}"
-        assert busy != solo, f"the plan did not change from 1 to 32 concurrent requests: {busy_rounds}"
-        assert total_k(busy) < total_k(solo), (solo, busy)
+        assert drafting_share(solo_rounds) > 0.5, f"at batch 1 most rounds should speculate: {solo_rounds}"
+        assert drafting_share(busy_rounds) < 0.5, \
+            f"the plan did not change from 1 to 32 concurrent requests (most rounds still draft): {busy_rounds}"
     finally:
         srv.stop()
 

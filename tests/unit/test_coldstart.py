@@ -375,6 +375,24 @@ def test_each_batch_size_prices_extra_tokens_at_its_own_measured_slope():
         assert cost.predict_many(batch, q).tolist() == pytest.approx([cost.predict(batch, int(x)) for x in q])
 
 
+
+def test_a_batch_prices_extra_tokens_at_its_measured_slope_though_its_prefills_cost_more_per_token():
+    """A small CPU target at batch 1: a plain step 3.5 ms, a 2- or 3-token verification 0.2 ms more per extra token,
+    while prompts of a few tokens cost 0.6 ms per token beyond a step (a new row's setup is in that). Raised to the
+    prefills' cost per token, the measured slope priced a K 1 lookup round 1.2x a plain one, which measured 1.05x, and
+    the planner held plain decoding on text that lookup drafts well. The floor still applies past the sizes measured."""
+    cost = StepCost((1.0, 0.02, 0.0))
+    floor = 0.0006
+    cost.slope_floor = floor  # what `Measurements.on_catch_up` sets from the level's prefills
+    for _ in range(30):
+        for q, seconds in ((1, 0.0035), (2, 0.0037), (3, 0.0039)):
+            cost.observe(1, q, seconds)
+    for q in (1, 2, 3):
+        assert cost.predict(1, q) == pytest.approx(0.0035 + 0.0002 * (q - 1), rel=0.03), q
+    assert cost.predict(1, 9) >= cost.predict(1, 3) + floor * 6 * 0.99  # beyond the sizes measured: the floor
+    q = np.arange(1, 10)
+    assert cost.predict_many(1, q).tolist() == pytest.approx([cost.predict(1, int(x)) for x in q])
+
 def _draft_target() -> list[Level]:
     return [Level("draft", worker=FakeWorker("draft", vocab=8), k=4), Level("t", worker=FakeWorker("t", vocab=8))]
 
