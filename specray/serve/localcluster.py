@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -47,13 +48,39 @@ DEFAULT_NODES = (
 
 
 def free_port() -> int:
-    """An unused TCP port outside Ray's worker-port range."""
+    """An unused TCP port on 127.0.0.1 that nothing else is about to take. Not one from `bind(("127.0.0.1", 0))`: the
+    kernel hands those, and the local ports of outgoing connections, out of its ephemeral range, where a Ray that
+    starts before our server binds takes dozens (a Serve proxy then failed to bind the port picked for it). So a
+    port below that range and above Ray's worker ports, at random, checked free; the kernel's pick where no such
+    range exists."""
+    lo = _ephemeral_low()
+    below = range(_WORKER_PORT_RANGE.stop, lo - 1)  # port + 1 is also kept free (a cluster's client port)
+    for port in random.sample(below, k=min(len(below), 64)):
+        if _bindable(port) and _bindable(port + 1):
+            return port
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         if port not in _WORKER_PORT_RANGE and port + 1 not in _WORKER_PORT_RANGE:
             return port
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux: `ip_local_port_range`; elsewhere IANA's 49152)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _ray_bin() -> str:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -13,15 +12,10 @@ import pytest
 
 from specray.config import AppConfig
 from specray.serve.http import build_http_app
+from specray.serve.localcluster import free_port
 from specray.serve.replica import Coordinator
 
 MODEL = "tiny-cascade"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_config(tiny, max_context: int | None = None, **server: Any) -> AppConfig:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -14,16 +13,12 @@ import openai
 import pytest
 import yaml
 
+from specray.serve.localcluster import free_port
+
 pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_app_args(tiny) -> dict:
@@ -43,7 +38,7 @@ def serve_app(tiny):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}})
-    port = _free_port()
+    port = free_port()
     cfg = tiny_app_args(tiny)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app_cfg = cfg["applications"][0]

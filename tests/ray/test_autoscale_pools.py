@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.ray.test_app import _free_port
+from specray.serve.localcluster import free_port
 
 pytestmark = pytest.mark.ray
 
@@ -116,7 +116,7 @@ def pools_app(tiny):
            "PYTHONPATH": os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)}
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": env}, _system_config={"metrics_report_interval_ms": 1000})
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app_cfg = pools_config(tiny)["applications"][0]
     t0 = time.monotonic()

@@ -4,20 +4,15 @@ answers the openai client with speculation (tiny models built at test time)."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import openai
 import pytest
 import yaml
 
+from specray.serve.localcluster import free_port
+
 pytestmark = pytest.mark.ray
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def llm_tiny_config(tiny) -> dict:
@@ -40,7 +35,7 @@ def test_llm_configs_yaml_deploys_and_answers(tiny):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}})
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # what `serve run` does with an application's import_path and args

@@ -18,7 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specray.metrics import CATALOG
-from tests.ray.test_app import _free_port, tiny_app_args
+from specray.serve.localcluster import free_port
+from tests.ray.test_app import tiny_app_args
 
 pytestmark = pytest.mark.ray
 
@@ -38,11 +39,11 @@ def cluster_app(tiny):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         ray.shutdown()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": REPORT_MS},
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}})
-    port = _free_port()
+    port = free_port()
     cfg = tiny_app_args(tiny)  # tests/ray/serve_config_tiny.yaml, deployed as `serve deploy` would, 2 replicas
     cfg["http_options"]["port"] = port
     cfg["applications"][0]["deployments"][0]["num_replicas"] = 2

@@ -41,14 +41,14 @@ def native_app(rep_target):
     from ray import serve
 
     from specray.serve.app import build_app
-    from tests.ray.test_app import _free_port
+    from specray.serve.localcluster import free_port
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}})
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = {
         "server": {"model_name": MODEL, "max_batch_size": 8},

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,19 +14,15 @@ from pathlib import Path
 import openai
 import pytest
 
+from specray.serve.localcluster import free_port
+
 pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_specray_serve_one_liner_serves_the_openai_client(tiny):
-    port = _free_port()
+    port = free_port()
     target, mid = str(tiny.target_dir), str(tiny.draft_dirs["mid"])
     cmd = [sys.executable, "-m", "specray.cli", "serve", target, "--draft", mid, "--ngram", "--served-model-name",
            "tiny", "--dtype", "float32", "--threads", "1", "--num-cpus", "0.5", "--max-num-seqs", "4",
