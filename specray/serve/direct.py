@@ -4,7 +4,8 @@ Why: a round calls every level once per (inner) round, and on GPUs a step takes 
 Ray actor call costs about a millisecond on a loaded host (scheduling, gRPC, the object store's bookkeeping); a
 Ray Compiled Graph costs about a quarter of that, but its reader polls its channel, so an idle level actor keeps
 a CPU core busy, cores that CPU levels need for their models. A blocking socket costs neither: a request is one
-length-prefixed pickle frame each way (`TCP_NODELAY`), and an idle level sleeps in `recv`.
+length-prefixed pickle frame each way (`TCP_NODELAY`; the round's messages as plain tuples, `specray.serve.codec`),
+and an idle level sleeps in `recv`.
 
 Waiting: a thread blocked in `recv` is parked, and waking it when the frame lands costs tens of microseconds on
 bare metal and more on a virtual machine, twice per call (the request wakes the server, the reply the client), on
@@ -38,6 +39,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
+
+from specray.serve.codec import decode, encode
 
 __all__ = ["FrameClient", "FrameServer", "FrameClock", "PendingReply", "Reply", "TransportError"]
 
@@ -163,7 +166,7 @@ class Reply:
         return self
 
     def send(self, value: Any) -> None:
-        self._write(pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL))
+        self._write(pickle.dumps((True, encode(value)), protocol=pickle.HIGHEST_PROTOCOL))
 
     def fail(self, exc: BaseException) -> None:
         self._write(_dumps_exception(exc))
@@ -234,7 +237,7 @@ class FrameServer:
                         clock.wait(conn, "request", replied)
                     frame, one_way = _recv_frame(conn)
                     got = time.perf_counter()
-                    request = pickle.loads(frame)
+                    request = decode(pickle.loads(frame))
                     if one_way:
                         self._one_way(request)
                         continue
@@ -244,7 +247,7 @@ class FrameServer:
                     try:
                         value = self.handler(request, later) if later is not None else self.handler(request)
                         reply = None if later is not None and later.deferred else pickle.dumps(
-                            (True, value), protocol=pickle.HIGHEST_PROTOCOL)
+                            (True, encode(value)), protocol=pickle.HIGHEST_PROTOCOL)
                     except Exception as exc:  # the request failed: the client raises it
                         if later is not None and later.deferred:  # whoever completes it replies
                             log.exception("direct transport: a handler failed after deferring its reply")
@@ -329,7 +332,7 @@ class FrameClient:
     def begin(self, request: Any, shape: Hashable | None = None) -> PendingReply:
         """Send `request` and return at once; its reply is read by `PendingReply.result`, which must be called:
         the connection is the request's until then (other calls wait). `shape`: as for `call`."""
-        payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(encode(request), protocol=pickle.HIGHEST_PROTOCOL)
         self._lock.acquire()
         try:
             _send(self._sock, payload)
@@ -343,7 +346,7 @@ class FrameClient:
 
     def post(self, request: Any) -> None:
         """Send a one-way request: the server runs it and replies nothing."""
-        payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(encode(request), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             try:
                 _send(self._sock, payload, one_way=True)
@@ -369,7 +372,7 @@ class PendingReply:
         self._open = True
 
     def post(self, request: Any) -> None:
-        payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(encode(request), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             _send(self._client._sock, payload, one_way=True)
         except OSError as exc:
@@ -397,5 +400,5 @@ def _unwrap(reply: bytes) -> Any:
     ok, value = pickle.loads(reply)
     if not ok:
         raise value
-    return value
+    return decode(value)
 
