@@ -2,11 +2,12 @@
 
 A level's process sleeps between a round's frames, and what it runs when one comes finds cold caches. Pickle
 rebuilds a dataclass through its generic object protocol (a new instance, then a fresh attribute dict per object),
-which cold costs several times what rebuilding the same fields from a tuple does: at batch 1 a cascade round's
-frames spent more time being unpickled than crossing the socket. So each round's message classes (`MESSAGES`) go
-as `(code, field, ...)`, their message-valued fields likewise (declared per class, never guessed from values), and
-anything else as `(RAW, value)`, pickled as it is (first-call sampling parameters, exceptions, tensors inside
-fields). Codes are positions in `MESSAGES`: both ends run the same table.
+which, cold, costs more than rebuilding the same fields from a tuple: at batch 1 a cascade round's frames spent
+about as long being pickled and unpickled as crossing the socket (benchmarks/README.md section 6). So each
+round's message classes (`MESSAGES`) go as `(code, field, ...)`, their message-valued fields likewise (declared
+per class, never guessed from values), and anything else as `(RAW, value)`, pickled as it is (first-call
+sampling parameters, exceptions, tensors inside fields). Codes are positions in `MESSAGES`: both ends run the
+same table.
 """
 
 from __future__ import annotations
