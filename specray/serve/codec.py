@@ -13,7 +13,6 @@ same table.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -94,9 +93,9 @@ def encode(obj: Any) -> tuple:
         v = vals[i]
         if v is None:
             continue
-        if kind is _ONE:
+        if kind == _ONE:
             vals[i] = encode(v)
-        elif kind is _MANY:
+        elif kind == _MANY:
             vals[i] = [None if x is None else encode(x) for x in v]
         else:
             vals[i] = v.value if isinstance(v, enum.Enum) else v
@@ -110,10 +109,9 @@ def decode(data: tuple) -> Any:
     code = data[0]
     if code == RAW:
         return data[1]
-    try:
-        spec = _SPECS[code]
-    except (IndexError, TypeError):
-        raise ValueError(f"not an encoded message (code {code!r}): both ends must run the same specray") from None
+    if not isinstance(code, int) or not 0 <= code < len(_SPECS):
+        raise ValueError(f"not an encoded message (code {code!r}): both ends must run the same specray")
+    spec = _SPECS[code]
     vals = list(data[1:])
     if len(vals) != len(spec.names):
         raise ValueError(f"{spec.cls.__name__}: {len(vals)} values for {len(spec.names)} fields: both ends must "
@@ -122,11 +120,10 @@ def decode(data: tuple) -> Any:
         v = vals[i]
         if v is None:
             continue
-        if kind is _ONE:
+        if kind == _ONE:
             vals[i] = decode(v)
-        elif kind is _MANY:
+        elif kind == _MANY:
             vals[i] = [None if x is None else decode(x) for x in v]
         else:
             vals[i] = kind.get(v, v)
-    make: Callable[..., Any] = spec.cls
-    return make(*vals)
+    return spec.cls(*vals)

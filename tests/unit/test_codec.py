@@ -106,8 +106,9 @@ def test_fields_that_hold_messages_are_declared_so_none_is_left_to_pickle():
 
 
 def test_a_frame_from_another_codec_fails_with_a_clear_error():
-    with pytest.raises(ValueError, match="same specray"):
-        codec.decode((999, 1, 2))
+    for code in (999, -2, "x"):
+        with pytest.raises(ValueError, match="same specray"):
+            codec.decode((code, 1, 2))
     code, *vals = codec.encode(SeqSync(1, (2,)))
     with pytest.raises(ValueError, match="same specray"):
         codec.decode((code, *vals, "extra"))
