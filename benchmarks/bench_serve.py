@@ -1,25 +1,28 @@
-"""The served application, end to end: `serve run CONFIG.yaml`, then batch-1 chat requests over HTTP.
+"""The served application, end to end: `serve run CONFIG.yaml`, then batch-1 chat requests over HTTP, beside the
+engine a user would otherwise run.
 
-    RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/bench_serve.py serve_config.yaml --sets code extraction chat
+    RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/bench_serve.py serve_config.yaml --peers
 
 For each config file (one after another, each in its own `serve run` process and Ray), every prompt of the chosen
-sets is sent twice, one request at a time to /v1/chat/completions (greedy, --max-tokens): once with the served plan
-and once with `"speculation": {"method": "none"}` (plain decoding through the same actors), in alternating order,
-each after `POST /reset_prefix_cache` (so neither finds its prompt prefilled by the other). Reported per set:
-tokens/s of both, their ratio, and the target's acceptance from the responses' `usage.speculation`. This is what a
-user of the deployment sees, Ray actors and HTTP included, unlike bench_core (one process, no Serve). `--peers` then
-measures the engine a user would otherwise run on the same prompts: vLLM's own loop, plain and with its own n-gram
-speculation (`peers.py`, 2 threads: the cores the served levels use together). With `--peers-beside` the peers are
-measured once per config, right after its requests and while its app is still up and idle (the app's models in
-memory, no requests), so that each config is compared with peers measured in the same few minutes: the box's speed
-drifts over a run (other tenants), and an idle app does not slow the peer down (benchmarks/README.md section 0).
-Writes benchmarks/results/serve-*.json.
+sets is sent one request at a time to /v1/chat/completions (greedy, --max-tokens): once with the served plan and
+once with `"speculation": {"method": "none"}` (plain decoding through the same actors), each after
+`POST /reset_prefix_cache` (so neither finds its prompt prefilled by the other). `--peers` also runs vLLM's own
+loop on the same prompts (plain and with its own n-gram speculation, 2 threads: the cores the served levels use
+together): one pass over the prompts per peer, its engine kept up in a fresh process beside the app
+(`specray.bench.peers.VllmPeer`) and asked every prompt right beside the app's two requests for it, the order
+rotating from prompt to prompt. The box's speed drifts by tens of percent within minutes (other tenants), so only
+contenders measured in the same minute compare. Reported per set: tokens/s of each contender (the served and plain
+rows pooled over the passes), the served plan's ratio to plain and to each peer (against the served rows of that
+peer's pass), and the target's acceptance from the responses' `usage.speculation`. This is what a user of the
+deployment sees, Ray actors and HTTP included, unlike bench_core (one process, no Serve). Writes
+benchmarks/results/serve-*.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,10 +31,13 @@ from pathlib import Path
 import httpx
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prompts import SETS
 from served_app import serve_run
+
+from specray.bench.workloads import prompt_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,42 +59,129 @@ def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: boo
     return usage["completion_tokens"], dt, usage.get("speculation") or {}
 
 
+def cpu_seconds() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds so far, user + system) of every process on the box (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+                out[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                pass
+    return out
+
+
+def tree(root: int, procs: dict[int, tuple[int, float]]) -> set[int]:
+    """`root` and its descendants among `procs`."""
+    out, grew = {root}, True
+    while grew:
+        more = {pid for pid, (ppid, _) in procs.items() if ppid in out} - out
+        out |= more
+        grew = bool(more)
+    return out
+
+
+class Peer:
+    """vLLM's own loop in one mode ("plain" or "ngram"), its engine kept up in a process of its own, asked one
+    prompt at a time (the chat template applied here, as the app applies it)."""
+
+    def __init__(self, model: str, mode: str, threads: int, temperature: float) -> None:
+        from specray.bench.peers import VllmPeer
+        from specray.engine.models import load_tokenizer, resolve_model
+
+        self.name = f"vllm_{mode}"
+        self._tok = load_tokenizer(str(resolve_model(model)))
+        print(f"   starting vLLM's own loop, {mode}, {threads} threads ...", flush=True)
+        self.engine = VllmPeer(self.name, model, threads=threads, temperature=temperature)
+
+    def pids(self, procs: dict[int, tuple[int, float]]) -> set[int]:
+        """The engine's processes (its child, vLLM's engine core and worker)."""
+        return tree(self.engine.pid, procs)
+
+    def ask(self, index: int, text: str, max_tokens: int) -> tuple[int, float]:
+        """(tokens, seconds) of one greedy (or, at a temperature, seeded by `index`) request."""
+        ids = prompt_ids(self._tok, {"messages": [{"role": "user", "content": text}]})
+        (res,) = self.engine.run([(index, ids, max_tokens)]).requests
+        return res.tokens, res.seconds
+
+
 def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: float, temperature: float = 0.0,
-                 beside: Callable[[], dict] | None = None) -> tuple[dict, dict]:
-    """Per set: served and plain tokens/s; and `beside()`'s result, called while the app is still up (else {})."""
+                 peers: list[Callable[[], Peer]] | None = None) -> dict:
+    """Per set: tokens/s of the served plan and of plain decoding through the same app, and the served plan's
+    ratio to each peer. One pass over the prompts per peer, that peer's engine up beside the app (one at a time:
+    two more engines of the target's size do not fit beside the app in 24 GiB), the contenders' order rotating
+    from prompt to prompt; the served and plain rows of every pass are pooled, and each peer is compared with the
+    served rows of its own pass."""
     print(f"== {config}: starting `serve run` (models load in the level actors) ...", flush=True)
-    out: dict = {}
-    peers: dict = {}
     t0 = time.monotonic()
-    with serve_run(config, startup_s) as (url, model):
+    passes: list[Callable[[], Peer] | None] = list(peers) if peers else [None]
+    acc: dict[str, dict[str, list[float]]] = {name: {} for name in sets}  # set -> contender -> [tokens, seconds]
+    acceptance = {name: [0, 0] for name in sets}  # the target's drafted and accepted tokens, served rows
+
+    def add(name: str, who: str, n: int, dt: float) -> None:
+        cell = acc[name].setdefault(who, [0, 0.0])
+        cell[0] += n
+        cell[1] += dt
+
+    with serve_run(config, startup_s) as (url, model), httpx.Client(base_url=url, timeout=600) as client:
         print(f"   ready in {time.monotonic() - t0:.0f}s", flush=True)
-        with httpx.Client(base_url=url, timeout=600) as client:
-            ask(client, model, "Say hi.", 8, plain=False)  # warm-up
-            for name in sets:
-                acc = {"plain": [0, 0.0], "served": [0, 0.0]}
-                drafted = accepted = 0
-                for i, text in enumerate(SETS[name]):
-                    order = (True, False) if i % 2 == 0 else (False, True)
-                    for plain in order:
-                        n, dt, spec = ask(client, model, text, max_tokens, plain, temperature)
-                        key = "plain" if plain else "served"
-                        acc[key][0] += n
-                        acc[key][1] += dt
-                        if not plain and spec:  # per level, small to large: the last is the target
-                            target = list(spec.values())[-1]
-                            drafted += target.get("draft_tokens", 0)
-                            accepted += target.get("accepted_tokens", 0)
-                        print(f"   {name} #{i} {key:6s} {n:3d} tok {dt:6.1f}s {n / dt:5.2f} tok/s", flush=True)
-                res = {k: {"tokens": v[0], "seconds": v[1], "tok_s": v[0] / v[1]} for k, v in acc.items()}
-                res["speedup"] = res["served"]["tok_s"] / res["plain"]["tok_s"]
-                res["target_acceptance"] = accepted / drafted if drafted else None
-                out[name] = res
-                print(f"   {name}: served {res['served']['tok_s']:.2f} tok/s, plain {res['plain']['tok_s']:.2f} "
-                      f"tok/s, {res['speedup']:.2f}x", flush=True)
-        if beside is not None:
-            print("   vLLM's own loop beside it (the app idle) ...", flush=True)
-            peers = beside()
-    return out, peers
+        ask(client, model, "Say hi.", 8, plain=False)  # warm-up
+        for start in passes:
+            peer = start() if start is not None else None
+            try:
+                contenders = ["served", "plain"] + ([peer.name] if peer else [])
+                index = 0
+                for name in sets:
+                    for i, text in enumerate(SETS[name]):
+                        turn = index % len(contenders)  # each contender first, second, ... in turn
+                        for who in contenders[turn:] + contenders[:turn]:
+                            before = cpu_seconds()
+                            if peer is not None and who == peer.name:
+                                n, dt = peer.ask(index, text, max_tokens)
+                            else:
+                                n, dt, spec = ask(client, model, text, max_tokens, who == "plain", temperature)
+                                if who == "served" and spec:  # per level, small to large: the last is the target
+                                    target = list(spec.values())[-1]
+                                    acceptance[name][0] += target.get("draft_tokens", 0)
+                                    acceptance[name][1] += target.get("accepted_tokens", 0)
+                            add(name, who, n, dt)
+                            if peer is not None:  # CPU others used meanwhile: beside the peer, all but it; beside
+                                after = cpu_seconds()  # the app's requests, the idle peer
+                                mine = peer.pids(after)
+                                spent = sum(c - before.get(pid, (0, 0.0))[1] for pid, (_, c) in after.items()
+                                            if (pid in mine) != (who == peer.name))
+                                add(name, f"{who}:others_cpu", 0, spent)
+                                if who == "served":
+                                    add(name, f"served_beside_{peer.name}:others_cpu", 0, spent)
+                            if peer is not None and who == "served":  # beside this pass's peer
+                                add(name, f"served_beside_{peer.name}", n, dt)
+                            print(f"   {name} #{i} {who:10s} {n:3d} tok {dt:6.1f}s {n / dt:5.2f} tok/s", flush=True)
+                        index += 1
+            finally:
+                if peer is not None:
+                    peer.engine.close()
+    out: dict = {}
+    for name in sets:
+        res: dict = {c: {"tokens": v[0], "seconds": v[1], "tok_s": v[0] / v[1]} for c, v in acc[name].items()
+                     if not c.endswith(":others_cpu")}
+        for c in list(res):  # cores the other processes kept busy during c's requests (measured with a peer up)
+            if f"{c}:others_cpu" in acc[name]:
+                res[c]["others_cores"] = acc[name][f"{c}:others_cpu"][1] / res[c]["seconds"]
+        res["speedup"] = res["served"]["tok_s"] / res["plain"]["tok_s"]
+        for c in [c for c in res if c.startswith("vllm_")]:
+            res[f"vs_{c}"] = res[f"served_beside_{c}"]["tok_s"] / res[c]["tok_s"]
+        drafted, accepted = acceptance[name]
+        res["target_acceptance"] = accepted / drafted if drafted else None
+        out[name] = res
+        print(f"   {name}: served {res['served']['tok_s']:.2f} tok/s, plain {res['plain']['tok_s']:.2f} tok/s, "
+              f"{res['speedup']:.2f}x" + "".join(f"; {c} {res[c]['tok_s']:.2f} tok/s (others busy "
+                                                 f"{res[c]['others_cores']:.2f} cores beside it), served beside it "
+                                                 f"{res[f'served_beside_{c}']['tok_s']:.2f} ({res[f'vs_{c}']:.2f}x)"
+                                                 for c in res if c.startswith("vllm_")), flush=True)
+    return out
 
 
 def main() -> None:
@@ -98,55 +191,40 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--startup-s", type=float, default=900, help="wait this long for the app (first start converts)")
     ap.add_argument("--peers", nargs="*", default=None, choices=["plain", "ngram"],
-                    help="after the configs, also measure vLLM's own loop on the same prompts (peers.py): these "
-                         "modes (no value: plain and ngram), with --peer-threads threads")
-    ap.add_argument("--peers-beside", action="store_true",
-                    help="measure the peers once per config while its app is up and idle, instead of once after "
-                         "all configs; each config's ratios use its own peers")
+                    help="also measure vLLM's own loop on the same prompts, interleaved with the app's requests: "
+                         "these modes (no value: plain and ngram), with --peer-threads threads")
     ap.add_argument("--peer-threads", type=int, default=2, help="threads of vLLM's engine (default: the 2 cores "
                                                                 "the served levels use together)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: sampled (no seed), vLLM's peers with one seed per prompt")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    if args.peers_beside and args.peers is None:
-        ap.error("--peers-beside needs --peers")
+    modes = None if args.peers is None else (args.peers or ["plain", "ngram"])
 
-    def run_peers() -> dict:
-        from peers import measure
-
-        target = yaml.safe_load(args.configs[0].read_text())["applications"][0]["args"]["config"]["cascade"]
+    def peers_for(config: Path) -> list[Callable[[], Peer]] | None:
+        if modes is None:
+            return None
+        target = yaml.safe_load(config.read_text())["applications"][0]["args"]["config"]["cascade"]
         model = target["levels"][-1]["model"]
-        return measure(model, args.peers or ["plain", "ngram"], args.peer_threads, args.sets, args.max_tokens,
-                       temperature=args.temperature)
+        return [lambda m=m: Peer(model, m, args.peer_threads, args.temperature) for m in modes]
 
-    results, beside = {}, {}
-    for c in args.configs:
-        results[str(c)], beside[str(c)] = bench_config(c, args.sets, args.max_tokens, args.startup_s,
-                                                       args.temperature, run_peers if args.peers_beside else None)
-    peers = run_peers() if args.peers is not None and not args.peers_beside else {}
-    print("\ntokens/s (ratio to vLLM's own n-gram where measured)".ljust(40))
+    results = {str(c): bench_config(c, args.sets, args.max_tokens, args.startup_s, args.temperature, peers_for(c))
+               for c in args.configs}
+    print("\ntokens/s; (served / vLLM's own n-gram, the served rows of its pass), where measured")
     print("config".ljust(39) + "".join(f"{s:>24s}" for s in args.sets))
-
-    def cell(res: dict, s: str, ngram: dict) -> str:
-        served = res[s]["served"]["tok_s"]
-        ratio = f" ({served / ngram[s]['tok_s']:4.2f}x)" if s in ngram else " " * 8
-        return f"{served:7.2f}{ratio} plain {res[s]['plain']['tok_s']:5.2f}"
-
-    def peer_rows(found: dict, where: str = "") -> None:
-        for mode, res in found.items():
-            print(f"  vLLM own {mode} ({res['threads']} threads){where}".ljust(39)
-                  + "".join(f"{res['sets'][s]['tok_s']:24.2f}" for s in args.sets))
-
     for c, res in results.items():
-        mine = beside[c] or peers
-        print(c[-39:].ljust(39) + "".join(f"{cell(res, s, mine.get('ngram', {}).get('sets', {})):>24s}"
-                                           for s in args.sets))
-        peer_rows(beside[c], " beside")
-    peer_rows(peers)
+        cells = []
+        for s in args.sets:
+            ratio = f" ({res[s]['vs_vllm_ngram']:4.2f}x)" if "vs_vllm_ngram" in res[s] else " " * 8
+            cells.append(f"{res[s]['served']['tok_s']:7.2f}{ratio} plain {res[s]['plain']['tok_s']:5.2f}")
+        print(c[-39:].ljust(39) + "".join(f"{cell:>24s}" for cell in cells))
+        for peer in [k for k in res[args.sets[0]] if k.startswith("vllm_")]:
+            print(f"  {peer} ({args.peer_threads} threads)".ljust(39)
+                  + "".join(f"{res[s][peer]['tok_s']:7.2f} (served {res[s][f'served_beside_{peer}']['tok_s']:5.2f})"
+                            .rjust(24) for s in args.sets))
     out = args.out or ROOT / "benchmarks" / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
-                               "peers": peers, "peers_beside": {c: p for c, p in beside.items() if p}}, indent=1))
+    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "interleaved": True,
+                               "results": results}, indent=1))
     print(f"wrote {out}")
 
 

@@ -4,8 +4,9 @@ n-gram speculation (`LLM.generate`, batch 1, greedy, the model's chat template).
     .venv/bin/python benchmarks/peers.py --model qwen2.5-coder-1.5b-instruct --threads 2 --sets code extraction chat
 
 A thin wrapper over `specray.bench.peers` (what `specray bench --peers vllm_plain vllm_ngram` runs): each mode in a
-fresh process after an untimed warm-up request. `bench_serve.py --peers` calls `measure` after its served configs
-so both sides are measured in the same run. Prints a JSON object, per mode
+fresh process after an untimed warm-up request. (`bench_serve.py --peers` keeps such engines up beside the app
+instead, `specray.bench.peers.VllmPeer`, and asks them each prompt right beside the app's requests.) Prints a JSON
+object, per mode
 `{"mode", "threads", "dtype", "sets": {set: {"tokens", "seconds", "tok_s"}}}`.
 """
 

