@@ -48,6 +48,9 @@ Definitions, per run (one timed `generate` after an untimed warm-up on the same 
   hop / call          per level: (client seconds - busy seconds) / calls, over its propose and verify calls
   add/free            the coordinator's calls other than propose / verify (sequence add and free) and their
                       client seconds: part of the overhead, paid per sequence rather than per round
+  coordinator GC      this process's garbage collections during the timed run, their total and longest pause
+                      (flagged in the row when one lasts over 1 ms; the startup heap is frozen after the warm-up,
+                      as the served coordinator and the level actors freeze theirs: specray/heap.py)
   worker Python over its cost / sleep overshoot
                       where a worker's real logic took longer than its cost model, or its sleep woke late, the
                       busy interval grows by that and it counts as model time (flagged in the row when large:
@@ -81,6 +84,7 @@ import argparse
 import asyncio
 import datetime as _dt
 import functools
+import gc
 import json
 import os
 import platform
@@ -104,6 +108,7 @@ import torch
 from specray.config import LevelConfig, PolicyConfig
 from specray.coordinator.cascade import CascadeEngine, Level
 from specray.coordinator.generate import generate
+from specray.heap import freeze_startup_heap
 from specray.policy.planner import Planner
 from specray.spec.bound import expected_accepted_length, speedup_bound
 from specray.spec.ngram import NgramConfig
@@ -561,6 +566,27 @@ for _hook in ("on_catch_up", "on_call", "on_verify", "on_native", "on_shadow", "
     setattr(TimedPlanner, _hook, _forwarded(_hook))
 
 
+class GcPauses:
+    """The garbage collector's pauses in this process while the block runs (`gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def _hook(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds.append(time.perf_counter() - self._start)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._hook)
+
+
 def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int, max_tokens: int, overlap: bool,
             k: int = 4, warmup_tokens: int = 8, planner: tuple[int, str] | None = None,
             inner_min_share: float = 0.0) -> dict[str, Any]:
@@ -591,13 +617,15 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
     load = os.getloadavg()[0]
     try:
         generate(engine, prompts, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=True, plan=timed or policy)
+        freeze_startup_heap()  # as the served coordinator does once started (the level actors do at their start)
         backend.drain()
         client.clear()
         if timed is not None:
             timed.reset()
-        t0 = time.monotonic()
-        out = generate(engine, prompts, max_tokens=max_tokens, ignore_eos=True, plan=timed or policy)
-        t1 = time.monotonic()
+        with GcPauses() as pauses:
+            t0 = time.monotonic()
+            out = generate(engine, prompts, max_tokens=max_tokens, ignore_eos=True, plan=timed or policy)
+            t1 = time.monotonic()
     finally:
         pool = getattr(engine, "_ahead_pool", None)
         if pool is not None:
@@ -662,6 +690,9 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
         "overhead_s": wall - model, "overhead_ms_per_round": 1000 * (wall - model) / rounds,
         "hop_ms_per_round": 1000 * (in_calls - model) / rounds,
         "coordinator_ms_per_round": 1000 * (wall - in_calls) / rounds,
+        # this process's garbage collections during the timed run (the coordinator's; each pauses a round)
+        "coordinator_gc": {"collections": len(pauses.seconds), "pause_ms": 1000 * sum(pauses.seconds),
+                           "max_ms": 1000 * max(pauses.seconds, default=0.0)},
         "fraction_of_ideal": model / wall if wall > 0 else 0.0,
         "logic_over_cost_s": sum(pl["logic_over_cost_s"] for pl in per_level.values()),
         "sleep_overshoot_s": sum(pl["sleep_overshoot_s"] for pl in per_level.values()),
@@ -715,6 +746,9 @@ def row_text(r: dict[str, Any]) -> str:
         flags.append(f"load {r['load1_before']:.1f}")
     if r.get("planner") and "cpu_ms_per_round" in r["planner"]:
         flags.append(f"planner CPU {r['planner']['cpu_ms_per_round']:.2f} ms/round")
+    gcp = r.get("coordinator_gc") or {}
+    if gcp.get("max_ms", 0.0) > 1.0:  # a collection long enough to stall a round
+        flags.append(f"coordinator GC {gcp['collections']}x, {gcp['pause_ms']:.1f} ms, longest {gcp['max_ms']:.1f}")
     if r["logic_over_cost_s"] > 0.02 * r["model_s"]:
         flags.append(f"worker Python over its cost {r['logic_over_cost_s']:.3f}s, counted as model time")
     return (f"{r['path']:<18} {config_label(r):<12} {r['batch']:>3} {r['max_tokens']:>3} {r['rounds']:>6} "

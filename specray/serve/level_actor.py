@@ -22,6 +22,7 @@ import ray
 import torch
 
 from specray.engine.protocol import DraftProposal, VerifyResult, Worker, WorkerStats
+from specray.heap import freeze_startup_heap
 from specray.serve.direct import FrameClient, FrameServer, Reply, TransportError
 from specray.serve.relay import Rendezvous
 from specray.serve.wire import Endpoint, LevelRequest, RelayedDrafts, RelayedVerifyCall, Samplings
@@ -76,6 +77,7 @@ class LevelActor:
             "has_tokenizer": tok is not None,
             "direct": (self._server.address, self._server.token),
         }
+        freeze_startup_heap()  # the model and the modules: out of the collector's walks while serving
 
     # ----- protocol -------------------------------------------------------------------------------
     # A compiled graph's loop runs beside the actor's ordinary calls (Ray runs it in a system concurrency group):

@@ -26,6 +26,7 @@ from typing import Any
 from specray.config import AppConfig
 from specray.coordinator.cascade import CascadeEngine
 from specray.coordinator.scheduler import Event, Request, RequestError, Scheduler, Speculation
+from specray.heap import freeze_startup_heap
 from specray.metrics import MetricsSink, SpecMetrics
 from specray.policy.trace import json_lines
 from specray.serve.actors import ActorWorker
@@ -109,6 +110,7 @@ class Coordinator:
         )
         self.api_key = server.api_key or os.environ.get("SPECRAY_API_KEY") or None
         self.started = time.time()
+        freeze_startup_heap()  # the cascade, the planner, the modules: out of the collector's walks while serving
         log.info("specray coordinator ready in %.1fs: %s", time.perf_counter() - t0,
                  " -> ".join(lv.name for lv in levels))
 
