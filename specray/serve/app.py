@@ -63,4 +63,4 @@ def build_coordinator_app(cfg: AppConfig, options: Mapping[str, Any] | None = No
     opts = {"name": "Coordinator", "max_ongoing_requests": 2 * cfg.server.max_batch_size + 8, **options,
             "ray_actor_options": actor}
     deployment = serve.deployment(**opts)(serve.ingress()(Coordinator))
-    return deployment.bind(cfg.model_dump(mode="json"), metric_sinks=(RayMetricsSink,))
+    return deployment.bind(cfg.model_dump(mode="json"), metric_sinks=(RayMetricsSink,), freeze_heap=True)

@@ -75,9 +75,9 @@ def target_only(cfg: AppConfig) -> AppConfig:
 class PoolCoordinator(Coordinator):
     """A pool replica: a `Coordinator` (scheduler, planner, level actors) fed by the router."""
 
-    def __init__(self, config: Mapping[str, Any] | AppConfig, pool: str, metric_sinks: Sequence[SinkFactory] = ()
-                 ) -> None:
-        super().__init__(config, metric_sinks=metric_sinks)
+    def __init__(self, config: Mapping[str, Any] | AppConfig, pool: str, metric_sinks: Sequence[SinkFactory] = (),
+                 freeze_heap: bool = False) -> None:
+        super().__init__(config, metric_sinks=metric_sinks, freeze_heap=freeze_heap)
         self.pool = pool
         self._routed_break_even = 0.0
 
@@ -291,6 +291,7 @@ def build_pools_app(cfg: AppConfig):
     router = serve.deployment(name="Router", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4 * mb)(
         serve.ingress()(Router))
     return router.bind(cfg.model_dump(mode="json"),
-                       spec.bind(plain.model_dump(mode="json"), SPECULATIVE, metric_sinks=sinks),
-                       tgt.bind(target_only(cfg).model_dump(mode="json"), TARGET, metric_sinks=sinks),
+                       spec.bind(plain.model_dump(mode="json"), SPECULATIVE, metric_sinks=sinks, freeze_heap=True),
+                       tgt.bind(target_only(cfg).model_dump(mode="json"), TARGET, metric_sinks=sinks,
+                                freeze_heap=True),
                        metric_sinks=sinks)

@@ -62,10 +62,12 @@ class Coordinator:
     """Owns the cascade (level actors or in-process workers), the scheduler and the metrics.
 
     `metric_sinks`: where metrics go besides this process's registry (the `/metrics` route); `build_app`
-    passes `RayMetricsSink` so the node metrics agents export them cluster-wide."""
+    passes `RayMetricsSink` so the node metrics agents export them cluster-wide. `freeze_heap`: freeze the heap
+    once started (`specray.heap`); `build_app` sets it for its replicas, each a process of its own (a
+    coordinator built among others in one process, as in the tests, leaves the heap alone)."""
 
     def __init__(self, config: Mapping[str, Any] | AppConfig, factories: Sequence[Any] | None = None,
-                 metric_sinks: Sequence[SinkFactory] = ()) -> None:
+                 metric_sinks: Sequence[SinkFactory] = (), freeze_heap: bool = False) -> None:
         self.config = config if isinstance(config, AppConfig) else AppConfig.model_validate(dict(config))
         server = self.config.server
         t0 = time.perf_counter()
@@ -110,7 +112,8 @@ class Coordinator:
         )
         self.api_key = server.api_key or os.environ.get("SPECRAY_API_KEY") or None
         self.started = time.time()
-        freeze_startup_heap()  # the cascade, the planner, the modules: out of the collector's walks while serving
+        if freeze_heap:  # a Serve replica, this process's one long-lived object: its startup heap, the cascade
+            freeze_startup_heap()  # and the planner included, stays out of the collector's walks while serving
         log.info("specray coordinator ready in %.1fs: %s", time.perf_counter() - t0,
                  " -> ".join(lv.name for lv in levels))
 

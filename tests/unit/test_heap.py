@@ -1,5 +1,6 @@
 """The startup heap frozen (`specray.heap`): what is alive at the freeze leaves the collector's generations, garbage
-made later is still collected, and the served coordinator freezes once it has started."""
+made later is still collected, and a coordinator freezes once started only as a Serve replica (its own process).
+The level actors freeze at their start (`LevelActor`), each a process of its own too."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def test_the_startup_heap_leaves_the_collections_and_later_garbage_is_still_coll
     assert gone() is None
 
 
-def test_the_served_coordinator_freezes_once_started(tiny, unfrozen):
+def test_a_replica_freezes_once_started_and_a_coordinator_among_others_does_not(tiny, unfrozen):
     from specray.serve.replica import Coordinator
     from tests.e2e.conftest import app_config
 
+    Coordinator(app_config(tiny))  # built among others in one process (tests, in-process servers)
     assert gc.get_freeze_count() == 0
-    coordinator = Coordinator(app_config(tiny))
+    coordinator = Coordinator(app_config(tiny), freeze_heap=True)  # as `build_app` binds its replicas
     assert gc.get_freeze_count() > 0 and id(coordinator.engine) not in {id(o) for o in gc.get_objects()}
