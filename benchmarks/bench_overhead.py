@@ -627,6 +627,7 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
             out = generate(engine, prompts, max_tokens=max_tokens, ignore_eos=True, plan=timed or policy)
             t1 = time.monotonic()
     finally:
+        gc.unfreeze()  # this run's engine and workers go with it (the next run freezes its own after its warm-up)
         pool = getattr(engine, "_ahead_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
