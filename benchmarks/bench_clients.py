@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     from specray.engine.models import resolve_model
 
-    with serve_run(args.config, args.startup_s) as (url, model):
+    with serve_run(args.config, args.startup_s) as (url, model, _):
         tokenizer = str(resolve_model(model))
         run_client(url, model, tokenizer, Path("/tmp/specray-clients-warmup.json"), 2, 4)  # warm-up
         s0, c0 = server_ttft(url)

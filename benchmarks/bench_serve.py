@@ -5,27 +5,28 @@ engine a user would otherwise run.
 
 For each config file (one after another, each in its own `serve run` process and Ray), every prompt of the chosen
 sets is sent one request at a time to /v1/chat/completions (greedy, --max-tokens): once with the served plan and
-once with `"speculation": {"method": "none"}` (plain decoding through the same actors), each after
-`POST /reset_prefix_cache` (so neither finds its prompt prefilled by the other). `--peers` also runs vLLM's own
-loop on the same prompts (plain and with its own n-gram speculation, 2 threads: the cores the served levels use
-together): one pass over the prompts per peer, its engine kept up in a fresh process beside the app
+once with `"speculation": {"method": "none"}` (plain decoding through the same actors), each after `POST
+/reset_prefix_cache` (so neither finds its prompt prefilled by the other). `--peers` also runs vLLM's own loop on
+the same prompts (plain and with its own n-gram speculation, 2 threads: the cores the served levels use together):
+one pass over the prompts per peer, its engine kept up in a fresh process beside the app
 (`specray.bench.peers.VllmPeer`) and asked every prompt right beside the app's two requests for it, the order
-rotating from prompt to prompt. The box's speed drifts by tens of percent within minutes (other tenants), so only
-contenders measured in the same minute compare. Reported per set: tokens/s of each contender (the served and plain
-rows pooled over the passes), the served plan's ratio to plain and to each peer (against the served rows of that
-peer's pass), and the target's acceptance from the responses' `usage.speculation`. This is what a user of the
-deployment sees, Ray actors and HTTP included, unlike bench_core (one process, no Serve). Writes
-benchmarks/results/serve-*.json.
+rotating from prompt to prompt. While a peer answers, the app's processes, Ray's included, are stopped: an idle Ray
+app keeps about a third of the 2 cores busy, which a user running vLLM alone would not share (`--app-beside-peers`
+keeps them running). The box's speed drifts by tens of percent within minutes (other tenants), so only contenders
+measured in the same minute compare. Reported per set: tokens/s of each contender (the served and plain rows pooled
+over the passes), the served plan's ratio to plain and to each peer (against the served rows of that peer's pass),
+and the target's acceptance from the responses' `usage.speculation`. This is what a user of the deployment sees, Ray
+actors and HTTP included, unlike bench_core (one process, no Serve). Writes benchmarks/results/serve-*.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prompts import SETS
-from served_app import serve_run
+from served_app import paused, processes, serve_run, tree
 
 from specray.bench.workloads import prompt_ids
 
@@ -57,31 +58,6 @@ def ask(client: httpx.Client, model: str, text: str, max_tokens: int, plain: boo
     r.raise_for_status()
     usage = r.json()["usage"]
     return usage["completion_tokens"], dt, usage.get("speculation") or {}
-
-
-def cpu_seconds() -> dict[int, tuple[int, float]]:
-    """pid -> (parent pid, CPU seconds so far, user + system) of every process on the box (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-                out[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
-            except (OSError, IndexError, ValueError):  # gone meanwhile
-                pass
-    return out
-
-
-def tree(root: int, procs: dict[int, tuple[int, float]]) -> set[int]:
-    """`root` and its descendants among `procs`."""
-    out, grew = {root}, True
-    while grew:
-        more = {pid for pid, (ppid, _) in procs.items() if ppid in out} - out
-        out |= more
-        grew = bool(more)
-    return out
 
 
 class Peer:
@@ -109,12 +85,13 @@ class Peer:
 
 
 def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: float, temperature: float = 0.0,
-                 peers: list[Callable[[], Peer]] | None = None) -> dict:
+                 peers: list[Callable[[], Peer]] | None = None, pause_app: bool = True) -> dict:
     """Per set: tokens/s of the served plan and of plain decoding through the same app, and the served plan's
     ratio to each peer. One pass over the prompts per peer, that peer's engine up beside the app (one at a time:
     two more engines of the target's size do not fit beside the app in 24 GiB), the contenders' order rotating
     from prompt to prompt; the served and plain rows of every pass are pooled, and each peer is compared with the
-    served rows of its own pass."""
+    served rows of its own pass. `pause_app`: the app's processes (Ray's too) are stopped while a peer answers, so
+    the peer has the box to itself, as without the app (`served_app.paused`)."""
     print(f"== {config}: starting `serve run` (models load in the level actors) ...", flush=True)
     t0 = time.monotonic()
     passes: list[Callable[[], Peer] | None] = list(peers) if peers else [None]
@@ -126,7 +103,7 @@ def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: floa
         cell[0] += n
         cell[1] += dt
 
-    with serve_run(config, startup_s) as (url, model), httpx.Client(base_url=url, timeout=600) as client:
+    with serve_run(config, startup_s) as (url, model, app), httpx.Client(base_url=url, timeout=600) as client:
         print(f"   ready in {time.monotonic() - t0:.0f}s", flush=True)
         ask(client, model, "Say hi.", 8, plain=False)  # warm-up
         for start in passes:
@@ -138,9 +115,10 @@ def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: floa
                     for i, text in enumerate(SETS[name]):
                         turn = index % len(contenders)  # each contender first, second, ... in turn
                         for who in contenders[turn:] + contenders[:turn]:
-                            before = cpu_seconds()
+                            before = processes()
                             if peer is not None and who == peer.name:
-                                n, dt = peer.ask(index, text, max_tokens)
+                                with paused(app) if pause_app else nullcontext():
+                                    n, dt = peer.ask(index, text, max_tokens)
                             else:
                                 n, dt, spec = ask(client, model, text, max_tokens, who == "plain", temperature)
                                 if who == "served" and spec:  # per level, small to large: the last is the target
@@ -149,7 +127,7 @@ def bench_config(config: Path, sets: list[str], max_tokens: int, startup_s: floa
                                     acceptance[name][1] += target.get("accepted_tokens", 0)
                             add(name, who, n, dt)
                             if peer is not None:  # CPU others used meanwhile: beside the peer, all but it; beside
-                                after = cpu_seconds()  # the app's requests, the idle peer
+                                after = processes()  # the app's requests, the idle peer
                                 mine = peer.pids(after)
                                 spent = sum(c - before.get(pid, (0, 0.0))[1] for pid, (_, c) in after.items()
                                             if (pid in mine) != (who == peer.name))
@@ -195,6 +173,9 @@ def main() -> None:
                          "these modes (no value: plain and ngram), with --peer-threads threads")
     ap.add_argument("--peer-threads", type=int, default=2, help="threads of vLLM's engine (default: the 2 cores "
                                                                 "the served levels use together)")
+    ap.add_argument("--app-beside-peers", action="store_true",
+                    help="keep the app's processes running while a peer answers (default: stopped meanwhile, so "
+                         "the peer has the box to itself; an idle Ray app keeps about a third of 2 cores busy)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: sampled (no seed), vLLM's peers with one seed per prompt")
     ap.add_argument("--out", type=Path, default=None)
@@ -208,8 +189,8 @@ def main() -> None:
         model = target["levels"][-1]["model"]
         return [lambda m=m: Peer(model, m, args.peer_threads, args.temperature) for m in modes]
 
-    results = {str(c): bench_config(c, args.sets, args.max_tokens, args.startup_s, args.temperature, peers_for(c))
-               for c in args.configs}
+    results = {str(c): bench_config(c, args.sets, args.max_tokens, args.startup_s, args.temperature, peers_for(c),
+                                    pause_app=not args.app_beside_peers) for c in args.configs}
     print("\ntokens/s; (served / vLLM's own n-gram, the served rows of its pass), where measured")
     print("config".ljust(39) + "".join(f"{s:>24s}" for s in args.sets))
     for c, res in results.items():
@@ -224,6 +205,7 @@ def main() -> None:
                             .rjust(24) for s in args.sets))
     out = args.out or ROOT / "benchmarks" / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "interleaved": True,
+                               "app_paused_beside_peers": modes is not None and not args.app_beside_peers,
                                "results": results}, indent=1))
     print(f"wrote {out}")
 

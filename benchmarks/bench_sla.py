@@ -63,7 +63,7 @@ def main() -> int:
     args.out = args.out or ROOT / "benchmarks" / "results" / f"sla-{'tiny-' if args.tiny else ''}{stamp}.json"
     print(f"== {config}: starting `serve run` ...", flush=True)
     try:
-        with serve_run(config, args.startup_s) as (url, model):
+        with serve_run(config, args.startup_s) as (url, model, _):
             args.url, args.model = url, args.model or model
             return run_sla(args)
     finally:

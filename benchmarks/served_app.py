@@ -1,9 +1,10 @@
 """Start and stop a served config for the HTTP benchmarks: `serve run CONFIG.yaml` in its own process group.
 
-    with serve_run(Path("serve_config.yaml"), startup_s=900) as (url, model):
+    with serve_run(Path("serve_config.yaml"), startup_s=900) as (url, model, pid):
         ...  # the app answers on url; stopped (and gone from url) on exit
 
-Shared by bench_serve.py, bench_clients.py and bench_sla.py.
+Shared by bench_serve.py, bench_clients.py and bench_sla.py. `paused(app.pid)` stops the app's processes (Ray's
+included) for a block, so that an engine measured meanwhile has the box to itself, as it would without the app.
 """
 
 from __future__ import annotations
@@ -16,11 +17,75 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class App(NamedTuple):
+    url: str  # base URL
+    model: str  # the model id requests name
+    pid: int  # the `serve run` process: its descendants are Ray's processes and the app's
+
+
+def processes() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds so far, user + system) of every process on the box (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+                out[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                pass
+    return out
+
+
+def tree(root: int, procs: dict[int, tuple[int, float]] | None = None) -> set[int]:
+    """`root` and its descendants among `procs` (default: every process now)."""
+    procs = processes() if procs is None else procs
+    out, grew = {root}, True
+    while grew:
+        more = {pid for pid, (ppid, _) in procs.items() if ppid in out} - out
+        out |= more
+        grew = bool(more)
+    return out & (set(procs) | {root})
+
+
+@contextmanager
+def paused(root: int) -> Iterator[set[int]]:
+    """`root` and its descendants stopped (SIGSTOP) for the block and continued after it; yields their pids.
+
+    An idle Ray app is not idle: its GCS, raylet, dashboard agent, Serve controller, proxy and replicas keep
+    about a third of a 2-core box busy (benchmarks/README.md section 0). A peer engine asked beside it would
+    share the cores with them, which a user running that engine alone would not. Stopped, they use nothing; no
+    request of theirs may be in flight (their timers see one long pause: Ray's health checks allow it)."""
+    procs = processes()
+    order, seen = [root], {root}  # breadth first from the root: each parent stopped before its children
+    for pid in order:
+        kids = sorted(p for p, (ppid, _) in procs.items() if ppid == pid and p not in seen)
+        order += kids
+        seen.update(kids)
+    stopped: list[int] = []
+    try:
+        for pid in order:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        yield set(stopped)
+    finally:
+        for pid in reversed(stopped):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def served(config: Path) -> tuple[str, str]:
@@ -54,8 +119,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 @contextmanager
-def serve_run(config: Path, startup_s: float, log: Path | None = None) -> Iterator[tuple[str, str]]:
-    """`serve run config` until the block ends; yields (base URL, model id) once GET /health answers 200.
+def serve_run(config: Path, startup_s: float, log: Path | None = None) -> Iterator[App]:
+    """`serve run config` until the block ends; yields the `App` once GET /health answers 200.
 
     The app gets a fresh local Ray of its own (`--address local`): without it `serve run` would join the last
     cluster `ray start` made on this machine, whoever started it. Refuses to start when something already answers
@@ -71,7 +136,7 @@ def serve_run(config: Path, startup_s: float, log: Path | None = None) -> Iterat
                             start_new_session=True)
     try:
         wait_ready(url, proc, startup_s)
-        yield url, model
+        yield App(url, model, proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # `serve run` shuts the app and its Ray down on Ctrl-C
         try:
