@@ -46,15 +46,22 @@ def processes() -> dict[int, tuple[int, float]]:
     return out
 
 
+def descendants(root: int, procs: dict[int, tuple[int, float]] | None = None) -> list[int]:
+    """`root` and its descendants among `procs` (default: every process now), breadth first: each parent before
+    its children."""
+    procs = processes() if procs is None else procs
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in sorted(procs.items()):
+        children.setdefault(ppid, []).append(pid)
+    order = [root]
+    for pid in order:
+        order.extend(children.get(pid, ()))
+    return order
+
+
 def tree(root: int, procs: dict[int, tuple[int, float]] | None = None) -> set[int]:
     """`root` and its descendants among `procs` (default: every process now)."""
-    procs = processes() if procs is None else procs
-    out, grew = {root}, True
-    while grew:
-        more = {pid for pid, (ppid, _) in procs.items() if ppid in out} - out
-        out |= more
-        grew = bool(more)
-    return out & (set(procs) | {root})
+    return set(descendants(root, procs))
 
 
 @contextmanager
@@ -65,15 +72,9 @@ def paused(root: int) -> Iterator[set[int]]:
     about a third of a 2-core box busy (benchmarks/README.md section 0). A peer engine asked beside it would
     share the cores with them, which a user running that engine alone would not. Stopped, they use nothing; no
     request of theirs may be in flight (their timers see one long pause: Ray's health checks allow it)."""
-    procs = processes()
-    order, seen = [root], {root}  # breadth first from the root: each parent stopped before its children
-    for pid in order:
-        kids = sorted(p for p, (ppid, _) in procs.items() if ppid == pid and p not in seen)
-        order += kids
-        seen.update(kids)
     stopped: list[int] = []
     try:
-        for pid in order:
+        for pid in descendants(root):  # each parent stopped before its children
             try:
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
