@@ -143,6 +143,8 @@ class Measurements:
         #: model level -> decayed [tokens caught up, seconds beyond the calls' own work] (`on_catch_up`): what a
         #: level that sat out rounds, or meets a row for the first time, pays per token of text to catch up
         self.catch_up: dict[int, list[float]] = {}
+        #: the same over the calls whose own work was priced (the level timed before): its `StepCost.slope_floor`
+        self.floor: dict[int, list[float]] = {}
         self.decay_catch_up = decay
         #: the coordinator's own seconds per round, by the plan's drafting levels and batch bucket (`on_host`)
         self.host = HostTimes()
@@ -212,10 +214,17 @@ class Measurements:
             rec = self.catch_up.setdefault(level, [0.0, 0.0])
             rec[0] = f * rec[0] + caught
             rec[1] = f * rec[1] + extra
-            if rec[0] >= 1.0:  # the level's cost per token fed, measured on calls far larger than a decode step's
-                for cost in (self.costs[level], self.native_cost if level == self.top else None):
-                    if cost is not None:
-                        cost.slope_floor = rec[1] / rec[0]
+            # the level's cost per token fed, measured on calls far larger than a decode step's; not from a call made
+            # before any step was timed: all of its time would count, a call's fixed cost with it, and a short first
+            # prompt then priced every token of a verification at a fraction of a whole step
+            if fit.n_obs:
+                low = self.floor.setdefault(level, [0.0, 0.0])
+                low[0] = f * low[0] + caught
+                low[1] = f * low[1] + extra
+                if low[0] >= 1.0:
+                    for cost in (self.costs[level], self.native_cost if level == self.top else None):
+                        if cost is not None:
+                            cost.slope_floor = low[1] / low[0]
             self.memo.clear()
 
     def on_native(self, level: int, draft_lens: Sequence[int], accepted: Sequence[int]) -> None:

@@ -327,6 +327,23 @@ def test_beyond_the_sizes_measured_the_curve_grows_at_least_at_the_levels_prefil
     assert cost.predict(4, 1) == pytest.approx(0.12, rel=0.05)  # the measured sizes keep their fit
 
 
+def test_a_prefill_before_any_step_was_timed_sets_no_cost_per_token():
+    """A server's first call is a prompt's prefill, before the level was timed on any step: its own work cannot be
+    told from its catch-up, and all of it counted as cost per token fed (a 6-token prompt of 30 ms: 5 ms a token,
+    over half a plain step) priced a 2-token lookup round at 1.6x a plain step that it cost about 1.1x of; the
+    first ranking then chose plain decoding and held it. Such a call still prices catching up (conservatively)."""
+    levels = [Level("ngram", ngram=NgramConfig(4, 1, 3), k=4), Level("target", worker=FakeWorker("t", vocab=16))]
+    p = Planner(levels, k_choices=[1, 2, 4], explore_every=0, warmup=0)
+    p.on_catch_up(1, "verify", 1, 1, 6, 0.030)  # the first prompt: nothing timed on the target yet
+    p.on_call(1, "verify", 1, 1, 0.008)  # then its first plain step
+    cost = p.costs[1]
+    assert cost.slope_floor == 0.0
+    assert cost.predict(1, 2) < 1.2 * cost.predict(1, 1)
+    assert p.pricing.catch_up_rate(1) > 0.0
+    p.on_catch_up(1, "verify", 1, 1, 700, 0.008 + 700 * 0.001)  # a prefill once steps are timed: 1 ms a token
+    assert cost.slope_floor == pytest.approx(0.001, rel=0.05)
+
+
 def test_what_was_measured_at_one_batch_size_outlasts_rounds_at_others():
     """A CPU engine's steps at batch 4 (0.12 s plain, 0.30 s verifying 6 tokens per row) do not lie on the curve its
     batch-1 steps draw (0.15 s plain, ~4 ms more per token). Served at 4 requests after a while at 1, the planner
