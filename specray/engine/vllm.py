@@ -31,6 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,6 +39,7 @@ import torch
 
 from specray.engine.protocol import DraftMode, DraftProposal, SeqSync, VerifyResult, WorkerCaps, WorkerStats
 from specray.engine.rows import token_confidence
+from specray.engine.single_rank import shared_gloo_groups
 from specray.engine.threads import pinned
 from specray.engine.vllm_fixes import shield_llvmlite
 from specray.engine.vllm_live import LiveRequests, _Live
@@ -186,7 +188,9 @@ class VLLMWorker(LiveRequests, PromptScoring):
         set_threads = torch.set_num_threads
         shield_llvmlite()
         try:
-            self.llm = LLM(**kwargs)
+            # one rank on CPU: one gloo group for all of vLLM's (specray.engine.single_rank: fewer wakeups)
+            with nullcontext() if torch.cuda.is_available() else shared_gloo_groups():
+                self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads  # vLLM's CPU worker disables it process-wide
         if not torch.cuda.is_available():

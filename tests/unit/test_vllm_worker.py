@@ -123,6 +123,15 @@ def test_overlapped_cascade_on_vllm_levels_equals_plain(mid, ve, vmid, ht, hmid)
     assert engine.lookahead.ahead_rows > 0
 
 
+def test_a_one_rank_cpu_engine_runs_every_coordinator_on_one_gloo_group(vt):
+    """vLLM's coordinators (world, tensor, pipeline, ...) each ask for two process groups; on a one-rank CPU engine
+    they get one shared gloo group (`specray.engine.single_rank`): one loop thread waking, not one per group."""
+    from vllm.distributed import parallel_state as ps
+
+    coordinators = [ps.get_world_group(), ps.get_tp_group(), ps.get_pp_group()]
+    assert {id(g) for c in coordinators for g in (c.cpu_group, c.device_group)} == {id(coordinators[0].cpu_group)}
+
+
 def test_greedy_verify_table_matches_hf(vt, ht):
     prompts = [ht.tokenizer.encode(p) for p in PROMPTS[:4]]
     ids = [f"tbl{i}" for i in range(4)]
