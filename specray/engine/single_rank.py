@@ -49,7 +49,7 @@ def shared_gloo_groups() -> Iterator[None]:
             return original(ranks, timeout, backend, *args, **kwargs)
         world = dist.group.WORLD
         with _lock:
-            if _shared and _shared[-1][0] == id(world) and _alive(dist, _shared[-1][1]):
+            if _shared and _shared[-1][0] == id(world) and _alive(_shared[-1][1]):
                 return _shared[-1][1]
             group = original(ranks, timeout, backend, *args, **kwargs)
             _shared[:] = [(id(world), group)]
@@ -63,7 +63,8 @@ def shared_gloo_groups() -> Iterator[None]:
         dist.new_group = original
 
 
-def _alive(dist: Any, group: Any) -> bool:
+def _alive(group: Any) -> bool:
+    """Whether `group` is a live process group (not destroyed)."""
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._world.pg_map.get(group) is not None
@@ -76,7 +77,7 @@ def _wrap_destroy(dist: Any) -> None:
         return
 
     def destroy_process_group(group: Any = None) -> None:
-        if group is not None and id(group) in _handed and not _alive(dist, group):
+        if group is not None and id(group) in _handed and not _alive(group):
             return
         original(group)
 

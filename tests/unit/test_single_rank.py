@@ -8,13 +8,15 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 SCRIPT = textwrap.dedent("""
-    import json, os, tempfile
+    import json, os, tempfile, time
     import torch, torch.distributed as dist
     from specray.engine.single_rank import shared_gloo_groups
 
     def gloo_threads():
+        time.sleep(0.5)  # a group's loop threads start in the background
         return sum("gloo" in open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task"))
 
     def init():
@@ -54,7 +56,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_one_rank_gloo_groups_share_one_group_and_survive_repeated_destroys():
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    root = Path(__file__).resolve().parents[2]  # this checkout's specray
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["plain_distinct"] == 6 and out["plain_threads"] >= 6  # each gloo group its own loop thread(s)
