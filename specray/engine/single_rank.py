@@ -24,8 +24,9 @@ from typing import Any
 __all__ = ["shared_gloo_groups"]
 
 _lock = threading.Lock()
-#: the shared group of the current default group (id of the default group, the shared group)
-_shared: list[tuple[int, Any]] = []
+#: the shared group handed out last; alive only in the default group it was made in (destroying that one destroys
+#: every group), so a destroyed one means a new default group and a new shared group
+_shared: Any = None
 #: ids of shared groups handed out, destroyed or not: a second destroy of one of them is a no-op
 _handed: set[int] = set()
 
@@ -47,14 +48,12 @@ def shared_gloo_groups() -> Iterator[None]:
         one_rank = dist.is_initialized() and dist.get_world_size() == 1 and (ranks is None or list(ranks) == [0])
         if not one_rank or str(backend or dist.get_backend()).lower() != "gloo":
             return original(ranks, timeout, backend, *args, **kwargs)
-        world = dist.group.WORLD
+        global _shared
         with _lock:
-            if _shared and _shared[-1][0] == id(world) and _alive(_shared[-1][1]):
-                return _shared[-1][1]
-            group = original(ranks, timeout, backend, *args, **kwargs)
-            _shared[:] = [(id(world), group)]
-            _handed.add(id(group))
-            return group
+            if _shared is None or not _alive(_shared):
+                _shared = original(ranks, timeout, backend, *args, **kwargs)
+                _handed.add(id(_shared))
+            return _shared
 
     dist.new_group = new_group
     try:

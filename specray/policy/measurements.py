@@ -211,16 +211,12 @@ class Measurements:
                 work = fit.predict(batch, max(tokens, 1))
             extra = max(0.0, seconds - work)
             f = self.decay_catch_up
-            rec = self.catch_up.setdefault(level, [0.0, 0.0])
-            rec[0] = f * rec[0] + caught
-            rec[1] = f * rec[1] + extra
+            _decayed_add(self.catch_up, level, f, caught, extra)
             # the level's cost per token fed, measured on calls far larger than a decode step's; not from a call made
             # before any step was timed: all of its time would count, a call's fixed cost with it, and a short first
             # prompt then priced every token of a verification at a fraction of a whole step
             if fit.n_obs:
-                low = self.floor.setdefault(level, [0.0, 0.0])
-                low[0] = f * low[0] + caught
-                low[1] = f * low[1] + extra
+                low = _decayed_add(self.floor, level, f, caught, extra)
                 if low[0] >= 1.0:
                     for cost in (self.costs[level], self.native_cost if level == self.top else None):
                         if cost is not None:
@@ -402,3 +398,11 @@ class Measurements:
 def _whole(draft_lens: Sequence[int], accepted: Sequence[int]) -> list[bool]:
     """Per row, whether its whole draft was accepted: a copy under way (the row's state, `Measurements.hot_share`)."""
     return [0 < n <= a for n, a in zip(draft_lens, accepted)]
+
+
+def _decayed_add(table: dict[int, list[float]], level: int, f: float, tokens: float, seconds: float) -> list[float]:
+    """table[level] ([tokens, seconds], decayed by `f` per call) with one call's tokens and seconds added."""
+    rec = table.setdefault(level, [0.0, 0.0])
+    rec[0] = f * rec[0] + tokens
+    rec[1] = f * rec[1] + seconds
+    return rec
