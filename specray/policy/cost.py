@@ -75,7 +75,11 @@ class StepCost:
     step that it cost 1.05x of, and lookup rounds lost to plain decoding they beat). Between two
     measured batch sizes the slope is interpolated; above the largest it is at least the largest's (the cost per
     token grows with the batch on both a CPU and a GPU); below the smallest the fit prices it, optimistic until
-    measured.
+    measured. "Beyond that batch's plain step": the one priced now while those calls are fresh (noise in the plain
+    price then moves the whole curve, not the price of the verifications measured beside it), and the plain step's
+    measured mean when they ran as the batch's later calls of one token per row age them. A held plain plan makes no
+    new such call, and a cold start's slow first steps fade from the plain step but not from verifications measured
+    then: against the plain step priced now, those grew dearer as plain steps got faster, and held plain decoding.
     """
 
     def __init__(
@@ -98,8 +102,9 @@ class StepCost:
         self._wx = [0.0] * 3  # sum w x (to rescale the prior)
         self._table: dict[tuple[int, int], list[float]] = {}  # (B, q) -> [weight, weighted sum, stamp]
         self._clocks: dict[int, int] = {}  # batch size -> calls measured at it (the table's clock)
-        #: batch size -> [decayed sum w, sum w t, sum w (q - 1), the most q] over its calls of q > 1 tokens per row:
-        #: the batch's own cost per extra token fed, against its plain step priced when asked (`_batch_slope`)
+        #: batch size -> [decayed sum w, sum w t, sum w (q - 1), the most q, the batch's clock at the latest, and over
+        #: the calls made once its plain step was measured: sum w, sum w (its plain step's measured mean then)] over its
+        #: calls of q > 1 tokens per row: the batch's own cost per extra token fed (`_batch_slope`)
         self._extra: dict[int, list[float]] = {}
         #: `_batch_slope`'s measured slopes and the fit they were taken against, until the next measurement
         self._slopes: tuple[Coefs, dict[int, float]] | None = None
@@ -127,12 +132,7 @@ class StepCost:
         self._wt = self._wt * d + weight * seconds
         clock = self._clocks[batch] = self._clocks.get(batch, 0) + 1
         if tokens > 1:
-            rec = self._extra.setdefault(batch, [0.0, 0.0, 0.0, 0])
-            f = self.table_decay
-            rec[0] = rec[0] * f + weight
-            rec[1] = rec[1] * f + weight * seconds
-            rec[2] = rec[2] * f + weight * (tokens - 1)
-            rec[3] = max(rec[3], tokens)
+            self._observe_extra(batch, tokens, seconds, weight, clock)
         self.q_seen = max(self.q_seen, tokens)
         entry = self._table.get((batch, tokens))
         if entry is None:
@@ -144,6 +144,20 @@ class StepCost:
             entry[2] = float(clock)
         self.n_obs += 1
         self._cache = self._slopes = None
+
+    def _observe_extra(self, batch: int, tokens: int, seconds: float, weight: float, clock: int) -> None:
+        """A call of several tokens per row into its batch's record, beside the plain step priced then
+        (`_batch_slope`)."""
+        rec = self._extra.setdefault(batch, [0.0, 0.0, 0.0, 0, 0, 0.0, 0.0])
+        plain = self._plain_mean(batch)
+        f = self.table_decay
+        rec[0] = rec[0] * f + weight
+        rec[1] = rec[1] * f + weight * seconds
+        rec[2] = rec[2] * f + weight * (tokens - 1)
+        rec[3] = max(rec[3], tokens)
+        rec[4] = clock
+        rec[5] = rec[5] * f + (weight if plain is not None else 0.0)
+        rec[6] = rec[6] * f + (weight * plain if plain is not None else 0.0)
 
     @property
     def coefficients(self) -> Coefs:
@@ -241,10 +255,16 @@ class StepCost:
         else:  # once per measurement (or refit prior), not per prediction: a ranking asks for many
             measured = {}
             self._slopes = (coefs, measured)
-            for bb, (w, wt, wq, _) in self._extra.items():
+            for bb, (w, wt, wq, _, stamp, w_then, plain_then) in self._extra.items():
                 if w >= 0.5 and wq > 0:  # at least half a decayed call
-                    plain = self._predict(coefs, bb, 1)
-                    measured[bb] = max(0.0, (wt - plain * w) / (bb * wq))
+                    excess = wt - self._predict(coefs, bb, 1) * w
+                    now = self._plain_mean(bb)
+                    if now is not None and w_then > 0:  # the plain step's drift since, as the calls age (docstring):
+                        # squared, so a plain probe between verifications barely counts (its noise is no drift) and
+                        # twenty plain rounds nearly all the way
+                        aged = (1.0 - self.table_decay ** (self._clocks[bb] - stamp)) ** 2
+                        excess -= aged * (plain_then - now * w_then)
+                    measured[bb] = max(0.0, excess / (bb * wq))
         if not measured:
             return None
         if batch in measured:
@@ -257,6 +277,11 @@ class StepCost:
         if below:
             return max(measured[max(below)], coefs[1]), self.q_seen
         return None
+
+    def _plain_mean(self, batch: int) -> float | None:
+        """The decayed mean of the plain steps (one token per row) measured at `batch`; None before the first."""
+        entry = self._table.get((batch, 1))
+        return entry[1] / entry[0] if entry is not None and entry[0] > 0 else None
 
     def _predict(self, coefs: Coefs, batch: int, tokens: int) -> float:
         a, b, c = coefs

@@ -344,6 +344,30 @@ def test_a_prefill_before_any_step_was_timed_sets_no_cost_per_token():
     assert cost.slope_floor == pytest.approx(0.001, rel=0.05)
 
 
+def test_a_cold_starts_slow_first_steps_do_not_price_speculation_out_once_they_fade():
+    """A process's first steps are slow (12-23 ms against 7 ms later on a small CPU target). Priced as the seconds of
+    its calls of several tokens beyond the plain step priced *now*, the slow first verifications grew dearer as the
+    plain steps got faster, with no new verification at all: a K 2 lookup round measured at 7.5 ms was priced 10-11 ms
+    against 7 ms plain, and the planner held plain decoding at one request (a held plain plan verifies nothing, so
+    only a rare probe could correct it). As the batch's plain steps age those calls, they are priced against the plain
+    step measured when they ran. While they are fresh, against the one priced now, so noise in a plain step does not
+    move the price of the verifications measured beside it."""
+    cost = StepCost((1.0, 0.02, 0.0))
+    for _ in range(6):  # cold: a plain step 20 ms, a 3-token verification 1 ms more
+        cost.observe(1, 1, 0.020)
+        cost.observe(1, 3, 0.021)
+    fresh = cost.predict(1, 3)
+    assert fresh == pytest.approx(0.021, rel=0.1)
+    for _ in range(60):  # warm: plain steps of 7 ms, no verification since
+        cost.observe(1, 1, 0.007)
+    assert cost.predict(1, 1) == pytest.approx(0.007, rel=0.1)
+    assert cost.predict(1, 3) == pytest.approx(0.008, rel=0.1)
+    assert cost.predict(1, 5) <= 0.007 + 4 * 0.0005 * 1.1  # past the sizes measured: no dearer per token
+    for _ in range(10):  # verifications again, now warm: they price themselves
+        cost.observe(1, 3, 0.0095)
+    assert cost.predict(1, 3) == pytest.approx(0.0095, rel=0.1)
+
+
 def test_what_was_measured_at_one_batch_size_outlasts_rounds_at_others():
     """A CPU engine's steps at batch 4 (0.12 s plain, 0.30 s verifying 6 tokens per row) do not lie on the curve its
     batch-1 steps draw (0.15 s plain, ~4 ms more per token). Served at 4 requests after a while at 1, the planner
