@@ -6,14 +6,20 @@
 The levels of the config (n-gram -> 0.5B -> 1.5B; the target on vLLM with engine verification where vLLM is
 installed) are loaded once. Modes: `adaptive` (the config's policy, a fresh planner at the start of every workload
 pass: what a server that has just started sees; `adaptive-old`: the planner as it was before the cold-start fix,
-deaf to the feed's shadow lookups and extrapolating its step-cost slopes, with an engine of its own), `none` (plain
+deaf to the feed's shadow lookups and extrapolating its step-cost slopes, with an engine of its own;
+`adaptive-unaged`: verifications priced against the plain step now, not the one measured then), `none` (plain
 decoding), `ngram`, `draft`, `cascade` (fixed plans at the levels' configured K). Batch 1, greedy: per workload,
 prompt by prompt, every mode runs the same prompt before the next prompt starts (order rotated per prompt), each
 after the prefix caches are emptied, so load that comes and goes hits every mode alike. With --warm-request each
 planner first serves an 8-token request on a short chat prompt, as bench_serve's server does. The adaptive planners
 keep what they learned across the prompts of a pass.
 
-Prints tokens/s per workload and mode, and adaptive / the best fixed plan; writes the per-prompt numbers and the
+`--peers vllm_plain vllm_ngram`: vLLM's own loop on the target's model, dtype and threads (plain, and its n-gram
+as its docs set it), each engine in a process of its own kept up through the run, asked each prompt in the same
+rotation as the modes, its prefix cache emptied first too.
+
+Prints tokens/s per workload and mode, and adaptive / the best fixed plan (and / each peer); writes the per-prompt
+numbers and the
 planner's per-round log (the plan answered, why, and the top of its ranking; the events it was fed) to
 benchmarks/results/coldstart-*.json.
 """
@@ -40,7 +46,8 @@ from specray.policy.planner import Planner
 from specray.spec.params import SamplingParams
 
 FIXED = ("none", "ngram", "draft", "cascade")
-ADAPTIVE = ("adaptive", "adaptive-old")
+PEERS = ("vllm_plain", "vllm_ngram")
+ADAPTIVE = ("adaptive", "adaptive-old", "adaptive-unaged")
 
 
 class LoggedPlanner(Planner):
@@ -92,6 +99,20 @@ class BeforeColdStartFix(LoggedPlanner):
                 cost.q_seen = 0
 
 
+class UnagedSlopes(LoggedPlanner):
+    """The planner before a batch's verifications were priced against the plain step measured when they ran
+    (`adaptive-unaged`): against the plain step priced now, however long ago they ran (`StepCost`'s docstring)."""
+
+    def on_call(self, level, kind, batch, tokens, seconds):
+        super().on_call(level, kind, batch, tokens, seconds)
+        for cost in (*self.costs.values(), self.native_cost):
+            for rec in (cost._extra.values() if cost is not None else ()):
+                rec[5] = rec[6] = 0.0  # no call measured beside a plain step: none is aged
+
+
+_PLANNERS = {"adaptive": LoggedPlanner, "adaptive-old": BeforeColdStartFix, "adaptive-unaged": UnagedSlopes}
+
+
 async def _generate(engine, planner, tok, stop_ids, ids: list[int], max_tokens: int, spec) -> tuple[int, float]:
     """One request alone through the scheduler (batch 1): (tokens, seconds)."""
     sched = Scheduler(engine, tok, max_batch_size=1, planner=planner, stop_token_ids=stop_ids)
@@ -115,7 +136,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--modes", nargs="+", default=["adaptive", *FIXED], choices=[*ADAPTIVE, *FIXED],
                     help="adaptive-old: the planner before the cold-start fix (no shadow lookups, fitted slopes "
-                         "extrapolated)")
+                         "extrapolated); adaptive-unaged: verifications priced against the plain step priced now")
     ap.add_argument("--repeats", type=int, default=1, help="passes over every workload (a fresh planner each)")
     ap.add_argument("--prompts", choices=["bench", "served"], default="bench",
                     help="bench: `specray bench`'s sample sets; served: benchmarks/prompts.py (bench_serve's)")
@@ -125,6 +146,8 @@ def main() -> int:
     ap.add_argument("--warm-request", action="store_true",
                     help="the adaptive planner first serves an 8-token request on a short chat prompt (bench_serve's "
                          "warm-up)")
+    ap.add_argument("--peers", nargs="*", default=[], choices=PEERS,
+                    help="vLLM's own loop beside the modes, prompt by prompt (the target's model, dtype, threads)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -158,6 +181,20 @@ def main() -> int:
         if m not in ADAPTIVE:
             asyncio.run(_generate(fixed_engine, None, tok, stop_ids, warm_ids, 8, Speculation(_METHOD[m])))
 
+    peers: dict[str, Any] = {}
+    if args.peers:
+        from specray.bench.peers import VllmPeer
+
+        top = cfg.levels[-1]
+        for p in args.peers:
+            print(f"starting {p} ({top.model}, {top.num_threads or 1} threads) ...", flush=True)
+            peers[p] = VllmPeer(p, top.model, threads=top.num_threads or 1, dtype=top.dtype)
+    modes = [*args.modes, *args.peers]
+
+    def run_peer(mode: str, i: int, ids: list[int]) -> tuple[int, float]:
+        (res,) = peers[mode].run([(i, ids, args.max_tokens)], reset_cache=True).requests
+        return res.tokens, res.seconds
+
     out = Path(args.out or Path(__file__).parent / "results" / f"coldstart-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
@@ -169,17 +206,22 @@ def main() -> int:
             for m in args.modes:  # a fresh planner per pass: the cold start is what is measured
                 if m in ADAPTIVE:
                     engine = CascadeEngine(levels, overlap=overlap)
-                    planner = (LoggedPlanner if m == "adaptive" else BeforeColdStartFix)(levels, k_max=pol.k_max,
-                                                                                         **kwargs)
+                    planner = _PLANNERS[m](levels, k_max=pol.k_max, **kwargs)
                     live[m] = (engine, planner.attach(engine))
                     if args.warm_request:
                         planner.log.append({"ev": "request", "prompt": "warm-up"})
                         asyncio.run(_generate(engine, planner, tok, stop_ids, warm_ids, 8, None))
             shared = live.get("adaptive")
             for i, ids in enumerate(prompts):
-                order = args.modes[turn % len(args.modes):] + args.modes[:turn % len(args.modes)]
+                order = modes[turn % len(modes):] + modes[:turn % len(modes)]
                 turn += 1
                 for m in order:
+                    if m in peers:
+                        n, sec = run_peer(m, i, ids)
+                        results.append({"repeat": rep, "workload": w, "prompt": i, "mode": m, "tokens": n,
+                                        "seconds": sec})
+                        print(f"rep {rep} {w} #{i} {m:12s} {n:3d} tok {n / sec:6.2f} tok/s", flush=True)
+                        continue
                     for lv in levels:
                         if lv.worker is not None:
                             lv.worker.reset_prefix_cache()
@@ -195,20 +237,24 @@ def main() -> int:
             out.write_text(json.dumps({"config": args.config, "settings": vars(args), "results": results,
                                        "planner_logs": logs}, separators=(",", ":")))  # a run cut short keeps these
 
-    print("\n| tokens/s | " + " | ".join(args.modes) + " | adaptive / best fixed |")
-    print("|---|" + "---|" * (len(args.modes) + 1))
+    for engine in peers.values():
+        engine.close()
+    print("\n| tokens/s | " + " | ".join(modes) + " | adaptive / best fixed |" + "".join(f" / {p} |" for p in peers))
+    print("|---|" + "---|" * (len(modes) + 1 + len(peers)))
     summary = {}
     for w in by_w:
         tps = {}
-        for m in args.modes:
+        for m in modes:
             sel = [r for r in results if r["workload"] == w and r["mode"] == m]
             tps[m] = sum(r["tokens"] for r in sel) / sum(r["seconds"] for r in sel)
-        fixed = {m: v for m, v in tps.items() if m not in ADAPTIVE}
+        fixed = {m: v for m, v in tps.items() if m in FIXED}
         best = max(fixed, key=fixed.get) if fixed else None
         ratios = {m: tps[m] / fixed[best] for m in ADAPTIVE if m in tps and best}
-        summary[w] = {"tok_s": tps, "best_fixed": best, "over_best_fixed": ratios}
-        print(f"| {w} | " + " | ".join(f"{tps[m]:.2f}" for m in args.modes) + " | "
-              + ", ".join(f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({best}) |")
+        over_peers = {p: {m: tps[m] / tps[p] for m in ADAPTIVE if m in tps} for p in peers}
+        summary[w] = {"tok_s": tps, "best_fixed": best, "over_best_fixed": ratios, "over_peers": over_peers}
+        print(f"| {w} | " + " | ".join(f"{tps[m]:.2f}" for m in modes) + " | "
+              + ", ".join(f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({best}) |"
+              + "".join(" " + ", ".join(f"{m} {r:.3f}" for m, r in over_peers[p].items()) + " |" for p in peers))
     out.write_text(json.dumps({"config": args.config, "settings": vars(args), "summary": summary,
                                "results": results, "planner_logs": logs}, separators=(",", ":")))
     print(f"wrote {out}")

@@ -173,12 +173,13 @@ class VllmPeer:
         self.pid = self._proc.pid
         self._reply()  # {"ready": true} once the engine is built
 
-    def run(self, rows: Sequence[tuple[int, list[int], int]]) -> Chunk:
+    def run(self, rows: Sequence[tuple[int, list[int], int]], *, reset_cache: bool = False) -> Chunk:
         """`rows` ((index, prompt ids, max tokens)) through the engine, `batch` at a time (all at once in a closed
-        loop); the first run starts with an untimed warm-up request."""
+        loop); the first run starts with an untimed warm-up request. `reset_cache` first empties the engine's
+        prefix cache (untimed), so a prompt asked again is prefilled whole, as on the first time."""
         assert self._proc.stdin is not None
         try:
-            self._proc.stdin.write(json.dumps({"rows": [list(r) for r in rows]}) + "\n")
+            self._proc.stdin.write(json.dumps({"rows": [list(r) for r in rows], "reset_cache": reset_cache}) + "\n")
             self._proc.stdin.flush()
         except OSError:  # it exited: `_reply` says how
             pass
@@ -328,7 +329,10 @@ def _serve(spec: dict[str, Any]) -> None:
     warm = True
     for line in sys.stdin:
         try:
-            rows = json.loads(line)["rows"]
+            msg = json.loads(line)
+            rows = msg["rows"]
+            if msg.get("reset_cache"):
+                llm.reset_prefix_cache()
             if warm and rows:  # shorter than a KV block: prefix caching keeps nothing of it
                 from vllm import SamplingParams
 

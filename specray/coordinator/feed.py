@@ -44,6 +44,10 @@ most `SHADOW_LOOKUPS` rows a call. Each K measures K + 1, so a K held short lear
 The round's own time: `CascadeEngine.step` reports the seconds each round spent outside its workers' calls (the
 coordinator's lookups, drafts, syncs, commits and this feed) with the levels that drafted for the target (() for
 plain decoding), to a `HostObserver` (the planner) as `on_host(drafting, batch, seconds)`; `specray.policy.host`.
+Not the first round of a kind after a round of another kind (`PlannerFeed.hosted`): it costs a multiple of a
+steady round of its kind, and while one plan is held a probe of another kind is only ever such a first round, so a
+median of a few of them priced the kind at that multiple for as long as the plan held (plain decoding held at one
+request, where the n-gram's lookups cost a fraction of what their probes took).
 """
 
 from __future__ import annotations
@@ -208,6 +212,7 @@ class PlannerFeed:
         first = self.levels[0]
         #: the n-gram level 0 that shadow lookups consult (None: level 0 is a model or a suffix level)
         self._lookup = first.ngram if len(self.levels) > 1 and first.ngram is not None else None
+        self._kind: tuple[int, ...] | None = None  # the drafting levels of the latest round `hosted` was told of
 
     def shadowed(self, rows: Sequence[Seq], plan: Plan) -> None:
         """After a round over `rows` (its tokens committed): check each row's pending shadow draft against the text
@@ -252,7 +257,11 @@ class PlannerFeed:
                 ob.on_shadow(len(self.levels) - 1, 0, lens, accepted, asked)
 
     def hosted(self, plan: Plan, batch: int, seconds: float) -> None:
-        """A round of `plan` over `batch` rows spent `seconds` outside its workers' calls (`HostObserver`)."""
+        """A round of `plan` over `batch` rows spent `seconds` outside its workers' calls (`HostObserver`), told only
+        if it drafts with the levels the round before did (module docstring)."""
+        previous, self._kind = self._kind, plan.drafting
+        if plan.drafting != previous:
+            return
         for ob in self.observers:
             if isinstance(ob, HostObserver):
                 ob.on_host(plan.drafting, batch, seconds)

@@ -494,6 +494,8 @@ class Planner:
         self.measurements.on_catch_up(level, kind, batch, tokens, caught, seconds)
 
     def on_host(self, drafting: tuple[int, ...], batch: int, seconds: float) -> None:
+        if self._calls and self.last_reason == "warmup":  # its first rounds run cold code paths: not steady ones
+            return
         self.measurements.on_host(drafting, batch, seconds)
 
     @property

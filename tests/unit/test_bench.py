@@ -687,10 +687,12 @@ def test_a_vllm_peer_kept_up_answers_run_after_run_as_a_fresh_one_does(rep_targe
     with peers_mod.VllmPeer("vllm_plain", str(rep_target), threads=1, dtype="float32") as engine:
         first, second = engine.run([(0, a, 10)]), engine.run([(1, b, 10)])
         again = engine.run([(0, a, 10)])
+        emptied = engine.run([(0, a, 10)], reset_cache=True)  # its prefix cache emptied first: the same tokens
         proc = engine._proc
     assert proc.poll() is not None  # the process ended with the block
     assert [r.output for r in fresh.requests] == [first.requests[0].output, second.requests[0].output]
     assert again.requests[0].output == first.requests[0].output and again.requests[0].index == 0
+    assert emptied.requests[0].output == first.requests[0].output
     assert all(r.tokens == 10 and r.seconds > 0 for c in (first, second) for r in c.requests)
     with pytest.raises(RuntimeError, match="vllm_plain: the vLLM process exited with code"):
         peers_mod.VllmPeer("vllm_plain", str(rep_target.parent / "no-such-model"), threads=1, dtype="float32")

@@ -76,6 +76,40 @@ def test_a_rounds_own_time_is_measured_apart_from_its_calls(slow_lookup):
     assert median(plain) < 0.010
 
 
+def test_only_steady_rounds_are_measured():
+    """The first round of a kind after another kind costs a multiple of a steady round, and while one plan is held a
+    probe of another kind is only ever such a first round: it is not reported. Nor are the planner's warm-up rounds
+    (cold code paths)."""
+    seen = Hosted()
+    eng = CascadeEngine(_levels())
+    eng.observers.append(seen)
+    ngram, plain = Plan((0, 1), (4,)), Plan((1,), ())
+    script = [ngram] * 3 + [plain] * 3 + [ngram] + [plain] * 3  # then plain to the end
+    chosen: list[Plan] = []
+
+    def plans(batch: int) -> Plan:
+        chosen.append(script[len(chosen)] if len(chosen) < len(script) else plain)
+        return chosen[-1]
+
+    generate(eng, PROMPTS[:2], max_tokens=24, ignore_eos=True, plan=plans)
+    steady = [p.drafting for i, p in enumerate(chosen) if i > 0 and chosen[i - 1] == p]
+    assert len(chosen) > len(script)
+    assert [d for d, _b, _s in seen.events] == steady  # round 0 had no round before it; 3, 6 and 7 switched kind
+    assert steady.count((0,)) == 2
+
+    lv = _levels()
+    warm = CascadeEngine(lv)
+    trace: list[dict] = []
+    p = Planner(lv, k_choices=(4,), warmup=3, explore_every=0, trace=trace.append).attach(warm)
+    hosted: list[tuple[int, ...]] = []
+    record = p.measurements.on_host
+    p.measurements.on_host = lambda d, b, sec: hosted.append(d) or record(d, b, sec)
+    generate(warm, PROMPTS[:2], max_tokens=24, ignore_eos=True, plan=p)
+    warming = sum(r["reason"] == "warmup" for r in trace)
+    assert warming >= 3
+    assert len(hosted) <= len(trace) - warming
+
+
 def test_host_times_are_medians_per_kind_and_bucket_with_fallbacks():
     h = HostTimes(window=3)
     assert h.seconds((0,), 1) == 0.0  # nothing measured
