@@ -16,7 +16,8 @@ keep what they learned across the prompts of a pass.
 
 `--peers vllm_plain vllm_ngram`: vLLM's own loop on the target's model, dtype and threads (plain, and its n-gram
 as its docs set it), each engine in a process of its own kept up through the run, asked each prompt in the same
-rotation as the modes, its prefix cache emptied first too.
+rotation as the modes, its prefix cache emptied first too. Each peer takes its model, runtime and
+`VLLM_CPU_KVCACHE_SPACE` GiB of KV cache (2 by default): on a 24 GiB box set it to 1 for two peers.
 
 Prints tokens/s per workload and mode, and adaptive / the best fixed plan (and / each peer); writes the per-prompt
 numbers and the
