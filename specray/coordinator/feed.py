@@ -44,14 +44,17 @@ most `SHADOW_LOOKUPS` rows a call. Each K measures K + 1, so a K held short lear
 The round's own time: `CascadeEngine.step` reports the seconds each round spent outside its workers' calls (the
 coordinator's lookups, drafts, syncs, commits and this feed) with the levels that drafted for the target (() for
 plain decoding), to a `HostObserver` (the planner) as `on_host(drafting, batch, seconds)`; `specray.policy.host`.
-Not the first round of a kind after a round of another kind (`PlannerFeed.hosted`): it costs a multiple of a
-steady round of its kind, and while one plan is held a probe of another kind is only ever such a first round, so a
-median of a few of them priced the kind at that multiple for as long as the plan held (plain decoding held at one
-request, where the n-gram's lookups cost a fraction of what their probes took).
+Not a round of a kind that none of the `HOST_RECENT` rounds before it ran (`PlannerFeed.hosted`): the first round
+of a kind after others costs a multiple of a steady one, and while one plan is held a probe of another kind is only
+ever such a round, so a median of a few of them priced the kind at that multiple for as long as the plan held (plain
+decoding held at one request, where the n-gram's lookups cost a fraction of what their probes took). A few rounds
+back, not one: the scheduler runs the groups of a tick (per-request plans, a probe's rows) one after another, and
+kinds that alternate so are each steady.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -69,6 +72,8 @@ __all__ = ["SHADOW_LOOKUPS", "CatchUpObserver", "HostObserver", "NativeObserver"
 #: at most this many rows of a round start a shadow lookup (an n-gram scan of the row's text each): a sample of the
 #: batch measures the same acceptance, and the coordinator's work per round stays bounded at large batches
 SHADOW_LOOKUPS = 4
+#: a round's own time is reported when one of this many rounds before it ran the same kind (`PlannerFeed.hosted`)
+HOST_RECENT = 4
 
 
 class Observer(Protocol):
@@ -212,7 +217,8 @@ class PlannerFeed:
         first = self.levels[0]
         #: the n-gram level 0 that shadow lookups consult (None: level 0 is a model or a suffix level)
         self._lookup = first.ngram if len(self.levels) > 1 and first.ngram is not None else None
-        self._kind: tuple[int, ...] | None = None  # the drafting levels of the latest round `hosted` was told of
+        #: the drafting levels of the latest rounds `hosted` was told of
+        self._kinds: deque[tuple[int, ...]] = deque(maxlen=HOST_RECENT)
 
     def shadowed(self, rows: Sequence[Seq], plan: Plan) -> None:
         """After a round over `rows` (its tokens committed): check each row's pending shadow draft against the text
@@ -258,9 +264,10 @@ class PlannerFeed:
 
     def hosted(self, plan: Plan, batch: int, seconds: float) -> None:
         """A round of `plan` over `batch` rows spent `seconds` outside its workers' calls (`HostObserver`), told only
-        if it drafts with the levels the round before did (module docstring)."""
-        previous, self._kind = self._kind, plan.drafting
-        if plan.drafting != previous:
+        if one of the rounds just before it drafted with the same levels (module docstring)."""
+        steady = plan.drafting in self._kinds
+        self._kinds.append(plan.drafting)
+        if not steady:
             return
         for ob in self.observers:
             if isinstance(ob, HostObserver):

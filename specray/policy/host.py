@@ -9,8 +9,8 @@ time (`Pricing.host`), so a draft that gains fewer tokens than its lookups and b
 
 Kept per kind (the drafting levels of the plan: () for plain decoding) and batch bucket, as the median of the latest
 rounds: one that starts rows or meets a garbage collection is an outlier, not a trend. A median needs rounds of the
-kind's steady state, though: the engine does not report the first round of a kind after another kind
-(`specray.coordinator.feed`), nor the planner its warm-up's rounds (the process's first, on cold code paths). Such
+kind's steady state, though: the engine does not report a round of a kind that the few rounds before it did not
+run (`specray.coordinator.feed`), nor the planner its warm-up's rounds (the process's first, on cold code paths). Such
 rounds cost a multiple of a steady one, and a kind probed now and then while another is held is only ever measured
 on them.
 """

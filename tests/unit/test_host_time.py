@@ -12,6 +12,7 @@ import pytest
 
 from specray.coordinator.cascade import CascadeEngine, Level, Plan
 from specray.coordinator.drafting import Drafter
+from specray.coordinator.feed import HOST_RECENT
 from specray.coordinator.generate import generate
 from specray.policy.host import HostTimes
 from specray.policy.planner import Planner
@@ -77,25 +78,29 @@ def test_a_rounds_own_time_is_measured_apart_from_its_calls(slow_lookup):
 
 
 def test_only_steady_rounds_are_measured():
-    """The first round of a kind after another kind costs a multiple of a steady round, and while one plan is held a
-    probe of another kind is only ever such a first round: it is not reported. Nor are the planner's warm-up rounds
+    """The first round of a kind after others costs a multiple of a steady round, and while one plan is held a probe
+    of another kind is only ever such a round: a round is reported only if one of the `HOST_RECENT` rounds before it
+    ran its kind (groups of one tick that alternate kinds are each steady). Nor are the planner's warm-up rounds
     (cold code paths)."""
     seen = Hosted()
     eng = CascadeEngine(_levels())
     eng.observers.append(seen)
     ngram, plain = Plan((0, 1), (4,)), Plan((1,), ())
-    script = [ngram] * 3 + [plain] * 3 + [ngram] + [plain] * 3  # then plain to the end
+    script = [ngram] * 3 + [plain] * 6 + [ngram] + [plain] * 6 + [ngram, plain] * 3  # then plain to the end
     chosen: list[Plan] = []
 
     def plans(batch: int) -> Plan:
         chosen.append(script[len(chosen)] if len(chosen) < len(script) else plain)
         return chosen[-1]
 
-    generate(eng, PROMPTS[:2], max_tokens=24, ignore_eos=True, plan=plans)
-    steady = [p.drafting for i, p in enumerate(chosen) if i > 0 and chosen[i - 1] == p]
+    generate(eng, PROMPTS[:2], max_tokens=48, ignore_eos=True, plan=plans)
     assert len(chosen) > len(script)
-    assert [d for d, _b, _s in seen.events] == steady  # round 0 had no round before it; 3, 6 and 7 switched kind
-    assert steady.count((0,)) == 2
+    assert HOST_RECENT == 4
+    # unreported: round 0 (no round before it), 3 (the first plain one), 9 (an n-gram probe after six plain rounds)
+    # and 16 (the first n-gram round of the alternation); 17-21 alternate with a kind seen two rounds before
+    reported = [p.drafting for i, p in enumerate(chosen) if i not in (0, 3, 9, 16)]
+    assert [d for d, _b, _s in seen.events] == reported
+    assert reported.count((0,)) == 4
 
     lv = _levels()
     warm = CascadeEngine(lv)
