@@ -20,9 +20,8 @@ rotation as the modes, its prefix cache emptied first too. Each peer takes its m
 `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache (2 by default): on a 24 GiB box set it to 1 for two peers.
 
 Prints tokens/s per workload and mode, and adaptive / the best fixed plan (and / each peer); writes the per-prompt
-numbers and the
-planner's per-round log (the plan answered, why, and the top of its ranking; the events it was fed) to
-benchmarks/results/coldstart-*.json.
+numbers and the planner's per-round log (the plan answered, why, and the top of its ranking; the events it was fed)
+to benchmarks/results/coldstart-*.json.
 """
 
 from __future__ import annotations
@@ -108,7 +107,7 @@ class UnagedSlopes(LoggedPlanner):
         super().on_call(level, kind, batch, tokens, seconds)
         for cost in (*self.costs.values(), self.native_cost):
             for rec in (cost._extra.values() if cost is not None else ()):
-                rec[5] = rec[6] = 0.0  # no call measured beside a plain step: none is aged
+                rec.w_then = rec.plain_then = 0.0  # no call measured beside a plain step: none is aged
 
 
 _PLANNERS = {"adaptive": LoggedPlanner, "adaptive-old": BeforeColdStartFix, "adaptive-unaged": UnagedSlopes}

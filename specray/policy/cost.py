@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,6 +38,21 @@ def _features(batch: int, tokens: int) -> list[float]:
 def linear_cost(a: float, b: float, c: float = 0.0) -> Callable[[int, int], float]:
     """A synthetic step-time curve t(B, q) = a + b*B*q + c*B (tests and simulations)."""
     return lambda batch, tokens: a + b * batch * tokens + c * batch
+
+
+@dataclass(slots=True)
+class ExtraTokens:
+    """One batch size's calls of several tokens per row, decayed per such call (`StepCost._batch_slope`): their
+    weight, seconds and extra tokens fed (weighted sums), the most tokens per row, the batch's clock at the latest;
+    and over the calls made once its plain step was measured, their weight and that plain step's mean then."""
+
+    w: float = 0.0
+    wt: float = 0.0
+    wq: float = 0.0
+    q_top: int = 0
+    stamp: int = 0
+    w_then: float = 0.0
+    plain_then: float = 0.0
 
 
 class StepCost:
@@ -102,10 +118,8 @@ class StepCost:
         self._wx = [0.0] * 3  # sum w x (to rescale the prior)
         self._table: dict[tuple[int, int], list[float]] = {}  # (B, q) -> [weight, weighted sum, stamp]
         self._clocks: dict[int, int] = {}  # batch size -> calls measured at it (the table's clock)
-        #: batch size -> [decayed sum w, sum w t, sum w (q - 1), the most q, the batch's clock at the latest, and over
-        #: the calls made once its plain step was measured: sum w, sum w (its plain step's measured mean then)] over its
-        #: calls of q > 1 tokens per row: the batch's own cost per extra token fed (`_batch_slope`)
-        self._extra: dict[int, list[float]] = {}
+        #: batch size -> its calls of q > 1 tokens per row: the batch's own cost per extra token fed (`_batch_slope`)
+        self._extra: dict[int, ExtraTokens] = {}
         #: `_batch_slope`'s measured slopes and the fit they were taken against, until the next measurement
         self._slopes: tuple[Coefs, dict[int, float]] | None = None
         self.n_obs = 0
@@ -146,18 +160,23 @@ class StepCost:
         self._cache = self._slopes = None
 
     def _observe_extra(self, batch: int, tokens: int, seconds: float, weight: float, clock: int) -> None:
-        """A call of several tokens per row into its batch's record, beside the plain step priced then
+        """A call of several tokens per row into its batch's record, beside the plain step measured then
         (`_batch_slope`)."""
-        rec = self._extra.setdefault(batch, [0.0, 0.0, 0.0, 0, 0, 0.0, 0.0])
-        plain = self._plain_mean(batch)
+        rec = self._extra.get(batch)
+        if rec is None:
+            rec = self._extra[batch] = ExtraTokens()
+        plain = self._mean(batch, 1)
         f = self.table_decay
-        rec[0] = rec[0] * f + weight
-        rec[1] = rec[1] * f + weight * seconds
-        rec[2] = rec[2] * f + weight * (tokens - 1)
-        rec[3] = max(rec[3], tokens)
-        rec[4] = clock
-        rec[5] = rec[5] * f + (weight if plain is not None else 0.0)
-        rec[6] = rec[6] * f + (weight * plain if plain is not None else 0.0)
+        rec.w = rec.w * f + weight
+        rec.wt = rec.wt * f + weight * seconds
+        rec.wq = rec.wq * f + weight * (tokens - 1)
+        rec.q_top = max(rec.q_top, tokens)
+        rec.stamp = clock
+        rec.w_then *= f
+        rec.plain_then *= f
+        if plain is not None:
+            rec.w_then += weight
+            rec.plain_then += weight * plain
 
     @property
     def coefficients(self) -> Coefs:
@@ -255,20 +274,20 @@ class StepCost:
         else:  # once per measurement (or refit prior), not per prediction: a ranking asks for many
             measured = {}
             self._slopes = (coefs, measured)
-            for bb, (w, wt, wq, _, stamp, w_then, plain_then) in self._extra.items():
-                if w >= 0.5 and wq > 0:  # at least half a decayed call
-                    excess = wt - self._predict(coefs, bb, 1) * w
-                    now = self._plain_mean(bb)
-                    if now is not None and w_then > 0:  # the plain step's drift since, as the calls age (docstring):
-                        # squared, so a plain probe between verifications barely counts (its noise is no drift) and
-                        # twenty plain rounds nearly all the way
-                        aged = (1.0 - self.table_decay ** (self._clocks[bb] - stamp)) ** 2
-                        excess -= aged * (plain_then - now * w_then)
-                    measured[bb] = max(0.0, excess / (bb * wq))
+            for bb, rec in self._extra.items():
+                if rec.w >= 0.5 and rec.wq > 0:  # at least half a decayed call
+                    excess = rec.wt - self._predict(coefs, bb, 1) * rec.w
+                    now = self._mean(bb, 1)
+                    if now is not None and rec.w_then > 0:  # the plain step's drift since, as the calls age
+                        # (docstring): squared, so a plain probe between verifications barely counts (its noise is no
+                        # drift) and twenty plain rounds nearly all the way
+                        aged = (1.0 - self.table_decay ** (self._clocks[bb] - rec.stamp)) ** 2
+                        excess -= aged * (rec.plain_then - now * rec.w_then)
+                    measured[bb] = max(0.0, excess / (bb * rec.wq))
         if not measured:
             return None
         if batch in measured:
-            return measured[batch], int(self._extra[batch][3])
+            return measured[batch], self._extra[batch].q_top
         below = [bb for bb in measured if bb < batch]
         above = [bb for bb in measured if bb > batch]
         if below and above:
@@ -278,9 +297,9 @@ class StepCost:
             return max(measured[max(below)], coefs[1]), self.q_seen
         return None
 
-    def _plain_mean(self, batch: int) -> float | None:
-        """The decayed mean of the plain steps (one token per row) measured at `batch`; None before the first."""
-        entry = self._table.get((batch, 1))
+    def _mean(self, batch: int, tokens: int) -> float | None:
+        """The decayed mean of the calls measured at (batch, tokens); None before the first."""
+        entry = self._table.get((batch, tokens))
         return entry[1] / entry[0] if entry is not None and entry[0] > 0 else None
 
     def _predict(self, coefs: Coefs, batch: int, tokens: int) -> float:
@@ -289,11 +308,12 @@ class StepCost:
 
     def _blend(self, batch: int, tokens: int, model: float) -> float:
         """`model` with the decayed mean measured at (batch, tokens) blended in (1 pseudo-observation of the model)."""
-        entry = self._table.get((batch, tokens))
-        if entry is None:
+        mean = self._mean(batch, tokens)
+        if mean is None:
             return model
+        entry = self._table[(batch, tokens)]
         w = entry[0] * self.table_decay ** (self._clocks.get(batch, 0) - entry[2])
-        return (entry[1] * w / entry[0] + model) / (w + 1.0) if entry[0] > 0 else model
+        return (mean * w + model) / (w + 1.0)
 
 
 def _add_prefix_counts(values: np.ndarray, ends: list[int]) -> np.ndarray:
