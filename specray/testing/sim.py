@@ -84,22 +84,24 @@ __all__ = [
 
 @dataclass(frozen=True)
 class StepCostModel:
-    """Seconds one forward of a model takes on its device: `base_s + per_token_s * tokens_fed`.
+    """Seconds one forward of a model takes on its device: `base_s + per_token_s * max(0, tokens_fed - knee_tokens)`.
 
     tokens_fed: every token fed in that forward, summed over the batch's rows (a decode step of B rows feeds B;
-    a verification of K drafts feeds B x (K + 1); a prefill the prompt's tokens)."""
+    a verification of K drafts feeds B x (K + 1); a prefill the prompt's tokens). `knee_tokens`: how many tokens a
+    forward feeds at no extra cost, a step that is flat until its compute saturates (0: linear from the first)."""
 
     base_s: float
     per_token_s: float = 0.0
     name: str | None = None
     source: str = ""
+    knee_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.base_s < 0 or self.per_token_s < 0:
-            raise ValueError("costs must be >= 0")
+        if self.base_s < 0 or self.per_token_s < 0 or self.knee_tokens < 0:
+            raise ValueError("costs and knee_tokens must be >= 0")
 
     def forward_s(self, tokens_fed: int) -> float:
-        return self.base_s + self.per_token_s * max(0, int(tokens_fed))
+        return self.base_s + self.per_token_s * max(0, int(tokens_fed) - self.knee_tokens)
 
     def step_s(self, batch: int = 1) -> float:
         """One decoding step of `batch` rows (one token each)."""

@@ -274,7 +274,7 @@ def build_tiny_model(
     the N(0, 1) embedding dominates the residual stream, so such a model mostly repeats recent tokens (text
     that prompt lookup drafts well); larger scales move it from pure repetition (runs of one token at 8, 512
     wide, 4 layers) towards noise (occasional repeats at 48), which sets how often an n-gram draft is accepted
-    (llama family; used in tests/e2e/test_regime.py)."""
+    (llama family)."""
     tok = _as_tokenizer(tokenizer_dir_or_tok)
     config = tiny_config(
         family, len(tok), num_layers, hidden, heads, kv_heads, intermediate, max_positions,

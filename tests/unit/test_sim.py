@@ -47,6 +47,14 @@ def test_verify_cost_counts_the_tokens_it_feeds():
     assert rec["end"] - rec["start"] >= rec["cost_s"]
 
 
+def test_a_knee_makes_the_first_tokens_fed_free():
+    cost = StepCostModel(0.010, 0.002, knee_tokens=16)
+    assert cost.forward_s(1) == cost.forward_s(16) == pytest.approx(0.010)
+    assert cost.forward_s(48) == pytest.approx(0.010 + 0.002 * 32)
+    with pytest.raises(ValueError):
+        StepCostModel(0.010, knee_tokens=-1)
+
+
 def test_simulation_does_not_change_tokens():
     kw = dict(vocab=16, order=2, table_seed=0)
     cost = StepCostModel(0.0005, 0.0)
