@@ -20,6 +20,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from specray.testing.sim import SimWorker, StepCostModel
 from tests.e2e.conftest import Server
 
 MODEL = "regime"
@@ -27,7 +28,7 @@ VOCAB = 64
 #: token-id prompts (the simulated target has no tokenizer)
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(6)] for i in range(8)]
 #: 10 ms a forward up to 16 tokens fed, 2 ms per token beyond: batch 32 x 1 token 42 ms, x 2 tokens 106 ms
-STEP = (0.010, 0.002, 16)
+STEP = StepCostModel(0.010, 0.002, "regime", knee_tokens=16)
 
 
 def rounds_per_plan(url: str) -> dict[str, float]:
@@ -56,7 +57,6 @@ def drafting_share(rounds: dict[str, float]) -> float:
 def test_concurrency_1_to_32_changes_the_plan():
     from specray.config import AppConfig
     from specray.serve.replica import Coordinator
-    from specray.testing.sim import SimWorker, StepCostModel
 
     cfg = AppConfig.model_validate({
         "cascade": {"levels": [
@@ -66,8 +66,7 @@ def test_concurrency_1_to_32_changes_the_plan():
         "server": {"model_name": MODEL, "in_process": True, "max_batch_size": 32},
         "policy": {"adaptive": True, "k_max": 8, "explore_every": 20},
     })
-    step = StepCostModel(STEP[0], STEP[1], "regime", knee_tokens=STEP[2])
-    coord = Coordinator(cfg, factories=[None, lambda: SimWorker("target", step, vocab=VOCAB, order=1)])
+    coord = Coordinator(cfg, factories=[None, lambda: SimWorker("target", STEP, vocab=VOCAB, order=1)])
     srv = Server(coord)
 
     def request(prompt: list[int], n: int) -> None:
