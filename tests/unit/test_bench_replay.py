@@ -67,6 +67,13 @@ def test_the_cost_curve_is_flat_to_its_knee():
     assert c(2, 5) == pytest.approx(0.16 + 0.006 + 0.01)
 
 
+def test_a_measured_width_curve_is_interpolated_and_extended():
+    c = replay_mod.CostCurve(per_token=0.01, per_row=0.0, widths=replay_mod.parse_widths("1:0.15,3:0.13,5:0.14"))
+    assert c(1, 1) == pytest.approx(0.15) and c(1, 2) == pytest.approx(0.14) and c(1, 3) == pytest.approx(0.13)
+    assert c(1, 7) == pytest.approx(0.14 + 2 * 0.01)  # beyond the largest measured: per_token a token
+    assert c(2, 2) == c(1, 4)  # indexed by the tokens the step feeds
+
+
 def test_samples_of_one_prompt_replay_their_own_paths():
     """Sampled records: several outputs of one prompt. Each replayed request leads with a marker of its own, so the
     scripted target follows that request's path, in every mode and served together too."""
