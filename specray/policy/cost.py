@@ -308,12 +308,11 @@ class StepCost:
 
     def _blend(self, batch: int, tokens: int, model: float) -> float:
         """`model` with the decayed mean measured at (batch, tokens) blended in (1 pseudo-observation of the model)."""
-        mean = self._mean(batch, tokens)
-        if mean is None:
+        entry = self._table.get((batch, tokens))  # one lookup: a ranking prices many (B, q)
+        if entry is None or entry[0] <= 0:
             return model
-        entry = self._table[(batch, tokens)]
         w = entry[0] * self.table_decay ** (self._clocks.get(batch, 0) - entry[2])
-        return (mean * w + model) / (w + 1.0)
+        return (entry[1] / entry[0] * w + model) / (w + 1.0)
 
 
 def _add_prefix_counts(values: np.ndarray, ends: list[int]) -> np.ndarray:
