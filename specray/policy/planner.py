@@ -3,10 +3,11 @@
 `Planner` holds four parts: what it has measured (`measurements`, a `specray.policy.measurements.Measurements`: the
 engine's observer hooks and the step-cost fits and acceptances they update), the price of a plan (`pricing`, a
 `specray.policy.pricing.Pricing` over them: E[L] * B / T_round of plain decoding, one drafter, cascades, a native
-vLLM target, overlapped rounds), the candidate plans ranked by it (`ranking`, a `specray.policy.ranking.Ranking`)
-and the probes of levels outside the held plan (`exploration`, a `specray.policy.exploration.Exploration`: stale
-pairs, plain decoding at new batch sizes, within a time budget). This module makes the choice among them: a static
-table, hysteresis, patience. The planner's own API forwards to its parts (what callers and tests read: `on_call`,
+vLLM target, overlapped rounds), the candidate plans ranked by it (`ranking`, a `specray.policy.ranking.Ranking`),
+how often it ranks them (`cadence`, a `specray.policy.cadence.Cadence`: the held plan between rankings) and the
+probes of levels outside the held plan (`exploration`, a `specray.policy.exploration.Exploration`: stale pairs,
+plain decoding at new batch sizes, within a time budget). This module makes the choice among them: a static table,
+warm-up, hysteresis, patience. The planner's own API forwards to its parts (what callers and tests read: `on_call`,
 `goodput`, `explain`, `costs`, ...).
 
 T_level(B, q) comes from `StepCost` (live fit per level), alpha from `Acceptance` (live, per pair). Plain
@@ -35,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from specray.coordinator.state import Backlog, Plan
+from specray.policy.cadence import Cadence
 from specray.policy.exploration import Exploration
 from specray.policy.measurements import Measurements, batch_bucket
 from specray.policy.pricing import Pricing
@@ -121,29 +123,12 @@ class Planner:
         #: looks slow is switched off, and then only a probe that pays its catch-up on a new prompt can time it again
         self.warmup_timed = warmup_timed
         self.decisive = decisive
-        if rerank_every < 1:
-            raise ValueError("rerank_every must be >= 1")
-        #: rank the candidate plans on one round in this many at the same batch bucket, keeping the held plan on
-        #: the others: ranking prices every (levels, K) candidate, a cost paid by every round it runs on, which at
-        #: GPU step times is a sizeable part of the round
-        self.rerank_every = int(rerank_every)
-        if rerank_budget is not None and not 0 < rerank_budget <= 1:
-            raise ValueError("rerank_budget must be in (0, 1]")
-        #: the largest share of the wall time the ranking may take: after a ranking that took t CPU seconds, the next
-        #: waits until t / rerank_budget seconds have passed (None: rank by `rerank_every` alone). Short rounds
-        #: (GPU steps) then rank every many rounds, long ones (CPU steps) every round or two.
-        self.rerank_budget = rerank_budget
         if margin < 0:
             raise ValueError("margin must be >= 0")
         #: a speculative plan must be predicted to beat plain decoding by this much (relative) to be chosen: its
         #: extra round cost is certain, its gain rests on acceptance measured on earlier rows and rounds, and near
         #: break-even (a filling batch) the gain is smaller than that estimate's error
         self.margin = float(margin)
-        self._unranked = 0  # rounds since the last ranking that kept the held plan
-        self._hot_seen: float | None = None  # the held lookup plan's rows' state its K was priced for (`_retune`)
-        self._copy_seen: float | None = None  # the lookup's rows' state (shadows) at the latest ranking (`_hold`)
-        self._rank_cost = 0.0  # CPU seconds the latest ranking took
-        self._rank_end = 0.0  # perf_counter() when it ended
         self._probe_round = False
         #: why the latest plan() answer was chosen (metrics): 'table' (an override there), 'warmup', 'hold'
         #: (between rankings), 'ranked', 'plain_probe' (first plain round at a new batch bucket), 'explore'
@@ -159,6 +144,8 @@ class Planner:
             self.default_plan = Plan(self.default_plan.levels, self.default_plan.k,
                                      tree=self.measurements.tree_widths[self.default_plan.levels[0]])
         self.ranking = Ranking(self.pricing, self.names, self.plain, self.default_plan)
+        #: when to rank again (`rerank_every`, `rerank_budget`) and the held plan between rankings
+        self.cadence = Cadence(self.measurements, self.pricing, self.k_choices, rerank_every, rerank_budget)
         #: probes of stale pairs and of plain decoding, within `explore_budget` (a share of the serving time; needs
         #: `on_round`, which the scheduler calls)
         self.exploration = Exploration(self.measurements, self.pricing, explore_every, explore_budget, probe_batch)
@@ -251,45 +238,12 @@ class Planner:
         r = max(1, backlog.remaining)
         return r / (r / gp + c)
 
-    def _hot_share(self, plan: Plan) -> float | None:
-        """`Measurements.hot_share` of `plan`'s pair where it is a lookup's chain for the target; else None."""
-        if len(plan.levels) != 2 or plan.hybrid or not self.is_ngram[plan.levels[0]] or \
-                self.pricing.width(plan, 0) > 1:
-            return None
-        return self.measurements.hot_share((plan.levels[1], plan.levels[0]))
-
-    def _retune(self, batch: int) -> None:
-        """Between rankings, a held lookup plan's K follows the rows' state (`Measurements.hot_share`: whose draft
-        was accepted whole last round) when it changes: a copy starts and ends within a few rounds, more often
-        than the ranking's budget lets it run, and only this plan's K values are priced (the same drafters: a
-        switch that costs nothing, as `_free_switch`)."""
-        share = self._hot_share(self._current)
-        if share is None or share == self._hot_seen:
-            return
-        self._hot_seen = share
-        levels = self._current.levels
-        self._current = max((Plan(levels, (k,)) for k in self.k_choices),
-                            key=lambda plan: self.pricing.goodput(plan, batch))
-
-    def _copy_share(self) -> float | None:
-        """Under a plan without the lookup: the share of rows whose whole shadow draft was just matched (a copy under
-        way, `Measurements.hot_share`); a change wakes the ranking (`_hold`): a copy outlasts few held rounds."""
-        if not self.is_ngram[0] or 0 in self._current.levels:
-            return None
-        return self.measurements.hot_share((self.top, 0))
-
     def _hold(self, batch: int) -> bool:
         """Whether this round keeps the held plan without a ranking: never at a new batch bucket or in the warm-up;
-        otherwise until `rerank_every` rounds have passed and, with a `rerank_budget`, until the time since the
-        last ranking is at least its cost over the budget."""
+        otherwise as the `cadence` says."""
         if self._calls <= 1 or self.measurements.clock < self.warmup or batch_bucket(batch) != self._last_bucket:
             return False
-        if self._copy_share() not in (None, 0.0, self._copy_seen):  # a copy started under a plan without the lookup
-            return False
-        if self._unranked + 1 < self.rerank_every:
-            return True
-        return bool(self.rerank_budget) and (time.perf_counter() - self._rank_end) * self.rerank_budget < \
-            self._rank_cost
+        return self.cadence.hold(self._current)
 
     def plan(self, batch_size: int, backlog: Backlog | None = None) -> Plan:
         """The plan for the next round over `batch_size` sequences (table, warm-up, hysteresis, exploration).
@@ -337,9 +291,8 @@ class Planner:
             self._last, self.last_reason = (batch, forced), "table"
             return forced
         self._calls += 1
-        if self._hold(batch):
-            self._unranked += 1  # between rankings: the held plan, priced at the last ranking
-            self._retune(batch)
+        if self._hold(batch):  # between rankings: the held plan, priced at the latest ranking (its lookup K retuned)
+            self._current = self.cadence.held(self._current, batch)
             self._last, self.last_reason = (batch, self._current), "hold"
             return self._current
         same_bucket = self._last is not None and batch_bucket(self._last[0]) == batch_bucket(batch)
@@ -347,19 +300,12 @@ class Planner:
         if warming and self._undertimed():  # the warm-up plan's drafters are not timed enough yet: keep it, unranked
             self._last = (batch, self._current)
             return self._current
-        self._unranked = 0
-        self._hot_seen = self._hot_share(self._current)
-        self._copy_seen = self._copy_share()
-        cpu0 = time.thread_time()
-        ranked = self.explain(batch)
-        best = ranked[0][0]
-        if self._backlog is not None and self._backlog.uncovered:
-            # the best plan once its drafters' catch-up is paid (the ranking itself, memoised, leaves it out)
-            best = max(ranked, key=lambda pg: self._paid_back(*pg))[0]
-        self._rank_end = time.perf_counter()
-        # the coordinator's CPU the ranking took: its thread waiting for the GIL or for a core (a busy event loop, a
-        # noisy neighbour) is not its cost, and one such wait of a switch interval held the plan for a second
-        self._rank_cost = time.thread_time() - cpu0
+        with self.cadence.ranking(self._current):
+            ranked = self.explain(batch)
+            best = ranked[0][0]
+            if self._backlog is not None and self._backlog.uncovered:
+                # the best plan once its drafters' catch-up is paid (the ranking itself, memoised, leaves it out)
+                best = max(ranked, key=lambda pg: self._paid_back(*pg))[0]
         best_gp = self._paid_back(best, self.ranking.goodput(best, batch, self._current))
         if self.margin and self._pairs(best):
             plain_gp = self._score(self.plain, batch)

@@ -397,7 +397,7 @@ def test_the_ranking_keeps_within_its_time_budget(monkeypatch):
     """`rerank_budget`: after a ranking that took t seconds of CPU the planner holds its plan until t / budget seconds
     have passed, so the ranking is at most that share of the time however short the rounds are; a new batch size
     still ranks at once."""
-    import specray.policy.planner as planner_mod
+    import specray.policy.cadence as cadence_mod
 
     class Clock:
         now = 0.0  # wall
@@ -411,7 +411,7 @@ def test_the_ranking_keeps_within_its_time_budget(monkeypatch):
         def thread_time() -> float:
             return Clock.cpu
 
-    monkeypatch.setattr(planner_mod, "time", Clock)
+    monkeypatch.setattr(cadence_mod, "time", Clock)
     explain = Planner.explain
     rankings: list[float] = []
     waits = iter([0.0, 0.5, 0.0] * 50)
@@ -1112,7 +1112,7 @@ def test_a_lookup_is_priced_by_whether_the_rows_last_draft_was_accepted_whole():
     assert p.expected_length(Plan((0, 1), (8,)), 1) == pytest.approx(m.acceptance[(1, 0)].expected_length(8))
 
     held = planner()  # ranking rarely (`rerank_every`): the held plan's K follows the state between rankings
-    held.rerank_every = 1000
+    held.cadence.rerank_every = 1000
     for _ in range(12):
         for accepted in (8, 8, 8, 3, 0, 1, 0, 0, 0):
             verify(held, 8, accepted)
