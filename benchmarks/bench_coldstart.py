@@ -20,8 +20,9 @@ rotation as the modes, its prefix cache emptied first too. Each peer takes its m
 `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache (2 by default): on a 24 GiB box set it to 1 for two peers.
 
 Prints tokens/s per workload and mode, and adaptive / the best fixed plan (and / each peer); writes the per-prompt
-numbers and the planner's per-round log (the plan answered, why, and the top of its ranking; the events it was fed)
-to benchmarks/results/coldstart-*.json.
+numbers, the planner's per-round log (the plan answered, why, and the top of its ranking; the events it was fed) and
+the same events for the fixed modes (`fixed_log`: each call's seconds, each round's own time) to
+benchmarks/results/coldstart-*.json.
 """
 
 from __future__ import annotations
@@ -83,6 +84,32 @@ class LoggedPlanner(Planner):
     def on_native(self, level, draft_lens, accepted):
         self.log.append({"ev": "native", "level": level, "lens": list(draft_lens), "acc": list(accepted)})
         super().on_native(level, draft_lens, accepted)
+
+    def on_host(self, drafting, batch, seconds):
+        self.log.append({"ev": "host", "drafting": list(drafting), "s": round(seconds, 5)})
+        super().on_host(drafting, batch, seconds)
+
+
+class Recorder:
+    """The fixed modes' engine feed, recorded as the adaptive planners' (`call`, `verify`, `native`, `host` events),
+    so a fixed plan's rounds can be set beside the planner's: what each call cost, and the round's own time."""
+
+    def __init__(self) -> None:
+        self.log: list[dict[str, Any]] = []
+
+    def on_call(self, level, kind, batch, tokens, seconds):
+        self.log.append({"ev": "call", "level": level, "kind": kind, "batch": batch, "tokens": tokens,
+                         "s": round(seconds, 4)})
+
+    def on_verify(self, level, lower, draft_lens, accepted):
+        self.log.append({"ev": "verify", "level": level, "lower": lower, "lens": list(draft_lens),
+                         "acc": list(accepted)})
+
+    def on_native(self, level, draft_lens, accepted):
+        self.log.append({"ev": "native", "level": level, "lens": list(draft_lens), "acc": list(accepted)})
+
+    def on_host(self, drafting, batch, seconds):
+        self.log.append({"ev": "host", "drafting": list(drafting), "s": round(seconds, 5)})
 
 
 class BeforeColdStartFix(LoggedPlanner):
@@ -171,6 +198,7 @@ def main() -> int:
             by_w[r["workload"]].append(prompt_ids(tok, r))
 
     fixed_engine = CascadeEngine(levels, overlap=overlap)
+    recorder = Recorder()
     warm_ids = prompt_ids(tok, {"prompt": "Say hi."})
 
     def run(engine, planner, ids, mode):
@@ -180,6 +208,7 @@ def main() -> int:
     for m in args.modes:  # untimed: the engines' first steps (compilation, allocation); no planner learns from it
         if m not in ADAPTIVE:
             asyncio.run(_generate(fixed_engine, None, tok, stop_ids, warm_ids, 8, Speculation(_METHOD[m])))
+    fixed_engine.observers.append(recorder)  # after the warm-up, as the planners' logs start after theirs
 
     peers: dict[str, Any] = {}
     if args.peers:
@@ -226,8 +255,8 @@ def main() -> int:
                         if lv.worker is not None:
                             lv.worker.reset_prefix_cache()
                     engine, planner = live.get(m) or (shared if shared and m in args.shared else (fixed_engine, None))
-                    if planner is not None:
-                        planner.log.append({"ev": "request", "prompt": i, "mode": m})
+                    (planner or recorder).log.append({"ev": "request", "repeat": rep, "workload": w, "prompt": i,
+                                                      "mode": m, "t0": time.perf_counter()})
                     n, sec = run(engine, planner, ids, m)
                     results.append({"repeat": rep, "workload": w, "prompt": i, "mode": m, "tokens": n,
                                     "seconds": sec})
@@ -235,7 +264,8 @@ def main() -> int:
             for m, (_, planner) in live.items():
                 logs.append({"repeat": rep, "workload": w, "mode": m, "log": planner.log})
             out.write_text(json.dumps({"config": args.config, "settings": vars(args), "results": results,
-                                       "planner_logs": logs}, separators=(",", ":")))  # a run cut short keeps these
+                                       "planner_logs": logs, "fixed_log": recorder.log},
+                                      separators=(",", ":")))  # a run cut short keeps these
 
     for engine in peers.values():
         engine.close()
@@ -256,7 +286,8 @@ def main() -> int:
               + ", ".join(f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({best}) |"
               + "".join(" " + ", ".join(f"{m} {r:.3f}" for m, r in over_peers[p].items()) + " |" for p in peers))
     out.write_text(json.dumps({"config": args.config, "settings": vars(args), "summary": summary,
-                               "results": results, "planner_logs": logs}, separators=(",", ":")))
+                               "results": results, "planner_logs": logs, "fixed_log": recorder.log},
+                              separators=(",", ":")))
     print(f"wrote {out}")
     return 0
 
