@@ -23,8 +23,9 @@ machine. Greedy throughout; `same` says whether a setup's tokens equal plain vLL
   specray n-gram | specray draft > vllm and cascade ngram > draft > vllm, with the draft on the hf backend
   and on the vllm backend (a second engine) | specray auto {ngram, vllm draft}.
   Ratios across the two stages are of runs minutes apart (compare stage 1 with stage 2's own loop).
-- phase step: one plain decoding round of the hf backend (fp32, prepacked linears) vs the vllm backend at each
-  batch size (median of timed rounds after warm-up).
+- phase step: one plain decoding round of the hf backend vs the vllm backend at each batch size (median of timed
+  rounds after warm-up), in --dtype: float32 hf with prepacked linears; bfloat16 hf with its linears as they are
+  and prepacked (`cpu_prepack`), each beside vLLM in the same dtype and threads.
 
 Workloads: at batch 1 each prompt set (code editing, extraction; benchmarks/prompts.py, chat template) runs
 one prompt at a time; at batch B > 1 the batch is B prompts cycled from those sets. Without --model a tiny fp32
@@ -279,7 +280,7 @@ class _Timer:
 
 
 def run_steps(args) -> list[dict]:
-    """hf (fp32, prepacked) vs vllm: seconds of one plain decoding round at each batch size."""
+    """hf vs vllm: seconds of one plain decoding round at each batch size (module docstring)."""
     import torch
 
     from specray.coordinator.cascade import CascadeEngine, Level
@@ -289,13 +290,18 @@ def run_steps(args) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     model = args.model or tiny_target()
-    workers = {
-        "hf fp32 prepack": HFWorker(model, name="target", dtype="float32", cpu_prepack=True),
-        "vllm fp32": VLLMWorker(model, name="target", dtype="float32", num_threads=args.threads,
-                                kv_cache_bytes=args.kv_mib << 20, max_context=args.max_context,
-                                max_num_seqs=max(args.batch)),
-    }
-    tok = workers["vllm fp32"].tokenizer
+    dt = "fp32" if args.dtype in ("float32", "fp32") else "bf16" if args.dtype in ("bfloat16", "bf16") else None
+    if dt is None:
+        raise SystemExit(f"phase step: --dtype float32 or bfloat16, not {args.dtype}")
+    workers = {f"hf {dt} prepack": HFWorker(model, name="target", dtype=args.dtype, cpu_prepack=True,
+                                            num_threads=args.threads)}
+    if dt == "bf16":
+        workers["hf bf16"] = HFWorker(model, name="target", dtype=args.dtype, cpu_prepack=False,
+                                      num_threads=args.threads)
+    workers[f"vllm {dt}"] = VLLMWorker(model, name="target", dtype=args.dtype, num_threads=args.threads,
+                                       kv_cache_bytes=args.kv_mib << 20, max_context=args.max_context,
+                                       max_num_seqs=max(args.batch))
+    tok = workers[f"vllm {dt}"].tokenizer
     prompt = list(tok.encode("def moving_average(items, window):\n    result = []\n"))
     rows = []
     for batch in args.batch:

@@ -105,7 +105,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: give one --k for all or one per proposing level ({n_prop})", file=sys.stderr)
         return 2
     common = dict(dtype="float32" if args.prepack else args.dtype, num_threads=args.threads,
-                  verify_method=args.verify_method, cpu_prepack=args.prepack)
+                  verify_method=args.verify_method, cpu_prepack=True if args.prepack else None)
     levels = []
     if args.ngram:
         levels.append(LevelConfig(kind="ngram", num_speculative_tokens=ks[0], verify_method=args.verify_method,

@@ -80,9 +80,11 @@ class LevelConfig(_Strict):
         "process, every call of the level, from whatever thread (None: torch default)."
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention kernel.")
-    cpu_prepack: bool = Field(
-        False, description="float32 on CPU only: reorder linear weights once for oneDNN. On CPUs without bf16 "
-        "units a K+1-token verification then costs ~1.9 decoding steps instead of ~3, so speculation pays."
+    cpu_prepack: bool | None = Field(
+        None, description="hf levels on a CPU: reorder the linear weights once into oneDNN's layout. bfloat16: a "
+        "decoding step and a verification, which read every weight, run much faster where oneDNN computes bf16 "
+        "(None: a probe at load decides, logged). float32 (true only): on CPUs without bf16 units a K+1-token "
+        "verification then costs ~1.9 decoding steps instead of ~3, so speculation pays. false: never."
     )
     prompt_upcast: bool | None = Field(
         None, description="hf levels with bfloat16 / float16 weights on a CPU: run the linear layers of prefills "
@@ -238,6 +240,8 @@ class LevelConfig(_Strict):
                              "sets); it can be turned off for hf levels only")
         if self.prompt_upcast is not None and self.kind != "hf":
             raise ValueError(f"prompt_upcast is for hf levels (transformers on a CPU), not a {self.kind} level")
+        if self.cpu_prepack and self.kind != "hf":
+            raise ValueError(f"cpu_prepack is for hf levels (transformers on a CPU), not a {self.kind} level")
         if self.engine_args:
             self._check_engine_args()
         if self.native_speculation is not None:
@@ -257,10 +261,10 @@ class LevelConfig(_Strict):
         """kind auto -> vllm if the vllm package is importable here, else hf (with the vllm-only fields dropped)."""
         if vllm_installed():
             self.kind = "vllm"
-            if self.prompt_upcast is not None:
-                log.info("level %s: kind auto runs on vLLM; prompt_upcast (hf only) does not apply",
-                         self.display_name)
-                self.prompt_upcast = None
+            hf_only = {"prompt_upcast": self.prompt_upcast, "cpu_prepack": self.cpu_prepack}
+            for field in (f for f, value in hf_only.items() if value is not None):
+                log.info("level %s: kind auto runs on vLLM; %s (hf only) does not apply", self.display_name, field)
+            self.prompt_upcast = self.cpu_prepack = None
             return
         self.kind = "hf"
         vllm_only = {"engine_verify": self.engine_verify, "engine_args": self.engine_args,

@@ -72,6 +72,13 @@ class PromptUpcast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _PACKED_LINEAR and args[0].numel() >= PROMPT_ROWS * args[0].shape[-1]:
+            x, w, b = args[0], args[1], args[2]  # a `PackedLinear`: widen its dense form
+            if w.numel() <= self.buffer.numel():
+                wide = self.buffer[: w.numel()].view(w.shape)
+                wide.copy_(w.to_dense())
+                self.widened += 1
+                return torch.nn.functional.linear(x.float(), wide, None if b is None else b.float()).to(x.dtype)
         if func is torch.nn.functional.linear:
             x = args[0] if args else kwargs["input"]
             w = args[1] if len(args) > 1 else kwargs["weight"]
@@ -126,6 +133,89 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+#: the op a `PackedLinear` runs (a half-precision weight in oneDNN's layout), where this torch build has it
+_PACKED_LINEAR = tuple(op for op in (getattr(torch.ops.mkldnn, "_linear_pointwise", None),) if op is not None)
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `PackedLinear` can hold weights of `dtype` here: bfloat16 on a CPU whose oneDNN computes it."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not _PACKED_LINEAR:
+        return False
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(torch.nn.Module):
+    """A bfloat16 nn.Linear whose weight is reordered once into oneDNN's blocked layout (CPU only).
+
+    A decoding step or a verification reads every weight once and is bound by memory; torch's own bf16 linear
+    prepares the weight for the GEMM on every call, which on these CPUs is a large share of a step. The product is
+    the same oneDNN bf16 GEMM, in the model's dtype; the dense weight is given back by `weight.to_dense()` (a prompt
+    run in float32 widens it from there: `PromptUpcast`). The module holds only the reordered copy; a weight tied
+    to the input embedding (an output head) stays there too, so the head then takes its size in memory again."""
+
+    def __init__(self, linear: torch.nn.Linear, rows: int = 1) -> None:
+        """`rows`: the token rows the layout is chosen for (decoding: 1); any number of rows runs."""
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = _PACKED_LINEAR[0](x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")
+        return y.reshape(*lead, self.out_features)
+
+
+def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """(parent, attribute, layer) of every nn.Linear of `model`, in module order."""
+    return [(module, name, child) for module in model.modules() for name, child in module.named_children()
+            if isinstance(child, torch.nn.Linear)]
+
+
+def pack_linears(model: torch.nn.Module, probe: bool = False, repeats: int = 3) -> int:
+    """Swap the bfloat16 nn.Linear layers of a CPU model for `PackedLinear`s; returns how many (0 where `probe` finds
+    no gain). `probe`: first time one decoding-sized pass (one token row) over the first layers' weights, at least
+    64 MiB of them where the model has that much (more than a CPU's cache holds, as a step reads them), plain and
+    packed, and pack only where packed takes under 0.9x the time."""
+    found = [(m, n, lin) for m, n, lin in _linears(model) if lin.weight.dtype == torch.bfloat16]
+    found.sort(key=lambda t: t[0] is model)  # the decoder's layers first, an output head last (the probe's sample)
+    if not found:
+        return 0
+    packed: dict[int, PackedLinear] = {}
+    if probe:
+        sample, size = [], 0
+        for _, _, lin in found:
+            sample.append(lin)
+            size += lin.weight.numel() * lin.weight.element_size()
+            if size >= 64 << 20:
+                break
+        for lin in sample:
+            packed[id(lin)] = PackedLinear(lin)
+        xs = [torch.randn(1, lin.in_features, dtype=torch.bfloat16) for lin in sample]
+
+        def timed(layers: list[torch.nn.Module]) -> float:
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first pass warms oneDNN's kernel caches
+                t0 = time.perf_counter()
+                for layer, x in zip(layers, xs):
+                    layer(x)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        with torch.inference_mode():
+            dense, fast = timed(sample), timed([packed[id(lin)] for lin in sample])
+        log.info("bf16 linears prepacked for oneDNN: %.2f ms, as they are: %.2f ms (a pass over %d layers)",
+                 1000 * fast, 1000 * dense, len(sample))
+        if fast >= 0.9 * dense:
+            return 0
+    for m, n, lin in found:
+        setattr(m, n, packed.pop(id(lin), None) or PackedLinear(lin))
+    return len(found)
+
+
 class PrepackedLinear(torch.nn.Module):
     """An fp32 nn.Linear whose weight is reordered once for oneDNN (CPU only).
 
@@ -166,6 +256,8 @@ class HFWorker(LogitsWorker):
     (the model loads with it). prefill_chunk bounds the tokens of one prompt forward.
     prefix_caching: a new sequence takes the KV of a finished one whose tokens its prompt starts with (at least
     `MIN_PREFIX` of them), so its prefill feeds only the rest (`SlotKVCache`).
+    cpu_prepack: reorder the linear weights once for oneDNN (`_prepack`): None (default) does so for bfloat16 where
+    a probe at load finds it faster on this CPU, True forces it (float32 too), False never.
     `model` may also be a causal LM already built (random weights of a real shape, for step-time benchmarks on a
     machine that cannot download any); `tokenizer` is then optional (token-id prompts only without one).
     """
@@ -186,7 +278,7 @@ class HFWorker(LogitsWorker):
         max_context: int | None = None,
         prefill_chunk: int = 512,
         initial_slots: int = 4,
-        cpu_prepack: bool = False,
+        cpu_prepack: bool | None = None,
         prefix_caching: bool = True,
         prompt_upcast: bool | None = None,
     ) -> None:
@@ -215,12 +307,8 @@ class HFWorker(LogitsWorker):
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         cfg = self.model.config.get_text_config()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        if cpu_prepack:
-            if self.dtype != torch.float32 or self.device.type != "cpu":
-                raise ValueError(f"{self.name}: cpu_prepack needs dtype float32 on a CPU device")
-            with torch.no_grad():
-                prepack_linears(self.model)
         self.upcast = self._prompt_upcast(prompt_upcast)
+        self.packed = self._prepack(cpu_prepack)
         self.eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -260,6 +348,25 @@ class HFWorker(LogitsWorker):
                      "float32" if wanted else self.dtype)
         return PromptUpcast(big.weight.numel()) if wanted else None
 
+    def _prepack(self, wanted: bool | None) -> int:
+        """Reorder the linear weights once for oneDNN on a CPU; returns how many. float32 (`PrepackedLinear`) where
+        asked; bfloat16 (`PackedLinear`) where asked, or unasked (None) where this CPU's oneDNN computes bf16 and a
+        probe at load finds the packed layers faster (logged)."""
+        if wanted is False:
+            return 0
+        with torch.no_grad():
+            if wanted and self.dtype == torch.float32 and self.device.type == "cpu":
+                return prepack_linears(self.model)
+            if packing_supported(self.dtype, self.device):
+                n = pack_linears(self.model, probe=wanted is None)
+                log.info("%s: %s", self.name, f"{n} linear layers prepacked for oneDNN" if n else
+                         "linear layers left as they are (prepacked ones were not faster on this CPU)")
+                return n
+        if wanted:
+            raise ValueError(f"{self.name}: cpu_prepack needs float32 or bfloat16 weights on a CPU device (bfloat16 "
+                             "where this CPU's oneDNN computes it)")
+        return 0
+
     def _prefill(self, seq: SeqState, chunk: Sequence[int]) -> None:
         if self.upcast is None or len(chunk) < PROMPT_ROWS:
             return super()._prefill(seq, chunk)
@@ -282,7 +389,8 @@ class HFWorker(LogitsWorker):
         st = super().stats()
         st.extra.update(forward_calls=self.forward_calls, forward_seconds=self.forward_seconds,
                         prefix_cache_hits=self.cache.prefix_hits, prefix_cache_tokens=self.cache.prefix_tokens,
-                        prompt_linears_fp32=self.upcast.widened if self.upcast is not None else 0)
+                        prompt_linears_fp32=self.upcast.widened if self.upcast is not None else 0,
+                        linears_prepacked=self.packed)
         return st
 
     def _move_kv(self, slots: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:

@@ -199,7 +199,7 @@ def test_cpu_prepack_keeps_greedy_output(tiny):
 
     assert run(True) == run(False)
     with pytest.raises(ValueError, match="cpu_prepack"):
-        HFWorker(str(tiny.target_dir), dtype="bfloat16", cpu_prepack=True)
+        HFWorker(str(tiny.target_dir), dtype="float16", cpu_prepack=True)
 
 
 
