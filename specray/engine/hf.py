@@ -72,7 +72,7 @@ class PromptUpcast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _PACKED_LINEAR and args[0].numel() >= PROMPT_ROWS * args[0].shape[-1]:
+        if func is _PACKED_LINEAR and args[0].numel() >= PROMPT_ROWS * args[0].shape[-1]:
             x, w, b = args[0], args[1], args[2]  # a `PackedLinear`: widen its dense form
             if w.numel() <= self.buffer.numel():
                 wide = self.buffer[: w.numel()].view(w.shape)
@@ -133,13 +133,14 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-#: the op a `PackedLinear` runs (a half-precision weight in oneDNN's layout), where this torch build has it
-_PACKED_LINEAR = tuple(op for op in (getattr(torch.ops.mkldnn, "_linear_pointwise", None),) if op is not None)
+#: the op a `PackedLinear` runs: a linear layer over a weight in oneDNN's layout (torch's own, as its CPU compiler
+#: uses for frozen weights)
+_PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `PackedLinear` can hold weights of `dtype` here: bfloat16 on a CPU whose oneDNN computes it."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or not _PACKED_LINEAR:
+    if device.type != "cpu" or dtype != torch.bfloat16:
         return False
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -165,7 +166,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = _PACKED_LINEAR[0](x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")
+        y = _PACKED_LINEAR(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")
         return y.reshape(*lead, self.out_features)
 
 

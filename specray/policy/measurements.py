@@ -204,6 +204,8 @@ class Measurements:
             native = kind == "native" and self.native_cost is not None and level == self.top
             fit = self.native_cost if native and self.native_cost is not None else self.costs[level]
             if not fit.n_obs:
+                if caught < MIN_UNTIMED_CATCH_UP:
+                    return  # the call's own step, not yet timed, would count as the catch-up's (module constant)
                 work = 0.0
             elif kind == "propose":  # `tokens` steps of one token
                 work = tokens * fit.predict(batch, 1)
@@ -398,6 +400,13 @@ class Measurements:
 def _whole(draft_lens: Sequence[int], accepted: Sequence[int]) -> list[bool]:
     """Per row, whether its whole draft was accepted: a copy under way (the row's state, `Measurements.hot_share`)."""
     return [0 < n <= a for n, a in zip(draft_lens, accepted)]
+
+
+#: the fewest tokens a catch-up must have caught to be priced from a call whose level's step was never timed: the
+#: whole call then counts as catching up, and for a few tokens (a short greeting's prompt on a drafter's first call)
+#: that prices catching up at a whole step per token or two, several times a prompt's real rate, so that a drafter
+#: looked too dear to start on the first long prompt that followed
+MIN_UNTIMED_CATCH_UP = 32
 
 
 def _decayed_add(table: dict[int, list[float]], level: int, f: float, tokens: float, seconds: float) -> list[float]:

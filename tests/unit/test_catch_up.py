@@ -136,6 +136,23 @@ def test_catch_up_rate_is_measured_beyond_the_calls_own_work_else_taken_from_the
     assert abs(p.pricing.catch_up_rate(0) - 0.0003) < 1e-6  # then its own
 
 
+def test_a_few_tokens_caught_up_on_an_untimed_call_do_not_price_catching_up():
+    """A drafter's first call on a short prompt (no step of it timed yet) takes as long as a step: counted whole as
+    catching up on its 4 tokens, it priced catching up at a quarter of a step per token, and a 400-token prompt then
+    looked like 100 steps to prefill. Such a call is left out; a prompt-sized one (the call's own step a small share
+    of it) still counts whole, as before anything was timed."""
+    p = Planner(_levels(), k_choices=[4], explore_every=0, warmup=0)
+    p.on_catch_up(0, "propose", 1, 1, 4, 0.05)  # untimed, 4 tokens: left out
+    assert 0 not in p.measurements.catch_up
+    for _ in range(10):
+        p.on_call(1, "verify", 1, 1, 0.1)
+    p.on_catch_up(1, "verify", 1, 1, 400, 0.1 + 0.4)  # the target, timed: 1 ms per token beyond its step
+    ratio = p.step_time(0, 1, 1) / p.step_time(1, 1, 1)
+    assert abs(p.pricing.catch_up_rate(0) - 0.001 * ratio) < 1e-6  # the drafter's from the target's
+    p.on_catch_up(0, "propose", 1, 1, 400, 0.2)  # untimed but prompt-sized: counted whole
+    assert abs(p.pricing.catch_up_rate(0) - 0.2 / 400) < 1e-9
+
+
 def test_the_engine_loop_hands_the_planner_its_backlog():
     levels = _levels()
     engine = CascadeEngine(levels)
