@@ -22,7 +22,8 @@ rotation as the modes, its prefix cache emptied first too. Each peer takes its m
 Prints tokens/s per workload and mode, and adaptive / the best fixed plan (and / each peer); writes the per-prompt
 numbers, the planner's per-round log (the plan answered, why, and the top of its ranking; the events it was fed) and
 the same events for the fixed modes (`fixed_log`: each call's seconds, each round's own time) to
-benchmarks/results/coldstart-*.json.
+benchmarks/results/coldstart-*.json, and prints where each mode's time went (`time_split`: each level's calls, the
+rounds' own time, the rest).
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ class LoggedPlanner(Planner):
         self.log.append({"ev": "host", "drafting": list(drafting), "s": round(seconds, 5)})
         super().on_host(drafting, batch, seconds)
 
+    def on_catch_up(self, level, kind, batch, tokens, caught, seconds):
+        super().on_catch_up(level, kind, batch, tokens, caught, seconds)
+        self.log.append({"ev": "catch_up", "level": level, "kind": kind, "batch": batch, "tokens": tokens,
+                         "caught": caught, "s": round(seconds, 4),
+                         "rate": round(self.pricing.catch_up_rate(level), 5)})  # s per token priced from now on
+
 
 class Recorder:
     """The fixed modes' engine feed, recorded as the adaptive planners' (`call`, `verify`, `native`, `host` events),
@@ -135,6 +142,38 @@ class UnagedSlopes(LoggedPlanner):
         for cost in (*self.costs.values(), self.native_cost):
             for rec in (cost._extra.values() if cost is not None else ()):
                 rec.w_then = rec.plain_then = 0.0  # no call measured beside a plain step: none is aged
+
+
+def time_split(results: list[dict[str, Any]], streams: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Where each workload's and mode's wall time went, from the feed events logged per request: seconds in each
+    level's calls by kind, the rounds' own (host) time, and the rest (the prefills, which reach the feed as catch-ups,
+    and the scheduler); the calls' mean tokens fed. Keyed "workload mode"."""
+    walls = {(r["repeat"], r["workload"], r["prompt"], r["mode"]): r for r in results}
+    out: dict[str, dict[str, Any]] = {}
+    for log in streams:
+        key = None
+        for ev in log:
+            if ev["ev"] == "request":
+                key = (ev.get("repeat"), ev.get("workload"), ev["prompt"], ev.get("mode"))
+                row = walls.get(key)
+                if row is None:  # the warm-up request
+                    key = None
+                    continue
+                t = out.setdefault(f"{row['workload']} {row['mode']}", {"wall": 0.0, "tokens": 0, "rounds": 0,
+                                                                         "host": 0.0, "calls": {}})
+                t["wall"] += row["seconds"]
+                t["tokens"] += row["tokens"]
+            elif key is not None and ev["ev"] == "host":
+                t["rounds"] += 1
+                t["host"] += ev["s"]
+            elif key is not None and ev["ev"] == "call":
+                c = t["calls"].setdefault(f"L{ev['level']} {ev['kind']}", {"s": 0.0, "n": 0, "tokens": 0})
+                c["s"] += ev["s"]
+                c["n"] += 1
+                c["tokens"] += ev["tokens"]
+    for t in out.values():
+        t["rest"] = t["wall"] - t["host"] - sum(c["s"] for c in t["calls"].values())
+    return out
 
 
 _PLANNERS = {"adaptive": LoggedPlanner, "adaptive-old": BeforeColdStartFix, "adaptive-unaged": UnagedSlopes}
@@ -285,7 +324,14 @@ def main() -> int:
         print(f"| {w} | " + " | ".join(f"{tps[m]:.2f}" for m in modes) + " | "
               + ", ".join(f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({best}) |"
               + "".join(" " + ", ".join(f"{m} {r:.3f}" for m, r in over_peers[p].items()) + " |" for p in peers))
-    out.write_text(json.dumps({"config": args.config, "settings": vars(args), "summary": summary,
+    split = time_split(results, [*(lg["log"] for lg in logs), recorder.log])
+    print("\n| workload, mode | tok/s | rounds | calls: seconds (calls, tokens fed per call) | host s | rest s |")
+    print("|---|---|---|---|---|---|")
+    for name, t in split.items():
+        calls = "; ".join(f"{k} {c['s']:.1f} ({c['n']}, {c['tokens'] / c['n']:.1f})" for k, c in t["calls"].items())
+        print(f"| {name} | {t['tokens'] / t['wall']:.2f} | {t['rounds']} | {calls} | {t['host']:.2f} | "
+              f"{t['rest']:.1f} |")
+    out.write_text(json.dumps({"config": args.config, "settings": vars(args), "summary": summary, "time_split": split,
                                "results": results, "planner_logs": logs, "fixed_log": recorder.log},
                               separators=(",", ":")))
     print(f"wrote {out}")
