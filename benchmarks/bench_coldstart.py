@@ -52,54 +52,10 @@ PEERS = ("vllm_plain", "vllm_ngram")
 ADAPTIVE = ("adaptive", "adaptive-old", "adaptive-unaged")
 
 
-class LoggedPlanner(Planner):
-    """A planner that records each answer (its `trace` record: plan, reason, the best-ranked candidates, the round's
-    seconds) and the events it is fed."""
-
-    log: list[dict[str, Any]]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.log = []
-        super().__init__(*args, trace=lambda rec: self.log.append({"ev": "plan", **rec}), **kwargs)
-
-    def on_call(self, level, kind, batch, tokens, seconds):
-        self.log.append({"ev": "call", "level": level, "kind": kind, "batch": batch, "tokens": tokens,
-                         "s": round(seconds, 4)})
-        super().on_call(level, kind, batch, tokens, seconds)
-
-    def on_verify(self, level, lower, draft_lens, accepted, asked=None):
-        self.log.append({"ev": "verify", "level": level, "lower": lower, "lens": list(draft_lens),
-                         "acc": list(accepted), **({"asked": asked} if asked is not None else {})})
-        super().on_verify(level, lower, draft_lens, accepted, asked)
-
-    def on_drafted(self, level, lower, draft_lens, accepted, asked):
-        self.log.append({"ev": "verify", "level": level, "lower": lower, "lens": list(draft_lens),
-                         "acc": list(accepted), "asked": list(asked)})
-        super().on_drafted(level, lower, draft_lens, accepted, asked)
-
-    def on_shadow(self, level, lower, draft_lens, accepted, asked):
-        self.log.append({"ev": "shadow", "level": level, "lower": lower, "lens": list(draft_lens),
-                         "acc": list(accepted)})
-        super().on_shadow(level, lower, draft_lens, accepted, asked)
-
-    def on_native(self, level, draft_lens, accepted):
-        self.log.append({"ev": "native", "level": level, "lens": list(draft_lens), "acc": list(accepted)})
-        super().on_native(level, draft_lens, accepted)
-
-    def on_host(self, drafting, batch, seconds):
-        self.log.append({"ev": "host", "drafting": list(drafting), "s": round(seconds, 5)})
-        super().on_host(drafting, batch, seconds)
-
-    def on_catch_up(self, level, kind, batch, tokens, caught, seconds):
-        super().on_catch_up(level, kind, batch, tokens, caught, seconds)
-        self.log.append({"ev": "catch_up", "level": level, "kind": kind, "batch": batch, "tokens": tokens,
-                         "caught": caught, "s": round(seconds, 4),
-                         "rate": round(self.pricing.catch_up_rate(level), 5)})  # s per token priced from now on
-
-
 class Recorder:
-    """The fixed modes' engine feed, recorded as the adaptive planners' (`call`, `verify`, `native`, `host` events),
-    so a fixed plan's rounds can be set beside the planner's: what each call cost, and the round's own time."""
+    """The engine feed's events as log records (`call`, `verify`, `native`, `host`): the fixed modes' engine has one,
+    and each `LoggedPlanner` records through one, so a fixed plan's rounds can be set beside the planner's: what each
+    call cost, and the round's own time."""
 
     def __init__(self) -> None:
         self.log: list[dict[str, Any]] = []
@@ -108,15 +64,58 @@ class Recorder:
         self.log.append({"ev": "call", "level": level, "kind": kind, "batch": batch, "tokens": tokens,
                          "s": round(seconds, 4)})
 
-    def on_verify(self, level, lower, draft_lens, accepted):
+    def on_verify(self, level, lower, draft_lens, accepted, asked=None):
         self.log.append({"ev": "verify", "level": level, "lower": lower, "lens": list(draft_lens),
-                         "acc": list(accepted)})
+                         "acc": list(accepted), **({"asked": asked} if asked is not None else {})})
 
     def on_native(self, level, draft_lens, accepted):
         self.log.append({"ev": "native", "level": level, "lens": list(draft_lens), "acc": list(accepted)})
 
     def on_host(self, drafting, batch, seconds):
         self.log.append({"ev": "host", "drafting": list(drafting), "s": round(seconds, 5)})
+
+
+class LoggedPlanner(Planner):
+    """A planner that records each answer (its `trace` record: plan, reason, the best-ranked candidates, the round's
+    seconds) and the events it is fed (through a `Recorder`, plus shadow lookups and catch-ups)."""
+
+    log: list[dict[str, Any]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.record = Recorder()
+        self.log = self.record.log
+        super().__init__(*args, trace=lambda rec: self.log.append({"ev": "plan", **rec}), **kwargs)
+
+    def on_call(self, level, kind, batch, tokens, seconds):
+        self.record.on_call(level, kind, batch, tokens, seconds)
+        super().on_call(level, kind, batch, tokens, seconds)
+
+    def on_verify(self, level, lower, draft_lens, accepted, asked=None):
+        self.record.on_verify(level, lower, draft_lens, accepted, asked)
+        super().on_verify(level, lower, draft_lens, accepted, asked)
+
+    def on_drafted(self, level, lower, draft_lens, accepted, asked):
+        self.record.on_verify(level, lower, draft_lens, accepted, list(asked))
+        super().on_drafted(level, lower, draft_lens, accepted, asked)
+
+    def on_shadow(self, level, lower, draft_lens, accepted, asked):
+        self.log.append({"ev": "shadow", "level": level, "lower": lower, "lens": list(draft_lens),
+                         "acc": list(accepted)})
+        super().on_shadow(level, lower, draft_lens, accepted, asked)
+
+    def on_native(self, level, draft_lens, accepted):
+        self.record.on_native(level, draft_lens, accepted)
+        super().on_native(level, draft_lens, accepted)
+
+    def on_host(self, drafting, batch, seconds):
+        self.record.on_host(drafting, batch, seconds)
+        super().on_host(drafting, batch, seconds)
+
+    def on_catch_up(self, level, kind, batch, tokens, caught, seconds):
+        super().on_catch_up(level, kind, batch, tokens, caught, seconds)
+        self.log.append({"ev": "catch_up", "level": level, "kind": kind, "batch": batch, "tokens": tokens,
+                         "caught": caught, "s": round(seconds, 4),
+                         "rate": round(self.pricing.catch_up_rate(level), 5)})  # s per token priced from now on
 
 
 class BeforeColdStartFix(LoggedPlanner):

@@ -72,25 +72,21 @@ class PromptUpcast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _PACKED_LINEAR and args[0].numel() >= PROMPT_ROWS * args[0].shape[-1]:
-            x, w, b = args[0], args[1], args[2]  # a `PackedLinear`: widen its dense form
-            if w.numel() <= self.buffer.numel():
-                wide = self.buffer[: w.numel()].view(w.shape)
-                wide.copy_(w.to_dense())
-                self.widened += 1
-                return torch.nn.functional.linear(x.float(), wide, None if b is None else b.float()).to(x.dtype)
-        if func is torch.nn.functional.linear:
+        if func is _PACKED_LINEAR:  # a `PackedLinear`: its weight's dense form is widened
+            x, w, b = args[0], args[1], args[2]
+        elif func is torch.nn.functional.linear:
             x = args[0] if args else kwargs["input"]
             w = args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (x.dtype in (torch.bfloat16, torch.float16) and w.numel() <= self.buffer.numel()
-                    and x.numel() >= PROMPT_ROWS * x.shape[-1]):
-                wide = self.buffer[: w.numel()].view(w.shape)
-                wide.copy_(w)
-                out = torch.nn.functional.linear(x.float(), wide, None if b is None else b.float())
-                self.widened += 1
-                return out.to(x.dtype)
-        return func(*args, **kwargs)
+        else:
+            return func(*args, **kwargs)
+        if (x.dtype not in (torch.bfloat16, torch.float16) or w.numel() > self.buffer.numel()
+                or x.numel() < PROMPT_ROWS * x.shape[-1]):
+            return func(*args, **kwargs)
+        wide = self.buffer[: w.numel()].view(w.shape)
+        wide.copy_(w.to_dense() if w.is_mkldnn else w)
+        self.widened += 1
+        return torch.nn.functional.linear(x.float(), wide, None if b is None else b.float()).to(x.dtype)
 
 
 def prompt_upcast_pays(dtype: torch.dtype, rows: int, features: int, out_features: int, repeats: int = 3) -> bool:
@@ -240,13 +236,10 @@ class PrepackedLinear(torch.nn.Module):
 
 def prepack_linears(model: torch.nn.Module) -> int:
     """Swap every nn.Linear of an fp32 CPU model for a `PrepackedLinear`; returns how many."""
-    n = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear) and child.weight.dtype == torch.float32:
-                setattr(module, name, PrepackedLinear(child))
-                n += 1
-    return n
+    found = [(m, n, lin) for m, n, lin in _linears(model) if lin.weight.dtype == torch.float32]
+    for m, n, lin in found:
+        setattr(m, n, PrepackedLinear(lin))
+    return len(found)
 
 
 class HFWorker(LogitsWorker):
