@@ -140,6 +140,11 @@ class Measurements:
         #: next one decays the estimate by; `measured_at` (what exploration reads) counts rounds that ran the pair
         self.observed_at: dict[tuple[int, int], int] = {}
         self.plain_at: dict[int, int] = {}  # batch bucket -> clock of the last plain measurement there
+        #: model drafter pair -> (draft tokens verified, all calls; whether its latest call with rows asked to draft
+        #: got a draft from any): how much of the pair was ever measured, where its acceptance's `weight` says how
+        #: much its estimate rests on now; a drafter that drafts nothing (a confidence stop at its first token) is
+        #: measured by that alone (`Planner`'s warm-up)
+        self.sampled: dict[tuple[int, int], tuple[int, bool]] = {}
         #: model level -> decayed [tokens caught up, seconds beyond the calls' own work] (`on_catch_up`): what a
         #: level that sat out rounds, or meets a row for the first time, pays per token of text to catch up
         self.catch_up: dict[int, list[float]] = {}
@@ -246,6 +251,7 @@ class Measurements:
                   asked: int | None = None) -> None:
         """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call. `asked`: the tokens each
         row was asked for, where known (a lookup level: else the call's longest draft)."""
+        self._sample(level, lower, draft_lens, [1] * len(draft_lens))
         self._observe(level, lower, draft_lens, accepted, asked, ran=True)
 
     def on_drafted(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
@@ -257,11 +263,21 @@ class Measurements:
         drafts, `Pricing.draft_lengths`), and if it was accepted whole the round ended there, a failure after it
         (as for a lookup that drafted less than asked)."""
         with self.lock:
+            self._sample(level, lower, draft_lens, asked)
             self._stopped(lower, draft_lens, asked)
             lens = [n + 1 if 0 < n < w and a >= n else n for n, a, w in zip(draft_lens, accepted, asked)]
             # every row's stop is in `lens` now; a lookup row that drafted nothing still counts a failure at the
             # first position (asked 1), and a row that filled its ask is censored there, whatever the others asked
             self._observe(level, lower, lens, accepted, 1, ran=True)
+
+    def _sample(self, level: int, lower: int, draft_lens: Sequence[int], asked: Sequence[int]) -> None:
+        """`sampled`: a model drafter's draft tokens verified, over its rows asked for some."""
+        if self.is_ngram[lower]:
+            return
+        lens = [max(0, int(n)) for n, w in zip(draft_lens, asked) if w > 0]
+        if lens:
+            total, _ = self.sampled.get((level, lower), (0, False))
+            self.sampled[(level, lower)] = (total + sum(lens), any(lens))
 
     def _stopped(self, lower: int, draft_lens: Sequence[int], asked: Sequence[int]) -> None:
         """How far `lower`'s drafts went, where it stops short by a rule of its own (`stops`)."""

@@ -97,6 +97,7 @@ class Planner:
         prior_target: tuple[float, float, float] = (1.0, 0.02, 0.0),
         warmup: int = 2,
         warmup_timed: int = 3,
+        warmup_drafted: int = 12,
         probe_batch: int = 2,
         decisive: float = 1.0,
         rerank_every: int = 1,
@@ -122,6 +123,11 @@ class Planner:
         #: timed on this many calls: priced from one call (its first, often with one-off work in it), a drafter that
         #: looks slow is switched off, and then only a probe that pays its catch-up on a new prompt can time it again
         self.warmup_timed = warmup_timed
+        #: ... and, while they draft, until each pair of a model drafter in that plan has verified this many draft
+        #: tokens (for at most 8 x `warmup` answers): a first request is often a short greeting (a server's warm-up
+        #: request: a handful of one-token drafts), and a drafter priced from those is switched off before the text
+        #: it is for, with only a probe that pays its catch-up on a prompt to measure it again
+        self.warmup_drafted = warmup_drafted
         self.decisive = decisive
         if margin < 0:
             raise ValueError("margin must be >= 0")
@@ -297,7 +303,15 @@ class Planner:
             return self._current
         same_bucket = self._last is not None and batch_bucket(self._last[0]) == batch_bucket(batch)
         warming = self.last_reason == "warmup" and same_bucket
-        if warming and self._undertimed():  # the warm-up plan's drafters are not timed enough yet: keep it, unranked
+        phase = self._warming() if warming else None
+        if phase == "timing":  # the warm-up plan's drafters are not timed enough yet: keep it, unranked
+            self._last = (batch, self._current)
+            return self._current
+        if phase == "sampling":  # timed, too few drafts verified: the best-ranked plan running the same drafters
+            with self.cadence.ranking(self._current):
+                drafters = self.pricing.drafters(self._current)
+                self._current = next((p for p, _ in self.explain(batch) if self.pricing.drafters(p) == drafters),
+                                     self._current)
             self._last = (batch, self._current)
             return self._current
         with self.cadence.ranking(self._current):
@@ -360,13 +374,21 @@ class Planner:
 
     __call__ = plan
 
-    def _undertimed(self) -> bool:
-        """Whether warm-up goes on with its plan to time that plan's model drafters (`warmup_timed` calls each),
-        for at most 4 x `warmup` answers."""
-        if self._calls > 4 * self.warmup:
-            return False
-        m = self.measurements
-        return any(m.costs[i].n_obs < self.warmup_timed for i in self.pricing.drafters(self._current))
+    def _warming(self) -> str | None:
+        """Whether warm-up goes on with its plan's model drafters: 'timing' (the plan as it is) until each was timed
+        on `warmup_timed` calls, for at most 4 x `warmup` answers; then 'sampling' (K as ranked) while they draft and
+        a pair of them has verified fewer than `warmup_drafted` draft tokens (`Measurements.sampled`), for at most
+        8 x `warmup`; None: warm-up is over."""
+        if self._calls > 8 * self.warmup:
+            return None
+        m, drafters = self.measurements, self.pricing.drafters(self._current)
+        if self._calls <= 4 * self.warmup and any(m.costs[i].n_obs < self.warmup_timed for i in drafters):
+            return "timing"
+        for pair in self.pricing.pairs(self._current):
+            drafted, drafting = m.sampled.get(pair, (0, False))
+            if pair[1] in drafters and drafting and drafted < self.warmup_drafted:
+                return "sampling"
+        return None
 
     def plan_groups(self, batch_size: int, backlog: Backlog | None = None) -> list[tuple[Plan, int]]:
         """Like `plan`, as [(plan, number of sequences)]: an exploration probe runs on at most `probe_batch`

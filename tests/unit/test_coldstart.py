@@ -235,7 +235,10 @@ def test_a_planner_fed_the_observed_cold_start_speculates_within_a_few_rounds_of
     increments before one has run."""
     before = _served_planner()
     _warm_up_on_a_short_chat_prompt(before, False)
-    assert all(len(plan.levels) == 1 for plan in _serve(before, 40, None))  # the feed without shadows: plain
+    held = _serve(before, 40, None)
+    # the warm-up request verified 3 of the 0.5B's draft tokens: its plan goes on until the 0.5B drafts nothing on
+    # the code prompt (a confidence stop); then the feed without shadows holds plain decoding
+    assert held[0].levels == (1, 2) and all(len(plan.levels) == 1 for plan in held[1:])
 
     p = _served_planner()
     _warm_up_on_a_short_chat_prompt(p, False)  # the plain request's shadows would make this easier
@@ -460,11 +463,40 @@ def test_warm_up_times_its_drafter_on_a_few_calls_before_the_ranking_prices_it()
     assert answers[:3] == [(draft_plan, "warmup")] * 3
     assert answers[3][0].levels == (0, 1) and answers[3][1] == "ranked"  # timed three times: drafting pays
 
-    once = Planner(_draft_target(), k_max=4, warmup_timed=1)  # priced from the slow call alone
+    once = Planner(_draft_target(), k_max=4, warmup_timed=1, warmup_drafted=0)  # priced from the slow call alone
     once(1)
     once(1)
     _round(once, 0.2)
     assert once(1) == once.plain
+
+
+def test_warm_up_measures_its_drafter_on_enough_draft_tokens_not_on_a_greeting():
+    """A server's first request is often a greeting (a client's or bench_serve's warm-up request): a few one-token
+    drafts (confidence stops), two of three rejected. Ranked from those three tokens, drafting loses to plain
+    decoding and is switched off before the text it is for; then only a probe that pays the drafter's catch-up on a
+    prompt can measure it again. Warm-up goes on with its plan until the pair verified `warmup_drafted` draft tokens,
+    here into the next request, whose drafts of 4 are accepted whole: the first ranking keeps drafting."""
+    def first_ranking(**kwargs: int) -> tuple[Plan, int, float]:
+        p = Planner(_draft_target(), k_max=4, **kwargs)
+        greeting = [0, 1, 0]  # accepted tokens of its one-token drafts
+        for answer in range(1, 20):
+            plan = p(1)
+            if p.last_reason != "warmup":
+                return plan, answer, p.acceptance[(1, 0)].pooled
+            if answer == 1:
+                continue  # the greeting's prefill round: nothing drafted
+            if greeting:
+                p.on_call(0, "propose", 1, 1, 0.05)
+                p.on_call(1, "verify", 1, 2, 0.1)
+                p.on_verify(1, 0, [1], [greeting.pop(0)])
+            else:
+                _round(p, 0.05)  # the code prompt: 4 drafted, 4 accepted
+        raise AssertionError("warm-up never ended")
+
+    plan, answer, alpha = first_ranking(warmup_drafted=0)
+    assert plan == Plan((1,), ()) and answer == 5 and alpha < 0.5  # timed 3 times on the greeting: plain
+    plan, answer, alpha = first_ranking()  # 12 tokens: 3 + 4 + 4 + 4 of them
+    assert plan.levels == (0, 1) and answer == 8 and alpha > 0.6  # drafting pays on the code
 
 
 def test_warm_up_ends_after_a_bounded_number_of_answers_if_its_drafter_is_never_timed():
