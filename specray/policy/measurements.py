@@ -251,7 +251,9 @@ class Measurements:
                   asked: int | None = None) -> None:
         """Acceptance of `lower`'s drafts by `level`, one entry per sequence of the call. `asked`: the tokens each
         row was asked for, where known (a lookup level: else the call's longest draft)."""
-        self._sample(level, lower, draft_lens, [1] * len(draft_lens))
+        # a drafter without a stop rule of its own drafts what it was asked: an empty row was asked for nothing
+        stops = lower in self.stops
+        self._sample(level, lower, draft_lens, [1 if stops else n for n in draft_lens])
         self._observe(level, lower, draft_lens, accepted, asked, ran=True)
 
     def on_drafted(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
@@ -276,8 +278,9 @@ class Measurements:
             return
         lens = [max(0, int(n)) for n, w in zip(draft_lens, asked) if w > 0]
         if lens:
-            total, _ = self.sampled.get((level, lower), (0, False))
-            self.sampled[(level, lower)] = (total + sum(lens), any(lens))
+            with self.lock:
+                total, _ = self.sampled.get((level, lower), (0, False))
+                self.sampled[(level, lower)] = (total + sum(lens), any(lens))
 
     def _stopped(self, lower: int, draft_lens: Sequence[int], asked: Sequence[int]) -> None:
         """How far `lower`'s drafts went, where it stops short by a rule of its own (`stops`)."""

@@ -499,6 +499,19 @@ def test_warm_up_measures_its_drafter_on_enough_draft_tokens_not_on_a_greeting()
     assert plan.levels == (0, 1) and answer == 8 and alpha > 0.6  # drafting pays on the code
 
 
+def test_a_drafters_sample_tells_a_confidence_stop_from_a_row_asked_for_nothing():
+    """The warm-up's sample (`Measurements.sampled`): an empty row of a drafter without a stop rule was asked for
+    nothing (a request's last token) and leaves it drafting; one of a drafter with a confidence stop drafted nothing."""
+    for stops, drafting in ((False, True), (True, False)):
+        conf = {"confidence": 0.6} if stops else {}
+        levels = [Level("draft", worker=FakeWorker("draft", vocab=8), k=4, **conf),
+                  Level("t", worker=FakeWorker("t", vocab=8))]
+        p = Planner(levels, k_max=4)
+        p.on_verify(1, 0, [2], [1])
+        p.on_verify(1, 0, [0], [0])
+        assert p.measurements.sampled[(1, 0)] == (2, drafting)
+
+
 def test_warm_up_ends_after_a_bounded_number_of_answers_if_its_drafter_is_never_timed():
     p = Planner(_draft_target(), k_max=4, warmup=2)
     reasons = []
