@@ -710,7 +710,26 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
         "bound": bound_for(names, stats, k, batch, backend.costs),
         "ahead_rows": getattr(engine, "ahead_rows", None), "ahead_hits": getattr(engine, "ahead_hits", None),
         "load1_before": load, "load1_after": os.getloadavg()[0],
+        "gaps": None if overlap else transition_gaps(recs, t0, t1, rounds),
     }
+
+
+def transition_gaps(recs: Sequence[dict[str, Any]], t0: float, t1: float, rounds: int) -> dict[str, Any]:
+    """Where a sequential round's overhead sits: the idle time between one model call's end and the next one's
+    start, per transition (e.g. 'llama-70b-tp4:verify > llama-1b:propose': the target's verdict back, the
+    coordinator's commit and plan, the next round's requests, down to the small level). Without overlap the
+    calls run one at a time, so the gaps (and the time before the first and after the last call) add up to the
+    overhead. Per round, in ms, largest first, with the count of each transition per round."""
+    busy = sorted((r["start"], r["end"], f"{r['worker']}:{r['kind']}") for r in recs if r["kind"] in MODEL_KINDS)
+    total: Counter[str] = Counter()
+    count: Counter[str] = Counter()
+    for (_, e0, a), (s1, _, b) in zip(busy, busy[1:]):
+        total[f"{a} > {b}"] += max(0.0, s1 - e0)
+        count[f"{a} > {b}"] += 1
+    edges = (busy[0][0] - t0) + (t1 - busy[-1][1]) if busy else t1 - t0
+    return {"ms_per_round": {k: 1000 * v / rounds for k, v in total.most_common()},
+            "per_round": {k: count[k] / rounds for k, _ in total.most_common()},
+            "edges_ms_per_round": 1000 * edges / rounds}
 
 
 # ------------------------------------------------------------------------------------------ reporting

@@ -208,11 +208,12 @@ def run_to_completion(
     `plan` may be a callable (a planner): it is asked for the plan of every round with the batch size (a `Planning`
     one with the rows' `Backlog` too: its first group's plan runs the round).
     """
+    groups = plan if isinstance(plan, Planning) else None  # checked once: a protocol check costs a round's work
     try:
         while any(not s.finished for s in seqs):
             n = sum(not s.finished for s in seqs)
-            if isinstance(plan, Planning):
-                this = plan.plan_groups(n, engine.backlog(seqs))[0][0]
+            if groups is not None:
+                this = groups.plan_groups(n, engine.backlog(seqs))[0][0]
             else:
                 this = plan(n) if callable(plan) else plan
             new = engine.step(seqs, this)

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
     from specray.spec.tree import DraftTree
 
-__all__ = ["SHADOW_LOOKUPS", "CatchUpObserver", "HostObserver", "NativeObserver", "Observer", "PlannerFeed",
+__all__ = ["SHADOW_LOOKUPS", "CatchUpObserver", "Hears", "HostObserver", "NativeObserver", "Observer", "PlannerFeed",
            "ShadowObserver", "StopObserver", "TreeObserver", "TreeProposeObserver", "TreeWalk", "Verified",
            "fed_lengths", "tree_walk"]
 
@@ -208,17 +208,46 @@ def fed_lengths(res: VerifyResult, drafts: Sequence[Sequence[int]]) -> list[int]
     return [len(d) if d else int(n) for d, n in zip(drafts, native)]
 
 
+@dataclass(frozen=True)
+class Hears:
+    """The optional events one observer takes, read from its hooks once (`PlannerFeed.listening`): a protocol
+    check per event and observer cost a round as much as the planner's own bookkeeping of that event."""
+
+    native: bool
+    shadow: bool
+    catch_up: bool
+    host: bool
+    stop: bool
+    tree: bool
+    tree_propose: bool
+
+    @staticmethod
+    def of(ob: object) -> Hears:
+        return Hears(isinstance(ob, NativeObserver), isinstance(ob, ShadowObserver), isinstance(ob, CatchUpObserver),
+                     isinstance(ob, HostObserver), isinstance(ob, StopObserver), isinstance(ob, TreeObserver),
+                     isinstance(ob, TreeProposeObserver))
+
+
 class PlannerFeed:
     """Turns the round's calls into observer events. Costs nothing when nobody listens."""
 
     def __init__(self, levels: Sequence[Level]) -> None:
         self.levels = list(levels)
+        #: who listens; callers append to it (or replace an entry): `listening` sees the change
         self.observers: list[Observer] = []
+        self._heard: list[tuple[Observer, Hears]] = []
         first = self.levels[0]
         #: the n-gram level 0 that shadow lookups consult (None: level 0 is a model or a suffix level)
         self._lookup = first.ngram if len(self.levels) > 1 and first.ngram is not None else None
         #: the drafting levels of the latest rounds `hosted` was told of
         self._kinds: deque[tuple[int, ...]] = deque(maxlen=HOST_RECENT)
+
+    def listening(self) -> list[tuple[Observer, Hears]]:
+        """Each observer with the events it takes, classified once per list of observers (by identity)."""
+        obs, heard = self.observers, self._heard
+        if len(heard) != len(obs) or any(ob is not known for ob, (known, _) in zip(obs, heard)):
+            self._heard = heard = [(ob, Hears.of(ob)) for ob in obs]
+        return heard
 
     def shadowed(self, rows: Sequence[Seq], plan: Plan) -> None:
         """After a round over `rows` (its tokens committed): check each row's pending shadow draft against the text
@@ -226,7 +255,7 @@ class PlannerFeed:
         target verified the n-gram's own drafts measures it directly: its rows' shadows are dropped."""
         if self._lookup is None:
             return
-        shadows = [ob for ob in self.observers if isinstance(ob, ShadowObserver)]
+        shadows = [ob for ob, hears in self.listening() if hears.shadow]
         if not shadows:
             return
         if len(plan.levels) > 1 and plan.k[-1] > 0 and (plan.hybrid or plan.levels[-2] == 0):
@@ -269,8 +298,8 @@ class PlannerFeed:
         self._kinds.append(plan.drafting)
         if not steady:
             return
-        for ob in self.observers:
-            if isinstance(ob, HostObserver):
+        for ob, hears in self.listening():
+            if hears.host:
                 ob.on_host(plan.drafting, batch, seconds)
 
     def proposed(self, level: int, batch: int, steps: int, seconds: float) -> None:
@@ -281,15 +310,15 @@ class PlannerFeed:
         """An untimed call that caught its rows up on `caught` tokens of earlier text (`CatchUpObserver`)."""
         if caught <= 0:
             return
-        for ob in self.observers:
-            if isinstance(ob, CatchUpObserver):
+        for ob, hears in self.listening():
+            if hears.catch_up:
                 ob.on_catch_up(level, kind, batch, tokens, caught, seconds)
 
     def proposed_tree(self, level: int, batch: int, depth: int, width: int, nodes: int, seconds: float) -> None:
         """A timed tree proposal of a model level: `depth` forwards (the deepest row's), `width` children per node,
         at most `nodes` nodes per row."""
-        for ob in self.observers:
-            if isinstance(ob, TreeProposeObserver):
+        for ob, hears in self.listening():
+            if hears.tree_propose:
                 ob.on_propose_tree(level, batch, depth, width, nodes, seconds)
             else:
                 ob.on_call(level, "propose", batch, depth, seconds)
@@ -316,12 +345,13 @@ class PlannerFeed:
         if not timed:
             self.caught_up(ev.level, kind, len(drafts), tokens, ev.caught_up, ev.seconds)
         walks = None
+        listening = self.listening()
         past = (self._one_more(ev, rows) if ev.drafters is None and ev.trees is None
-                and any(isinstance(ob, StopObserver) for ob in self.observers) else None)
-        for ob in self.observers:
+                and any(hears.stop for _, hears in listening) else None)
+        for ob, hears in listening:
             if timed:
                 ob.on_call(ev.level, kind, len(drafts), tokens, ev.seconds)
-            if ev.trees is not None and ev.lower is not None and isinstance(ob, TreeObserver):
+            if ev.trees is not None and ev.lower is not None and hears.tree:
                 if walks is None:
                     walks = [tree_walk(t, res.token_ids[b], res.num_accepted[b]) for b, t in enumerate(ev.trees)]
                 ob.on_tree(ev.level, ev.lower, ev.width, walks)
@@ -329,13 +359,13 @@ class PlannerFeed:
                 self._hybrid(ob, ev, rows)
             elif ev.lower is not None and rows:
                 lens, acc = [len(drafts[b]) for b in rows], [res.num_accepted[b] for b in rows]
-                if past is not None and isinstance(ob, StopObserver):
+                if past is not None and hears.stop:
                     ob.on_drafted(ev.level, ev.lower, *past)
-                elif ev.asked is not None and self.levels[ev.lower].stops_drafts and isinstance(ob, StopObserver):
+                elif ev.asked is not None and self.levels[ev.lower].stops_drafts and hears.stop:
                     ob.on_drafted(ev.level, ev.lower, lens, acc, [ev.asked[b] for b in rows])
                 else:
                     ob.on_verify(ev.level, ev.lower, lens, acc)
-            if warm and isinstance(ob, NativeObserver):
+            if warm and hears.native:
                 ob.on_native(ev.level, [fed[b] for b in warm], [res.num_accepted[b] for b in warm])
 
     def _one_more(self, ev: Verified, rows: Sequence[int]) -> tuple[list[int], list[int], list[int]] | None:

@@ -157,6 +157,17 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     # ----- plans ----------------------------------------------------------------------------------
+    @property
+    def planner(self) -> Callable[[int], Plan] | None:
+        return self._planner
+
+    @planner.setter
+    def planner(self, planner: Callable[[int], Plan] | None) -> None:
+        """What the planner takes is read once here, not checked against its protocols every round."""
+        self._planner = planner
+        self._groups_planner = planner if isinstance(planner, Planning) else None
+        self._round_timed = planner if isinstance(planner, RoundTimed) else None
+
     def plan_for(self, spec: Speculation | None) -> Plan | None:
         """The fixed plan a request asked for, or None to let the planner decide each round."""
         if spec is None or spec.method == "auto":
@@ -303,8 +314,8 @@ class Scheduler:
                 else:
                     for live, toks in zip(members, res):
                         self._deliver(live, toks)
-            if planned and isinstance(self.planner, RoundTimed):
-                self.planner.on_round(batch, dt)
+            if planned and self._round_timed is not None:
+                self._round_timed.on_round(batch, dt)
             if self.on_round is not None:
                 sizes: dict[Plan, int] = {}
                 for plan, _m, _t, members in groups:
@@ -348,8 +359,8 @@ class Scheduler:
         auto = [live.seq for live in self._active if live.plan is None]
         if not auto:  # every sequence runs its own override: a planner round here would spend a probe on nothing
             return []
-        if isinstance(self.planner, Planning):
-            return [[p, c] for p, c in self.planner.plan_groups(len(auto), self.engine.backlog(auto))]
+        if self._groups_planner is not None:
+            return [[p, c] for p, c in self._groups_planner.plan_groups(len(auto), self.engine.backlog(auto))]
         return [[self.planner(len(self._active)), len(self._active)]]
 
     def _run_group(self, plan: Plan, method: VerifyMethod | None, tree: TreeShape | None,
