@@ -20,10 +20,13 @@ max_tokens, ignore_eos=True)`):
 On the Ray paths each configuration runs once per transport (`--transports`, side by side, same actors; see
 specray/serve/actors.py): `direct` (the level's own socket, the default, with nested drafting: the middle level
 of the cascade runs its inner rounds in its actor, calling the level below directly; and relays: the level right
-below the target sends it the drafts itself, specray/serve/relay.py), `norelay` (direct and nested, the drafts
-back through the coordinator), `flat` (direct, the coordinator making every call), `poll` (direct, nested and
+below the target sends it the drafts itself, specray/serve/relay.py; and follow-ons: the target sends its verdict
+to the relaying middle level, which drafts the next round on it, specray/serve/follow.py), `nofollow` (direct,
+nested and relayed, without follow-ons), `norelay` (direct and nested, the drafts back through the coordinator),
+`flat` (direct, the coordinator making every call), `poll` (direct, nested and
 relayed, both ends polling near a due frame instead of parking in `recv`: `cascade.poll`), `compiled` (a Ray
-Compiled Graph per level) and `call` (plain actor calls), labelled `actors` / `actors-norelay` / `actors-flat` /
+Compiled Graph per level) and `call` (plain actor calls), labelled `actors` / `actors-nofollow` / `actors-norelay` /
+`actors-flat` /
 `actors-poll` / `actors-compiled` / `actors-call` (and `multinode...`).
 Plans: plain (target alone), draft (8B K -> 70B-TP4), cascade (1B K -> 8B K -> 70B-TP4), ngram-cascade (n-gram
 lookup K -> 8B K -> 70B-TP4: the lookup runs in the coordinator, or beside the 8B with nested drafting; its
@@ -48,6 +51,10 @@ Definitions, per run (one timed `generate` after an untimed warm-up on the same 
   hop / call          per level: (client seconds - busy seconds) / calls, over its propose and verify calls
   add/free            the coordinator's calls other than propose / verify (sequence add and free) and their
                       client seconds: part of the overhead, paid per sequence rather than per round
+  gaps                (JSON `gaps`, runs without overlap) the idle time between one model call's end and the next
+                      one's start, per round and by transition (e.g. 'llama-70b-tp4:verify > llama-1b:propose': the
+                      verdict back, the coordinator's commit and plan, the requests down to the small level), with
+                      how often each occurs per round: where the overhead sits in the round
   coordinator GC      this process's garbage collections during the timed run, their total and longest pause
                       (flagged in the row when one lasts over 1 ms; the startup heap is frozen after the warm-up,
                       as the served coordinator and the level actors freeze theirs: specray/heap.py)
@@ -875,8 +882,9 @@ class TransportView:
         self.base = base
         self.path = path_label(base.path.split("-")[0], transport)
         self.costs, self.info = base.costs, base.info
-        # direct / poll: nested drafting with relays, as the launched cascade has it; norelay: nested, the drafts
-        # back through the coordinator; flat: the coordinator makes every call
+        # direct / poll: nested drafting with relays and follow-ons, as the launched cascade has it; nofollow: the
+        # same without follow-ons; norelay: nested, the drafts back through the coordinator; flat: the coordinator
+        # makes every call
         self.nesting = _nesting(base.launched.nesting, transport)
         self.levels = {}
         for n, lv in base.levels.items():
@@ -911,7 +919,7 @@ def ngram_level(k: int) -> Level:
 def _ray_transport(transport: str) -> str:
     """The cascade's transport behind a benchmark transport name (`flat`, `poll`, `norelay`: direct, used another
     way)."""
-    return "direct" if transport in ("flat", "poll", "norelay") else transport
+    return "direct" if transport in ("flat", "poll", "norelay", "nofollow") else transport
 
 
 def _nesting(launched: Any, transport: str) -> Any:
@@ -921,7 +929,9 @@ def _nesting(launched: Any, transport: str) -> Any:
 
     if transport in ("direct", "poll"):
         return launched
-    return RemoteNesting(relay=False) if transport == "norelay" and launched is not None else None
+    if launched is None:
+        return None
+    return {"norelay": RemoteNesting(relay=False), "nofollow": RemoteNesting(follow=False)}.get(transport)
 
 
 def path_label(path: str, transport: str) -> str:
@@ -1010,7 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-tokens-large", type=int, default=None, help="new tokens at batch >= 64 (default: same)")
     ap.add_argument("--overlap", choices=("both", "on", "off"), default="both")
     ap.add_argument("--preset", choices=tuple(PRESET_LEVELS), default="gpu")
-    ap.add_argument("--transports", nargs="+", choices=("direct", "poll", "norelay", "flat", "compiled", "call"),
+    ap.add_argument("--transports", nargs="+", choices=("direct", "poll", "norelay", "nofollow", "flat", "compiled",
+                                                        "call"),
                     default=["direct", "flat", "compiled", "call"],
                     help="how the Ray paths reach the level actors (each configuration runs once per transport)")
     ap.add_argument("--k", type=int, default=4, help="tokens each level proposes per round")

@@ -372,6 +372,13 @@ class CascadeConfig(_Strict):
         "target replies to the coordinator (direct transport): one transfer and the coordinator's work between the "
         "two calls come off every round without overlap. Off: the drafts come back through the coordinator.",
     )
+    follow: bool = Field(
+        True, description="With relays, the target also sends its verdict to a nested middle level, which drafts "
+        "the next round on it at once (rounds drafted without overlap, at most 4 rows): the verdict's trip to the "
+        "coordinator, the coordinator's commit and plan, and its request to the middle level come off the round's "
+        "critical path. A request that asks something else (the plan changed, a row joined) cancels the follow-on "
+        "and waits for its inner round under way. Off: the middle level drafts when asked.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> CascadeConfig:

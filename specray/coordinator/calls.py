@@ -184,16 +184,17 @@ class LevelCalls:
 
     def verify_later(
         self, i: int, lower: int, rows: Sequence[Seq], override: VerifyMethod | None, fill: list[int],
-        nesting: Nesting,
+        nesting: Nesting, forward: bool = False,
     ) -> Relayed:
         """Ask level `i` (the target) to verify the rows once the middle level `lower` sends it their drafts
         (`fill`: the rows that get drafts, in the middle level's order); finished by `finish_relayed`, or
-        `abandon`ed."""
+        `abandon`ed. `forward`: the target also sends its verdict to `lower` (`NestedDraft.follow`)."""
         worker = self.levels[i].worker
         syncs = [self.sync(i, s, ()) for s in rows]
         method = self.method(i, lower, override)
         pending = self.call(i, nesting.verify_later, worker, [s.seq_id for s in rows], [s.sampling for s in rows],
-                            method, level=i, sync=syncs, fill=fill)
+                            method, level=i, sync=syncs, fill=fill,
+                            forward=self.levels[lower].worker if forward else None)
         return Relayed(pending, nesting, step_timed(syncs, [()] * len(rows)))
 
     def finish_relayed(

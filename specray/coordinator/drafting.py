@@ -47,7 +47,7 @@ from specray.coordinator.calls import (
 )
 from specray.coordinator.failover import LevelCallError
 from specray.coordinator.feed import Verified, fed_lengths
-from specray.coordinator.inner import InnerLog, NestedDraft, Nesting, inner_rounds
+from specray.coordinator.inner import FollowOn, InnerLog, NestedDraft, Nesting, inner_rounds
 from specray.coordinator.state import Plan, Seq
 from specray.coordinator.stats import LevelStats, drafter_of
 from specray.engine.protocol import DraftMode
@@ -61,6 +61,11 @@ if TYPE_CHECKING:
 __all__ = ["DraftSource", "Drafter", "Drafts", "Immediate", "RoundState", "Until"]
 
 log = logging.getLogger(__name__)
+
+#: the most rows of a round whose middle level drafts the next round on the target's verdict (`Drafter._follows`):
+#: a row that joins makes the next request differ from the follow-on, which then holds that round up by the inner
+#: round under way; with continuous batching rows join about as often as they end, which at a few rows is rarely
+FOLLOW_MAX_ROWS = 4
 
 #: each row's draft for the level above and q when the drafter sampled: `DraftProposal` (token_ids, probs)
 
@@ -171,6 +176,10 @@ class Drafter:
         self.min_match = 1
         #: (tree level, verifier) pairs already logged as drafting chains instead of trees
         self._chains_logged: set[tuple[int, int]] = set()
+        #: a nested middle level relaying to the target drafts the next round on its verdict where the transport
+        #: allows (`_follows`); and how many nested drafts came so (`NestedOutcome.followed`)
+        self.follow = True
+        self.followed = 0
 
     def produce(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int],
@@ -361,9 +370,10 @@ class Drafter:
         if not idx:
             return Drafts([[] for _ in rows])
         if relay and self._relays(r, ci):
+            follow = self._follows(r, ci, len(idx))
             return self._relaying(r, ci, idx, lambda rel: self._nested_call(r, ci, rows, tails, want, need_probs,
-                                                                            idx, rel),
-                                  "the middle level's drafting failed")
+                                                                            idx, rel, follow),
+                                  "the middle level's drafting failed", forward=follow)
         return self._nested_call(r, ci, rows, tails, want, need_probs, idx, None)
 
     def _relays(self, r: RoundState, ci: int) -> bool:
@@ -372,14 +382,23 @@ class Drafter:
         return (self.nesting is not None and r.tree_width == 1 and not r.plan.hybrid and r.chain[ci + 1] == r.top
                 and self.nesting.relays(self.levels[r.chain[ci]].worker, self.levels[r.top].worker))
 
+    def _follows(self, r: RoundState, ci: int, rows: int) -> bool:
+        """Does middle level r.chain[ci], relaying the round's drafts over `rows` rows, draft the next round on
+        the target's verdict (`NestedDraft.follow`)? Only for rounds drafted now (a look-ahead drafts the next
+        round itself) and small batches (`FOLLOW_MAX_ROWS`): the next request must ask exactly what the verdict
+        implies, and a row that joins makes it differ."""
+        assert self.nesting is not None
+        return (self.follow and isinstance(r.source, Immediate) and rows <= FOLLOW_MAX_ROWS
+                and self.nesting.follows(self.levels[r.chain[ci]].worker, self.levels[r.top].worker))
+
     def _relaying(self, r: RoundState, ci: int, fill: list[int], draft: Callable[[Relayed], Drafts],
-                  failed: str) -> Drafts:
+                  failed: str, forward: bool = False) -> Drafts:
         """Ask the target for the round's verification first, then `draft` with level r.chain[ci], which sends the
         drafts (for the rows `fill`) to the target itself; the round then only waits for the verdict
         (`r.relayed`). If drafting fails, the drafts will not come: the target drops the verification (`failed`
-        says why)."""
+        says why). `forward`: the target sends its verdict to level r.chain[ci] too."""
         assert self.nesting is not None
-        relayed = self.calls.verify_later(r.top, r.chain[ci], r.rows, r.override, fill, self.nesting)
+        relayed = self.calls.verify_later(r.top, r.chain[ci], r.rows, r.override, fill, self.nesting, forward)
         try:
             out = draft(relayed)
         except BaseException:
@@ -390,7 +409,7 @@ class Drafter:
 
     def _nested_call(
         self, r: RoundState, ci: int, rows: list[Seq], tails: list[list[int]], want: list[int], need_probs: bool,
-        idx: list[int], relayed: Relayed | None,
+        idx: list[int], relayed: Relayed | None, follow: bool = False,
     ) -> Drafts:
         i, lower = r.chain[ci], r.chain[ci - 1]
         lvl, low = self.levels[i], self.levels[lower]
@@ -405,13 +424,16 @@ class Drafter:
             [want[b] for b in idx], r.k(lower), self.calls.method(i, lower, r.override),
             DraftMode.for_method(self.calls.method(i, lower, r.override)), need_probs, lvl.confidence,
             low.confidence, lvl.caps.vocab_size, lvl.inner_min_share, low.ngram,
-            mid_owed=catch_up_rows(mid_syncs, sub_tails), low_owed=catch_up_rows(low_syncs, sub_tails))
+            mid_owed=catch_up_rows(mid_syncs, sub_tails), low_owed=catch_up_rows(low_syncs, sub_tails),
+            follow=FollowOn(r.k(i), tuple(s.remaining for s in sub), tuple(tuple(s.stop_ids) for s in sub))
+            if follow else None)
         if relayed is None:
             got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call)
         else:
             got = self.calls.call(i, self.nesting.draft, lvl.worker, low.worker, call, relay=relayed.pending)
             if got.low_error is None:  # else nothing to send: the round fails over
                 relayed.drafted(got.drafts, got.relayed)
+        self.followed += got.followed
         for s, mh, lh in zip(sub, got.mid_held, got.low_held):
             s.mirror[i].extend(mh)
             s.mirror[low_key].extend(lh)

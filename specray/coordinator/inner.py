@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult
 from specray.spec.ngram import NgramConfig, TokenText
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from specray.engine.protocol import Worker
     from specray.spec.tree import DraftTree
 
-__all__ = ["InnerLog", "LookupHolder", "NestedDraft", "NestedOutcome", "Nesting", "PendingVerify", "inner_rounds",
-           "run_nested"]
+__all__ = ["FollowOn", "InnerLog", "LookupHolder", "NestedDraft", "NestedOutcome", "Nesting", "PendingVerify",
+           "follow_on", "inner_rounds", "run_nested"]
 
 #: (rows of this inner round, each row's draft so far, tokens asked of the level below per row) -> its drafts
 Propose = Callable[[list[int], list[list[int]], list[int]], DraftProposal]
@@ -127,6 +127,20 @@ def inner_rounds(
     return DraftProposal(outs, probs)
 
 
+class FollowOn(NamedTuple):
+    """What the next round will ask of a middle level whose drafts go straight to the target, if the plan holds
+    and no row ends or joins: K of the target's draft, and each row's tokens left before this round
+    (`Seq.remaining`). With it the middle level drafts the next round when the target's verdict reaches it
+    (`follow_on`), instead of when the coordinator's next request does: the verdict's trip back to the
+    coordinator, the coordinator's commit and plan, and its trip to the middle level leave the round's critical
+    path."""
+
+    k: int
+    remaining: tuple[int, ...]
+    #: each row's stop tokens (`Seq.stop_ids`): a row the verdict ended gets no follow-on, as it gets no request
+    stops: tuple[tuple[int, ...], ...] = ()
+
+
 @dataclass
 class NestedDraft:
     """What the coordinator asks of a middle level that runs its inner rounds itself.
@@ -158,6 +172,8 @@ class NestedDraft:
     #: the row feeds before its own work (its catch-up, `InnerLog.mid_caught` / `low_caught`); empty: none
     mid_owed: list[int] = field(default_factory=list)
     low_owed: list[int] = field(default_factory=list)
+    #: draft the next round on the target's verdict (`FollowOn`; a relayed round only); None: wait for the request
+    follow: FollowOn | None = None
 
 
 @dataclass
@@ -174,6 +190,44 @@ class NestedOutcome:
     low_error: BaseException | None = None
     #: the middle level sent the drafts on to the target itself (`Nesting.verify_later`)
     relayed: bool = False
+    #: drafted on the target's verdict, before the request came (`follow_on`)
+    followed: bool = False
+
+
+def follow_on(call: NestedDraft, out: NestedOutcome, emitted: Sequence[Sequence[int]]) -> NestedDraft | None:
+    """The request the coordinator sends after `call` (answered by `out`) if its plan holds and no row ends or
+    joins, from the target's verdict: each row of `call` goes on from its context + `emitted` (the tokens the
+    target committed to it), asking min(K, tokens left - 1) as a round does; each level is synced as the
+    coordinator's mirror syncs it, keeping the longest prefix of what it holds that agrees with the new text and
+    appending the rest. A level's text below that prefix is never touched, so if the coordinator asks for
+    something else instead, its own syncs (which keep no more than that prefix) still hold. None: `call` asked
+    for no follow-on, the level below failed, or no row needs a draft.
+
+        context [5, 6], the middle level held [7, 8, 9] beyond it, the target emitted [7, 3]: the middle level's
+        sync is (keep 3, append (3,)): it keeps [5, 6, 7] and drafts from [5, 6, 7, 3]."""
+    f = call.follow
+    if f is None or out.low_error is not None:
+        return None
+    rows = [b for b in range(len(call.seq_ids)) if min(f.k, f.remaining[b] - len(emitted[b]) - 1) > 0
+            and not (f.stops and any(t in f.stops[b] for t in emitted[b]))]
+    if not rows:
+        return None
+
+    def synced(syncs: list[SeqSync], held: list[list[int]], b: int) -> SeqSync:
+        context = syncs[b].keep + len(syncs[b].append)
+        h, e = held[b], emitted[b]
+        c = 0
+        while c < min(len(h), len(e)) and h[c] == e[c]:
+            c += 1
+        return SeqSync(context + c, tuple(e[c:]))
+
+    mid = [synced(call.mid_syncs, out.mid_held, b) for b in rows]
+    low = [synced(call.low_syncs, out.low_held, b) for b in rows]
+    left = [f.remaining[b] - len(emitted[b]) for b in rows]
+    return replace(call, seq_ids=[call.seq_ids[b] for b in rows], sampling=[call.sampling[b] for b in rows],
+                   mid_syncs=mid, low_syncs=low, want=[min(f.k, n - 1) for n in left],
+                   mid_owed=[len(y.append) for y in mid], low_owed=[len(y.append) for y in low],
+                   follow=FollowOn(f.k, tuple(left), tuple(f.stops[b] for b in rows) if f.stops else ()))
 
 
 class PendingVerify(Protocol):
@@ -205,12 +259,17 @@ class Nesting(Protocol):
     def relays(self, drafter: Worker, target: Worker) -> bool:
         """Can the level right below the target send its drafts to the target directly?"""
 
+    def follows(self, mid: Worker, target: Worker) -> bool:
+        """Can the target send its verdict to the middle level, which then drafts the next round on it
+        (`NestedDraft.follow`)?"""
+
     def verify_later(
         self, target: Worker, seq_ids: list[str], sampling: list[SamplingParams], method: VerifyMethod, *,
-        level: int, sync: list[SeqSync], fill: list[int],
+        level: int, sync: list[SeqSync], fill: list[int], forward: Worker | None = None,
     ) -> PendingVerify:
         """Ask `target` to verify the rows once their drafts arrive (`fill`: the rows that get drafts, in the
-        order of the middle level's request)."""
+        order of the middle level's request); `forward`: it also sends the verdict on those rows to this middle
+        level (a `NestedDraft.follow`)."""
 
     def propose(
         self, worker: Worker, relay: PendingVerify, seq_ids: list[str], k: list[int], sampling: list[SamplingParams],
@@ -298,10 +357,12 @@ class _Held:
         return SeqSync(self.start[b] + c, tuple(target[c:]))
 
 
-def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftProposal]) -> NestedOutcome:
+def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftProposal],
+               cancel: Callable[[], bool] | None = None) -> NestedOutcome:
     """The middle level's side of a `NestedDraft`: inner rounds with `mid` (the level's own worker) verifying,
     and `propose_low(seq_ids, k, sampling, mode=, level=, sync=, stop_below=)` reaching the level below.
-    A failure of the level below ends the loop (`NestedOutcome.low_error`); a failure of `mid` raises."""
+    A failure of the level below ends the loop (`NestedOutcome.low_error`); a failure of `mid` raises.
+    `cancel()` true after an inner round ends the loop there (a follow-on nobody will take)."""
     mid_held, low_held = _Held(call.mid_syncs, call.mid_owed), _Held(call.low_syncs, call.low_owed)
     logs: list[InnerLog] = []
     failed: list[BaseException] = []
@@ -336,7 +397,7 @@ def run_nested(call: NestedDraft, mid: Worker, propose_low: Callable[..., DraftP
         return res
 
     def stop() -> list[bool] | None:
-        return [True] * len(call.want) if failed else None
+        return [True] * len(call.want) if failed or (cancel is not None and cancel()) else None
 
     def record(log: InnerLog) -> None:
         log.low_caught, log.mid_caught = caught.pop("low", (0, 0, False)), caught.pop("mid", (0, 0, False))

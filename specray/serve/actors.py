@@ -173,16 +173,18 @@ class ActorWorker(ActorClient):
 
     def verify_later(
         self, seq_ids: Sequence[str], sampling: Sequence[SamplingParams], method: VerifyMethod, level: int,
-        sync: Sequence[SeqSync | None] | None, fill: Sequence[int],
+        sync: Sequence[SeqSync | None] | None, fill: Sequence[int], forward: ActorWorker | None = None,
     ) -> RelayedVerify:
         """Ask this level to verify the rows once a middle level sends it their drafts (`fill`: the rows that get
-        drafts, in the order sent; specray.serve.relay); direct transport only."""
+        drafts, in the order sent; specray.serve.relay); direct transport only. `forward`: send the verdict on
+        those rows to that middle level's actor too (specray.serve.follow)."""
         if self.transport != "direct":
             raise ValueError("a relayed verification needs the direct transport")
         ids = list(seq_ids)
         sp, sy = self._wire(ids, sampling, sync)
         key = uuid.uuid4().hex
-        pending = self._begin_direct(RelayedVerifyCall(key, ids, sp, method, level, sy, list(fill)))
+        to = None if forward is None else forward._direct_at
+        pending = self._begin_direct(RelayedVerifyCall(key, ids, sp, method, level, sy, list(fill), forward=to))
         return RelayedVerify(self, pending, self._direct_at, key)  # where it went (the connection is ours)
 
     def nested(self, draft: NestedDraft, low: ActorWorker | None, relay: RelayedVerify | None = None) -> NestedOutcome:
@@ -308,14 +310,18 @@ class RemoteNesting:
     the direct transport (`ActorWorker.nested`), and sends its drafts straight to the target when that is one too
     and `relay` is on (`ActorWorker.verify_later`, specray.serve.relay)."""
 
-    def __init__(self, relay: bool = True) -> None:
+    def __init__(self, relay: bool = True, follow: bool = True) -> None:
         self.relay = relay
+        self.follow = follow
 
     def reaches(self, mid: Worker, low: Worker | None) -> bool:
         return _direct(mid) and (low is None or _direct(low))
 
     def relays(self, drafter: Worker, target: Worker) -> bool:
         return self.relay and _direct(drafter) and _direct(target)
+
+    def follows(self, mid: Worker, target: Worker) -> bool:
+        return self.follow and self.relays(mid, target)
 
     def propose(
         self, worker: Worker, relay: PendingVerify, seq_ids: list[str], k: list[int], sampling: list[SamplingParams],
@@ -327,10 +333,10 @@ class RemoteNesting:
 
     def verify_later(
         self, target: Worker, seq_ids: list[str], sampling: list[SamplingParams], method: VerifyMethod, *,
-        level: int, sync: list[SeqSync], fill: list[int],
+        level: int, sync: list[SeqSync], fill: list[int], forward: Worker | None = None,
     ) -> RelayedVerify:
-        assert isinstance(target, ActorWorker)
-        return target.verify_later(seq_ids, sampling, method, level, sync, fill)
+        assert isinstance(target, ActorWorker) and (forward is None or isinstance(forward, ActorWorker))
+        return target.verify_later(seq_ids, sampling, method, level, sync, fill, forward)
 
     def draft(self, mid: Worker, low: Worker | None, call: NestedDraft,
               relay: PendingVerify | None = None) -> NestedOutcome:

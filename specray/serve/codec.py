@@ -32,12 +32,15 @@ MESSAGES: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("specray.serve.wire", "NestedCall", {"draft": _ONE}),
     ("specray.serve.wire", "RelayedVerifyCall", {"method": _METHOD}),
     ("specray.serve.wire", "RelayedDrafts", {}),
-    ("specray.coordinator.inner", "NestedDraft", {"mid_syncs": _MANY, "low_syncs": _MANY, "method": _METHOD}),
+    ("specray.coordinator.inner", "NestedDraft", {"mid_syncs": _MANY, "low_syncs": _MANY, "method": _METHOD,
+                                                  "follow": _ONE}),
     ("specray.coordinator.inner", "NestedOutcome", {"drafts": _ONE, "logs": _MANY}),
     ("specray.coordinator.inner", "InnerLog", {"result": _ONE}),
     ("specray.engine.protocol", "SeqSync", {}),
     ("specray.engine.protocol", "DraftProposal", {}),
     ("specray.engine.protocol", "VerifyResult", {}),
+    ("specray.serve.wire", "Verdict", {}),
+    ("specray.coordinator.inner", "FollowOn", {}),
 )
 
 

@@ -16,16 +16,19 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import ray
 import torch
 
+from specray.coordinator.inner import NestedDraft, NestedOutcome
 from specray.engine.protocol import DraftProposal, VerifyResult, Worker, WorkerStats
 from specray.heap import freeze_startup_heap
 from specray.serve.direct import FrameClient, FrameServer, Reply, TransportError
+from specray.serve.follow import FollowOns
 from specray.serve.relay import Rendezvous
-from specray.serve.wire import Endpoint, LevelRequest, RelayedDrafts, RelayedVerifyCall, Samplings
+from specray.serve.wire import Endpoint, LevelRequest, NestedCall, RelayedDrafts, RelayedVerifyCall, Samplings, Verdict
 
 __all__ = ["LevelActor", "LevelStartError", "WorkerFactory"]
 
@@ -53,8 +56,11 @@ class LevelActor:
         self._samplings = Samplings()
         #: other levels' actors this one calls (nested drafting, relays)
         self._peers = PeerLinks()
-        #: relayed verifications (this level as a target) meet their drafts here
-        self._relay = Rendezvous(self.run, self.free_many)
+        #: relayed verifications (this level as a target) meet their drafts here; their verdicts go on to the
+        #: middle level that asked for a follow-on
+        self._relay = Rendezvous(self.run, self.free_many, forward=self._peers.post)
+        #: this level as a middle level: the next round drafted on the target's verdict (specray.serve.follow)
+        self._follow = FollowOns(self._run_nested, lambda call, out: call.relay_outcome(out, self._peers))
         threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the server's threads set it too
         self._server = FrameServer(ray.util.get_node_ip_address(), self._frame,
                                    on_thread_start=lambda: torch.set_num_threads(threads), replies=True)
@@ -82,19 +88,48 @@ class LevelActor:
     # ----- protocol -------------------------------------------------------------------------------
     # A compiled graph's loop runs beside the actor's ordinary calls (Ray runs it in a system concurrency group):
     # the lock keeps the worker single-threaded.
-    def run(self, request: LevelRequest) -> DraftProposal | VerifyResult:
-        """A round's call (`ActorWorker`): free what the coordinator finished, then propose or verify."""
+    def run(self, request: LevelRequest) -> DraftProposal | VerifyResult | NestedOutcome:
+        """A round's call (`ActorWorker`): free what the coordinator finished, then propose or verify; a nested
+        request that a follow-on was drafted for takes its outcome (specray.serve.follow)."""
+        call = request.call
+        draft = self._resolved(call) if isinstance(call, NestedCall) else None
+        ahead = self._follow.claim(call if isinstance(call, NestedCall) else None, draft)
         with self._lock:
             for seq_id in request.frees:
                 self.worker.free(seq_id)
                 self._samplings.forget(seq_id)
-            return request.call.run(self.worker, self._samplings, self._peers)
+            if not isinstance(call, NestedCall) or call.relay is None or call.draft.follow is None:
+                return call.run(self.worker, self._samplings, self._peers)
+            assert draft is not None
+            if ahead is not None:
+                out, relayed = ahead
+            else:
+                out, relayed = replace(call, relay=None).run(self.worker, self._samplings, self._peers), False
+            if relayed:  # by the drafting thread, which remembered this request for its verdict too
+                return out
+            self._follow.ran(call, draft, out)  # before its drafts reach the target, whose verdict may follow
+            return call.relay_outcome(out, self._peers)
 
-    def _frame(self, request: LevelRequest | RelayedDrafts, reply: Reply | None) -> Any:
-        """A frame of the direct transport: a round's call, or either half of a relayed verification
-        (specray.serve.relay), whose reply may be deferred until the other half comes."""
+    def _resolved(self, call: NestedCall) -> NestedDraft | None:
+        """The nested request's draft with its sampling parameters resolved (None: a row this level never saw)."""
+        try:
+            return replace(call.draft, sampling=self._samplings.resolve(call.draft.seq_ids, call.mid_sampling))
+        except KeyError:
+            return None
+
+    def _run_nested(self, call: NestedCall, cancel: Callable[[], bool]) -> NestedOutcome:
+        with self._lock:
+            return call.run(self.worker, self._samplings, self._peers, cancel)
+
+    def _frame(self, request: LevelRequest | RelayedDrafts | Verdict, reply: Reply | None) -> Any:
+        """A frame of the direct transport: a round's call, either half of a relayed verification
+        (specray.serve.relay), whose reply may be deferred until the other half comes, or a verdict to draft
+        the next round on (specray.serve.follow)."""
         if isinstance(request, RelayedDrafts):
             self._relay.drafts(request)
+            return None
+        if isinstance(request, Verdict):
+            self._follow.verdict(request)
             return None
         if isinstance(request.call, RelayedVerifyCall):
             if reply is None:
@@ -103,11 +138,13 @@ class LevelActor:
         return self.run(request)
 
     def add(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        self._follow.claim(None, None)
         with self._lock:
             self.worker.add(seq_id, prompt_ids)
 
     def free_many(self, seq_ids: Sequence[str]) -> None:
         """Free several sequences in one call (idempotent)."""
+        self._follow.claim(None, None)
         with self._lock:
             for s in seq_ids:
                 self.worker.free(s)
@@ -119,10 +156,12 @@ class LevelActor:
 
     def transport_stats(self) -> dict[str, float]:
         """The direct transport's requests served, seconds busy and idle between requests, and the median idle
-        gap (`FrameServer.stats`): where a round's time goes outside this level."""
-        return self._server.stats()
+        gap (`FrameServer.stats`): where a round's time goes outside this level; and its follow-ons drafted,
+        used and dropped (`FollowOns.stats`)."""
+        return {**self._server.stats(), **{f"follow_{k}": float(v) for k, v in self._follow.stats().items()}}
 
     def reset_prefix_cache(self) -> None:
+        self._follow.claim(None, None)
         with self._lock:
             self.worker.reset_prefix_cache()
 

@@ -15,6 +15,11 @@ drafts and the log from the middle level and commits and accounts for them as be
 the target's actor (`Rendezvous`, keyed by the round): whichever arrives second runs the verification, and the
 reply goes back on the coordinator's connection (`specray.serve.direct.Reply`, deferred).
 
+Follow-ons (`NestedDraft.follow`): the target also sends its verdict on the middle level's rows straight to the
+middle level (`Verdict`, before its reply to the coordinator), which drafts the next round on it
+(specray.serve.follow), so the next round's inner rounds run while the verdict travels to the coordinator and the
+coordinator commits and plans.
+
 Failures: the middle level sends nothing if it or the level below failed; the coordinator, which sees that
 failure, sends `RelayedDrafts.abort` on its own connection, and the target answers the parked half with
 `RelayAborted` without touching its worker (its syncs unapplied: the coordinator restarts those rows there).
@@ -24,15 +29,18 @@ the drafts itself. A dead target fails the coordinator's connection, as an unrel
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from specray.serve.direct import Reply
-from specray.serve.wire import LevelRequest, RelayedDrafts, RelayedVerifyCall
+from specray.serve.wire import Endpoint, LevelRequest, RelayedDrafts, RelayedVerifyCall, Verdict
 
 __all__ = ["RelayAborted", "Rendezvous"]
+
+log = logging.getLogger(__name__)
 
 
 class RelayAborted(RuntimeError):
@@ -46,9 +54,10 @@ class Rendezvous:
     or middle level that died leaves one behind); the oldest go first."""
 
     def __init__(self, run: Callable[[LevelRequest], Any], free: Callable[[tuple[str, ...]], None],
-                 capacity: int = 256) -> None:
+                 capacity: int = 256, forward: Callable[[Endpoint, Verdict], None] | None = None) -> None:
         self._run = run
         self._free = free
+        self._forward = forward
         self._capacity = capacity
         self._lock = threading.Lock()
         self._parked: OrderedDict[str, tuple[LevelRequest, Reply]] = OrderedDict()
@@ -92,7 +101,13 @@ class Rendezvous:
             raise RelayAborted(f"the relayed drafts will not come: {drafts.abort}")
         call = request.call
         assert isinstance(call, RelayedVerifyCall)
-        return self._run(LevelRequest(request.frees, call.with_drafts(drafts)))
+        res = self._run(LevelRequest(request.frees, call.with_drafts(drafts)))
+        if call.forward is not None and self._forward is not None:  # before the reply: the next round starts there
+            try:
+                self._forward(call.forward, Verdict(call.key, [list(res.token_ids[b]) for b in call.fill]))
+            except Exception as exc:  # the middle level then drafts when the coordinator asks, as without it
+                log.debug("forwarding the verdict to %s failed: %s", call.forward, exc)
+        return res
 
 
 def _trim(d: OrderedDict[str, Any], capacity: int) -> None:

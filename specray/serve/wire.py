@@ -9,7 +9,7 @@ GPU step's share of the round.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -21,8 +21,8 @@ from specray.engine.tree_rows import TokenTree
 from specray.spec.params import SamplingParams, VerifyMethod
 
 __all__ = ["LevelRequest", "NestedCall", "Peers", "ProposeCall", "RelayedDrafts", "RelayedVerifyCall", "Samplings",
-           "TreeProposeCall", "TreeVerifyCall", "VerifyCall", "WireSampling", "WireSync", "WireTree", "syncs",
-           "wire_syncs", "wire_trees"]
+           "TreeProposeCall", "TreeVerifyCall", "Verdict", "VerifyCall", "WireSampling", "WireSync", "WireTree",
+           "syncs", "wire_syncs", "wire_trees"]
 
 WireSync = tuple[int, tuple[int, ...]] | None
 #: a draft tree as (token_ids, parents) (`specray.spec.tree.DraftTree`'s layout); None: no draft
@@ -191,12 +191,14 @@ class NestedCall:
     #: (`RelayedVerifyCall`; specray.serve.relay)
     relay: tuple[Endpoint, str] | None = None
 
-    def run(self, worker: Worker, samplings: Samplings, peer: Peers | None = None) -> NestedOutcome:
+    def run(self, worker: Worker, samplings: Samplings, peer: Peers | None = None,
+            cancel: Callable[[], bool] | None = None) -> NestedOutcome:
         draft = replace(self.draft, sampling=samplings.resolve(self.draft.seq_ids, self.mid_sampling))
         if self.low_at is None:
             if draft.lookup is None:
                 raise ValueError("a nested draft without a level below to call needs an n-gram lookup")
-            return self._relay(run_nested(draft, worker, samplings.lookups.proposer(draft.lookup)), peer)
+            return self.relay_outcome(run_nested(draft, worker, samplings.lookups.proposer(draft.lookup), cancel),
+                                      peer)
         if peer is None:
             raise ValueError("a nested draft needs the direct transport to reach the level below")
         first = [True]
@@ -210,9 +212,9 @@ class NestedCall:
             call = ProposeCall(seq_ids, k, wire_sp, mode, level, wire_syncs(sync), stop_below)
             return peer.call(self.low_at, LevelRequest(frees, call), self.poll)
 
-        return self._relay(run_nested(draft, worker, propose_low), peer)
+        return self.relay_outcome(run_nested(draft, worker, propose_low, cancel), peer)
 
-    def _relay(self, out: NestedOutcome, peer: Peers | None) -> NestedOutcome:
+    def relay_outcome(self, out: NestedOutcome, peer: Peers | None) -> NestedOutcome:
         """Send the drafts on to the target (`relay`), unless the level below failed (the coordinator then aborts
         the verification)."""
         if self.relay is not None and out.low_error is None:
@@ -252,6 +254,9 @@ class RelayedVerifyCall:
     fill: list[int]
     return_probs: bool = False
     confidence: bool = False
+    #: also send the verdict on the `fill` rows to the middle level's actor at this endpoint (`Verdict`): it drafts
+    #: the next round on it (`NestedDraft.follow`, specray.serve.follow)
+    forward: Endpoint | None = None
 
     def with_drafts(self, d: RelayedDrafts) -> VerifyCall:
         """The whole `VerifyCall`, once the drafts are here."""
@@ -283,6 +288,16 @@ class RelayedDrafts:
     draft_ids: list[list[int]]
     draft_probs: torch.Tensor | None = None  # [len(fill), K, V] (rejection only)
     abort: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A relayed verification's verdict (`RelayedVerifyCall.forward`), one-way from the target to the middle level
+    that drafted it: the tokens the target emitted on each row the middle level drafted (its request's rows, in
+    order), so that it drafts the next round now (specray.serve.follow)."""
+
+    key: str
+    token_ids: list[list[int]]
 
 
 @dataclass(frozen=True)

@@ -336,6 +336,30 @@ def test_relayed_drafts_over_actors_equal_in_process(fakes, setup):
     _equal_in_process_counting(fakes, setup, "target", "verify_later", check)
 
 
+@pytest.mark.parametrize("setup", ["models3", "cascade3"])
+def test_follow_ons_over_actors_are_used_and_equal_in_process(fakes, setup):
+    """The target sends its verdict to the relaying middle level's actor, which drafts the next round on it
+    (`NestedDraft.follow`, specray.serve.follow): most rounds take that outcome, and the tokens and per-level
+    statistics equal the in-process loop's, greedy and sampled."""
+    from specray.coordinator.cascade import CascadeEngine
+
+    sp = [SamplingParams(temperature=0.8, seed=s) for s in range(len(PROMPTS))]
+    for method, sampling in [(VerifyMethod.GREEDY, None), (VerifyMethod.COUPLED, sp), (VerifyMethod.REJECTION, sp)]:
+        want = generate(fake_cascade(setup, method, in_process()), PROMPTS, max_tokens=20, sampling=sampling,
+                        ignore_eos=True)
+        before = fakes.workers["d2"].transport_stats()
+        eng = CascadeEngine(fake_cascade(setup, method, fakes.workers), nesting=fakes.nesting)
+        got = generate(eng, PROMPTS, max_tokens=20, sampling=sampling, ignore_eos=True)
+        after = fakes.workers["d2"].transport_stats()
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], method
+        assert {n: st.as_dict() for n, st in got.stats.items()} == {n: st.as_dict() for n, st in want.stats.items()}
+        used = after["follow_used"] - before["follow_used"]
+        rounds = max(r.rounds for r in got.results)
+        assert eng.drafter.followed == used >= rounds // 2, (method, used, rounds)
+        assert after["follow_drafted"] - before["follow_drafted"] >= used
+        assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
+
+
 def test_penalties_min_p_and_logprobs_over_actors_equal_in_process(fakes):
     """Per-sequence penalties, min_p and logprobs travel with the sampling parameters (sent once per sequence)
     to every level's actor, the nested middle level's included; the log-probabilities come back with the

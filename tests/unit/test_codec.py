@@ -11,7 +11,7 @@ from dataclasses import fields, is_dataclass
 import pytest
 import torch
 
-from specray.coordinator.inner import InnerLog, NestedDraft, NestedOutcome
+from specray.coordinator.inner import FollowOn, InnerLog, NestedDraft, NestedOutcome
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult
 from specray.serve import codec
 from specray.serve.wire import (
@@ -22,6 +22,7 @@ from specray.serve.wire import (
     RelayedVerifyCall,
     TreeProposeCall,
     TreeVerifyCall,
+    Verdict,
     VerifyCall,
 )
 from specray.spec.ngram import NgramConfig
@@ -58,9 +59,9 @@ def _messages():
                         mid_syncs=[SeqSync(3, (1, 2)), None], low_syncs=[SeqSync.start([9, 8, 7]), SeqSync(2, ())],
                         want=[4, 2], k_low=3, method=VerifyMethod.COUPLED, mode="sample", need_probs=True,
                         confidence=0.5, stop_below=0.1, vocab=7, min_share=0.25,
-                        lookup=NgramConfig(), mid_owed=[1, 0], low_owed=[2, 2])
+                        lookup=NgramConfig(), mid_owed=[1, 0], low_owed=[2, 2], follow=FollowOn(4, (10, 3)))
     log = InnerLog([0, 1], [[1, 2], [3]], vr, 0.01, 0.02, 2, None, (3, 5, True), (0, 0, False), 2)
-    out = NestedOutcome(dp, [[1, 2], [3]], [[1], []], [log, log], RuntimeError("level below failed"), True)
+    out = NestedOutcome(dp, [[1, 2], [3]], [[1], []], [log, log], RuntimeError("level below failed"), True, True)
     calls = [
         ProposeCall(["a", "b"], [3, 1], [sp, None], "greedy", 0, [(0, (1, 2)), None], 0.2, (EP, "key")),
         VerifyCall(["a"], [[1, 2]], torch.rand(1, 2, 7), [None], VerifyMethod.REJECTION, 2, None, True, False),
@@ -69,9 +70,11 @@ def _messages():
         NestedCall(draft, [sp, None], [None, None], EP, ("x",), poll=True, relay=(EP, "key")),
         NestedCall(draft, [None, None], [None, None], None, ()),
         RelayedVerifyCall("key", ["a", "b"], [None, sp], VerifyMethod.DETERMINISTIC, 2, [(5, (1,)), None], [1]),
+        RelayedVerifyCall("key", ["a"], [None], VerifyMethod.GREEDY, 2, None, [0], forward=EP),
     ]
     return ([LevelRequest(("f1", "f2"), c) for c in calls] + calls
-            + [RelayedDrafts("key", [[1, 2]], torch.rand(1, 2, 7), abort="gone"), draft, log, out, vr, dp,
+            + [RelayedDrafts("key", [[1, 2]], torch.rand(1, 2, 7), abort="gone"), Verdict("key", [[4, 5], [6]]),
+               FollowOn(2, (7,)), draft, log, out, vr, dp,
                SeqSync(1, (2, 3)), VerifyResult([[1]], [0])])
 
 

@@ -31,6 +31,9 @@ class LocalNesting:
     def relays(self, mid: Worker, target: Worker) -> bool:
         return False
 
+    def follows(self, mid: Worker, target: Worker) -> bool:
+        return False
+
     def draft(self, mid: Worker, low: Worker | None, call: NestedDraft) -> NestedOutcome:
         self.calls.append(call)
         before = mid.verifies
@@ -236,6 +239,8 @@ class LocalPending:
             probs[fill] = drafts.probs
         self.verdict = self.target.verify(seq_ids, ids, probs, sampling, method, level=self.kwargs["level"],
                                           sync=self.kwargs["sync"])
+        if self.kwargs.get("forward") is not None:  # the target sends its verdict on to the middle level
+            self.nesting.verdict([self.verdict.token_ids[b] for b in fill])
 
     def send_drafts(self, drafts) -> None:
         self.nesting.sent_by_coordinator += 1
@@ -263,8 +268,9 @@ class RelayNesting(LocalNesting):
     def relays(self, mid: Worker, target: Worker) -> bool:
         return True
 
-    def verify_later(self, target, seq_ids, sampling, method, *, level, sync, fill):
-        return LocalPending(self, target, (seq_ids, sampling, method), {"level": level, "sync": sync, "fill": fill})
+    def verify_later(self, target, seq_ids, sampling, method, *, level, sync, fill, forward=None):
+        return LocalPending(self, target, (seq_ids, sampling, method),
+                            {"level": level, "sync": sync, "fill": fill, "forward": forward})
 
     def propose(self, worker, relay, seq_ids, k, sampling, *, mode, level, sync, stop_below):
         prop = worker.propose(seq_ids, k, sampling, mode=mode, level=level, sync=sync, stop_below=stop_below)

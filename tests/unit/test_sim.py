@@ -126,6 +126,23 @@ def test_bench_inproc_measurement_smoke():
     assert r["bound"]["bound"] > 0
 
 
+def test_transition_gaps_add_up_to_a_sequential_rounds_overhead():
+    """bench_overhead's gaps by transition: the idle time between one model call and the next, per round, named
+    by the two calls; with the time before the first and after the last call they are the whole overhead."""
+    b = load_bench("bench_overhead")
+    rec = [{"worker": w, "kind": k, "start": s, "end": e} for w, k, s, e in
+           [("s", "propose", 1.0, 2.0), ("m", "verify", 2.5, 3.0), ("t", "verify", 3.25, 4.0),
+            ("s", "propose", 4.5, 5.0), ("m", "verify", 5.0, 6.0), ("t", "verify", 6.5, 7.0), ("t", "add", 7.0, 8.0)]]
+    g = b.transition_gaps(rec, 0.5, 7.5, rounds=2)
+    assert g["ms_per_round"] == {"s:propose > m:verify": 250.0, "m:verify > t:verify": 375.0,
+                                 "t:verify > s:propose": 250.0}
+    assert g["per_round"] == {"s:propose > m:verify": 1.0, "m:verify > t:verify": 1.0,
+                              "t:verify > s:propose": 0.5}
+    assert g["edges_ms_per_round"] == 500.0
+    wall, model = 7.0, 1.0 + 0.5 + 0.75 + 0.5 + 1.0 + 0.5  # seconds: the model calls, one at a time
+    assert sum(g["ms_per_round"].values()) + g["edges_ms_per_round"] == pytest.approx(1000 * (wall - model) / 2)
+
+
 def test_the_client_log_times_relayed_calls_as_their_kind():
     """A relayed verification counts as a `verify` from when the coordinator waits for the verdict, and a propose
     that relays its drafts as a `propose` (bench_overhead's per-level calls and hops)."""

@@ -1,0 +1,229 @@
+"""Follow-ons (`NestedDraft.follow`, `specray.coordinator.inner.follow_on`): a relaying middle level drafts the next
+round on the target's verdict, before the coordinator asks. The coordinator's next request takes that outcome when
+it asks exactly what the verdict implied; any other request drops it. Either way the tokens, the statistics and
+every level's final state equal the rounds without follow-ons. In-process here (`FollowNesting` plays the middle
+level's side as `specray.serve.follow.FollowOns` does); over Ray actors in tests/ray/test_actors.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from specray.coordinator.cascade import CascadeEngine, Plan
+from specray.coordinator.generate import generate
+from specray.coordinator.inner import FollowOn, NestedDraft, NestedOutcome, follow_on
+from specray.engine.protocol import DraftProposal, SeqSync
+from specray.serve.follow import FollowOns
+from specray.serve.wire import NestedCall, Verdict
+from specray.spec.params import SamplingParams, VerifyMethod
+from tests.unit.test_nested import PROMPTS, SAMPLED, LocalNesting, RelayNesting, levels, run
+
+
+class FollowNesting(RelayNesting):
+    """`RelayNesting` whose middle level drafts the next round when the target's verdict reaches it (the target
+    forwards it from `LocalPending.deliver`), and hands that outcome to the request it was drafted for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: tuple | None = None
+        self.pending: tuple[NestedDraft, NestedOutcome] | None = None
+        self.drafted = self.used = self.dropped = 0
+        self.forwards = 0
+
+    def follows(self, mid, target) -> bool:
+        return True
+
+    def verify_later(self, target, seq_ids, sampling, method, *, level, sync, fill, forward=None):
+        self.forwards += forward is not None
+        return super().verify_later(target, seq_ids, sampling, method, level=level, sync=sync, fill=fill,
+                                    forward=forward)
+
+    def verdict(self, emitted: list[list[int]]) -> None:
+        last, self.last = self.last, None
+        if last is None:
+            return
+        call, out, mid, low = last
+        nxt = follow_on(call, out, emitted)
+        if nxt is not None:
+            ahead = LocalNesting.draft(self, mid, low, nxt)
+            ahead.followed = True
+            self.pending = (nxt, ahead)
+            self.drafted += 1
+
+    def draft(self, mid, low, call, relay=None):
+        pending, self.pending = self.pending, None
+        if pending is not None and replace(pending[0], follow=None) == replace(call, follow=None):
+            out = pending[1]
+            self.used += 1
+        else:
+            self.dropped += pending is not None
+            out = LocalNesting.draft(self, mid, low, call)
+        self.last = (call, out, mid, low) if call.follow is not None and relay is not None else None
+        if relay is not None and out.low_error is None:
+            relay.deliver(out.drafts)
+            out.relayed = True
+            self.relayed += 1
+        return out
+
+
+def test_follow_on_syncs_each_level_to_the_prefix_that_agrees():
+    """The worked example of `follow_on`'s docstring, and a row whose next draft would be empty is left out."""
+    call = NestedDraft(1, 0, ["a", "b"], [SamplingParams()] * 2, [SeqSync(2, ()), SeqSync(5, ())],
+                       [SeqSync(0, (5, 6)), SeqSync(5, ())], [3, 3], 2, VerifyMethod.GREEDY, "greedy", False, 0.0, 0.0,
+                       16, follow=FollowOn(3, (10, 3)))
+    out = NestedOutcome(DraftProposal([[7, 8, 9], [1, 2]]), mid_held=[[7, 8, 9], [1, 2]], low_held=[[7, 4], [1]])
+    nxt = follow_on(call, out, [[7, 3], [1, 2, 0]])
+    assert nxt is not None
+    assert nxt.seq_ids == ["a"]  # "b" had 3 tokens left and got 3: no draft next round
+    assert nxt.mid_syncs == [SeqSync(3, (3,))] and nxt.low_syncs == [SeqSync(3, (3,))]
+    assert nxt.want == [3] and nxt.mid_owed == [1] and nxt.low_owed == [1]
+    assert nxt.follow == FollowOn(3, (8,))
+    assert follow_on(replace(call, follow=None), out, [[7, 3], [1, 2, 0]]) is None
+
+
+@pytest.mark.parametrize("method,sampling", [
+    (VerifyMethod.GREEDY, None),
+    (VerifyMethod.REJECTION, SAMPLED),
+    (VerifyMethod.COUPLED, SAMPLED),
+])
+def test_follow_ons_give_the_same_tokens_and_statistics(method, sampling):
+    """Every relayed round asks for a follow-on; all but the rounds after a row ends take it, and the run gives
+    the tokens and per-level statistics of relayed rounds without follow-ons."""
+    plain, _ = run(method, sampling, RelayNesting())
+    nest = FollowNesting()
+    followed, lv = run(method, sampling, nest)
+    assert [r.token_ids for r in followed.results] == [r.token_ids for r in plain.results]
+    assert {n: s.as_dict() for n, s in followed.stats.items()} == {n: s.as_dict() for n, s in plain.stats.items()}
+    assert nest.forwards == nest.relayed  # a batch of 4 rows: every relayed round asked for one
+    assert nest.used >= nest.relayed // 2 and nest.drafted == nest.used + nest.dropped + (nest.pending is not None)
+
+
+def test_a_dropped_follow_on_leaves_every_level_as_the_coordinator_mirrors_it():
+    """A plan that changes K every round rarely asks what the follow-on drafted: it is dropped after it ran (it
+    moved both levels on), and the coordinator's own syncs still bring them to the right text: greedy output
+    equals plain decoding's, and every level ends up holding nothing."""
+    lv = levels(VerifyMethod.GREEDY)
+    nest = FollowNesting()
+    eng = CascadeEngine(lv, nesting=nest)
+    plans = [Plan((0, 1, 2), (2, 5)), Plan((0, 1, 2), (2, 3))]
+    calls = iter(range(10_000))
+    out = generate(eng, PROMPTS, max_tokens=23, ignore_eos=True, plan=lambda n: plans[next(calls) % 2])
+    ref = generate(CascadeEngine([levels(VerifyMethod.GREEDY)[-1]]), PROMPTS, max_tokens=23, ignore_eos=True)
+    assert [r.token_ids for r in out.results] == [r.token_ids for r in ref.results]
+    assert nest.dropped > 5 > nest.used  # taken only where both K ask a row's last tokens (min(K, left - 1))
+    for x in lv:
+        assert x.worker.stats().live_sequences == 0
+
+
+def test_no_follow_on_beside_a_look_ahead_or_when_turned_off():
+    """A look-ahead drafts the next round itself: its relayed rounds ask for no follow-on; nor does a drafter
+    with follow-ons turned off (`Drafter.follow`)."""
+    nest = FollowNesting()
+    run(VerifyMethod.GREEDY, None, nest, overlap="unbounded")
+    assert nest.forwards == 0
+    lv = levels(VerifyMethod.GREEDY)
+    nest = FollowNesting()
+    eng = CascadeEngine(lv, nesting=nest)
+    eng.drafter.follow = False
+    generate(eng, PROMPTS, max_tokens=9, ignore_eos=True)
+    assert nest.relayed > 0 and nest.forwards == 0
+
+
+EP = (("127.0.0.1", 1), "tok")
+#: K 4, 10 tokens left, stop token 0
+FOLLOW = FollowOn(4, (10,), ((0,),))
+
+
+def _round(key: str, follow: FollowOn = FOLLOW) -> tuple[NestedCall, NestedDraft, NestedOutcome]:
+    """A relayed one-row nested request (context [5, 6]) and its outcome (the middle level held [7, 8, 9])."""
+    draft = NestedDraft(1, 0, ["a"], [SamplingParams()], [SeqSync(0, (5, 6))], [SeqSync(0, (5, 6))], [3], 2,
+                        VerifyMethod.GREEDY, "greedy", False, 0.0, 0.0, 16, follow=follow)
+    out = NestedOutcome(DraftProposal([[7, 8, 9]]), mid_held=[[7, 8, 9]], low_held=[[7, 8]])
+    return NestedCall(draft, [None], [None], EP, (), relay=(EP, key)), draft, out
+
+
+def _next(call: NestedCall, draft: NestedDraft, out: NestedOutcome, emitted, key: str):
+    nxt = follow_on(draft, out, emitted)
+    return replace(call, draft=nxt, relay=(EP, key)), nxt
+
+
+def test_a_follow_on_goes_to_the_request_it_was_drafted_for_and_only_to_it():
+    """`FollowOns` (the middle level actor's side): the verdict on the remembered round drafts the request that
+    `follow_on` predicts; that request takes the outcome, marked `followed`. A verdict on another round, one
+    after another request came, and a row the verdict ended (a stop token) draft nothing."""
+    ran: list[NestedCall] = []
+
+    def run(call, cancel):
+        ran.append(call)
+        return NestedOutcome(DraftProposal([[1, 2]]), [[1, 2]], [[1]])
+
+    f = FollowOns(run, relay=lambda call, out: out)
+    call, draft, out = _round("k1")
+    f.ran(call, draft, out)
+    f.verdict(Verdict("k0", [[7, 3]]))  # not the round remembered
+    assert not ran
+    f.verdict(Verdict("k1", [[7, 3]]))
+    assert len(ran) == 1 and ran[0].draft.mid_syncs == [SeqSync(3, (3,))] and ran[0].relay is None
+    real, resolved = _next(call, draft, out, [[7, 3]], "k2")
+    got, relayed = f.claim(real, resolved)
+    assert got.followed and got.drafts.token_ids == [[1, 2]] and not relayed
+    assert f.stats() == {"drafted": 1, "used": 1, "dropped": 0}
+    f.ran(call, draft, out)
+    f.claim(None, None)  # another request (a free) came first
+    f.verdict(Verdict("k1", [[7, 3]]))
+    f.ran(call, draft, out)
+    f.verdict(Verdict("k1", [[7, 0]]))  # 0 is the row's stop token: it ended, nothing to draft
+    assert len(ran) == 1 and f.claim(real, resolved) is None
+
+
+def test_a_request_that_comes_first_has_its_drafts_relayed_by_the_drafting_thread():
+    """The coordinator's request can reach the middle level before the follow-on's inner rounds end: the thread
+    drafting it sends the drafts on to the target the moment they are made, remembering the request for its own
+    verdict, and the request's reply says they went."""
+    go, relays = threading.Event(), []
+
+    def run(call, cancel):
+        assert go.wait(10)
+        return NestedOutcome(DraftProposal([[1, 2]]), [[1, 2]], [[1]])
+
+    f = FollowOns(run, relay=lambda call, out: relays.append((call.relay[1], threading.current_thread().name)))
+    call, draft, out = _round("k1")
+    f.ran(call, draft, out)
+    t = threading.Thread(target=f.verdict, args=(Verdict("k1", [[7, 3]]),), name="drafting")
+    t.start()
+    real, resolved = _next(call, draft, out, [[7, 3]], "k2")
+    threading.Timer(0.2, go.set).start()  # the request is waiting by then
+    got, relayed = f.claim(real, resolved)
+    t.join(10)
+    assert relayed and got.followed and relays == [("k2", "drafting")]
+    ran = []
+    f._run = lambda c, cancel: ran.append(c) or NestedOutcome(DraftProposal([[4]]), [[4]], [[4]])
+    f.verdict(Verdict("k2", [[1, 2, 5]]))  # remembered by the drafting thread: the next follow-on drafts
+    assert len(ran) == 1
+
+
+def test_a_follow_on_nobody_asks_for_stops_after_the_inner_round_under_way():
+    """Another request than the one predicted (the plan changed, a row joined) cancels the follow-on: its inner
+    rounds stop at the next boundary, so the request waits for at most the one under way, then runs as sent."""
+    started, rounds = threading.Event(), []
+
+    def run(call, cancel):
+        started.set()
+        while not cancel() and len(rounds) < 1000:  # an inner round each 10 ms until cancelled
+            rounds.append(1)
+            time.sleep(0.01)
+        return NestedOutcome(DraftProposal([[1]]), [[1]], [[1]])
+
+    f = FollowOns(run, relay=lambda call, out: out)
+    call, draft, out = _round("k1")
+    f.ran(call, draft, out)
+    t = threading.Thread(target=f.verdict, args=(Verdict("k1", [[7, 3]]),))
+    t.start()
+    assert started.wait(10)
+    other, resolved = _next(call, replace(draft, follow=FollowOn(2, (10,), ((0,),))), out, [[7, 3]], "k2")
+    assert f.claim(other, resolved) is None  # K 2 asked, not the K 4 drafted for
+    t.join(10)
+    assert len(rounds) < 100 and f.stats()["dropped"] == 1
