@@ -372,7 +372,7 @@ class RayBackend:
                 *(LevelConfig(kind="hf", name=s.name, model=f"sim:{s.name}", num_speculative_tokens=k,
                               verify_method="greedy", num_cpus=1, num_threads=1, resources=pins.get(s.name, {}))
                   for s in specs),
-            ], placement=placement)
+            ], placement=placement, follow=True)  # simulated GPU levels (on CPU levels it defaults to off)
             factories = [None] + [sim_factory(s.name, s.cost, trace_path=self.trace_paths[s.name],
                                               **s.worker_kwargs()) for s in specs]
             self.launched = launch_levels(cfg, factories=factories, name_prefix=f"overhead-{path}",

@@ -372,13 +372,23 @@ class CascadeConfig(_Strict):
         "target replies to the coordinator (direct transport): one transfer and the coordinator's work between the "
         "two calls come off every round without overlap. Off: the drafts come back through the coordinator.",
     )
-    follow: bool = Field(
-        True, description="With relays, the target also sends its verdict to a nested middle level, which drafts "
+    follow: bool | None = Field(
+        None, description="With relays, the target also sends its verdict to a nested middle level, which drafts "
         "the next round on it at once (rounds drafted without overlap, at most 4 rows): the verdict's trip to the "
         "coordinator, the coordinator's commit and plan, and its request to the middle level come off the round's "
         "critical path. A request that asks something else (the plan changed, a row joined) cancels the follow-on "
-        "and waits for its inner round under way. Off: the middle level drafts when asked.",
+        "and waits for its inner round under way. Default: on where every model level runs on a GPU (num_gpus > 0 "
+        "or a device other than cpu), whose steps are short enough for that path to count; off on CPU levels, "
+        "whose steps take a hundred times longer and share the cores a cancelled follow-on would take.",
     )
+
+    @property
+    def follows(self) -> bool:
+        """`follow` with its default resolved (see the field)."""
+        if self.follow is not None:
+            return self.follow
+        models = [lvl for lvl in self.levels if not lvl.is_lookup]
+        return all(lvl.num_gpus > 0 or lvl.device != "cpu" for lvl in models)
 
     @model_validator(mode="after")
     def _check(self) -> CascadeConfig:

@@ -148,7 +148,7 @@ def launch_levels(
             launched.workers[lc.display_name] = w
             launched.levels.append(level_from_config(lc, worker=w))
         if cfg.nested:
-            launched.nesting = RemoteNesting(relay=cfg.relay, follow=cfg.follow)
+            launched.nesting = RemoteNesting(relay=cfg.relay, follow=cfg.follows)
     except BaseException:
         launched.shutdown()
         raise

@@ -56,7 +56,7 @@ FAKES = {"d1": (1.0, 3), "d2": (0.4, 4), "target": (0.0, 1)}
 @pytest.fixture(scope="module")
 def fakes():
     """Three fake model levels in actors, launched once and shared (actor start-up dominates test time)."""
-    cfg = CascadeConfig(levels=[level(name) for name in FAKES])
+    cfg = CascadeConfig(levels=[level(name) for name in FAKES], follow=True)  # as on GPU levels
     with launch_levels(cfg, [fake(n, *FAKES[n]) for n in FAKES], name_prefix="fakes") as lc:
         yield lc
 
@@ -400,7 +400,7 @@ def test_a_level_killed_during_nested_drafting_fails_over_exactly(victim):
     from specray.coordinator.cascade import CascadeEngine
 
     cfg = CascadeConfig(levels=[level(n, num_speculative_tokens=k) for n, k in (("d1", 2), ("d2", 5))]
-                        + [level("target")])
+                        + [level("target")], follow=True)
     with launch_levels(cfg, [fake(n, *FAKES[n]) for n in ("d1", "d2", "target")], name_prefix=f"nk{victim}") as lc:
         eng = CascadeEngine(lc.levels, nesting=lc.nesting)
         eng.retry_after_s = 0.0
@@ -605,7 +605,7 @@ def test_a_target_killed_during_relayed_rounds_fails_its_round_and_serves_again(
     from specray.coordinator.failover import LevelCallError
 
     names = (*chain, "target")
-    cfg = CascadeConfig(levels=[level(n, num_speculative_tokens=3) for n in chain] + [level("target")])
+    cfg = CascadeConfig(levels=[level(n, num_speculative_tokens=3) for n in chain] + [level("target")], follow=True)
     with launch_levels(cfg, [fake(n, *FAKES[n]) for n in names], name_prefix=f"kr{len(chain)}") as lc:
         eng = CascadeEngine(lc.levels, nesting=lc.nesting)
         target = lc.workers["target"]

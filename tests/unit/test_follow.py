@@ -227,3 +227,19 @@ def test_a_follow_on_nobody_asks_for_stops_after_the_inner_round_under_way():
     assert f.claim(other, resolved) is None  # K 2 asked, not the K 4 drafted for
     t.join(10)
     assert len(rounds) < 100 and f.stats()["dropped"] == 1
+
+
+def test_follow_ons_default_on_gpu_levels_only():
+    """`cascade.follow` unset: on where every model level runs on a GPU, off as soon as one runs on a CPU (the
+    n-gram level does not count); set, it is what it says."""
+    from specray.config import CascadeConfig, LevelConfig
+
+    def cfg(*devices: str, **kw) -> CascadeConfig:
+        levels = [LevelConfig(kind="ngram")] + [
+            LevelConfig(kind="hf", model="m", name=f"m{i}", **({"num_gpus": 1} if d == "gpu" else {"device": d}))
+            for i, d in enumerate(devices)]
+        return CascadeConfig(levels=levels, **kw)
+
+    assert cfg("gpu", "gpu").follows and cfg("cuda", "gpu").follows
+    assert not cfg("cpu", "gpu").follows and not cfg("cpu", "cpu").follows
+    assert cfg("cpu", "cpu", follow=True).follows and not cfg("gpu", "gpu", follow=False).follows
