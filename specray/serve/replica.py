@@ -110,6 +110,8 @@ class Coordinator:
             stop_token_ids=getattr(target, "eos_token_ids", ()) or (), on_round=self._on_round,
             on_queue=self.metrics.observe_queue,
         )
+        if self.scheduler.pipeline:  # two groups' rounds interleave at the middle level: no request would be the
+            self.engine.drafter.follow = False  # one its follow-on was drafted for (docs/architecture.md)
         self.api_key = server.api_key or os.environ.get("SPECRAY_API_KEY") or None
         self.started = time.time()
         if freeze_heap:  # a Serve replica, this process's one long-lived object: its startup heap, the cascade
