@@ -63,8 +63,8 @@ __all__ = ["DraftSource", "Drafter", "Drafts", "Immediate", "RoundState", "Until
 log = logging.getLogger(__name__)
 
 #: the most rows of a round whose middle level drafts the next round on the target's verdict (`Drafter._follows`):
-#: a row that joins makes the next request differ from the follow-on, which then holds that round up by the inner
-#: round under way; with continuous batching rows join about as often as they end, which at a few rows is rarely
+#: a request that differs from the follow-on otherwise than by rows that joined (a row ended with none joining, a
+#: plan switched) waits for its inner round under way, and how often a larger batch does is not measured on a GPU
 FOLLOW_MAX_ROWS = 4
 
 #: each row's draft for the level above and q when the drafter sampled: `DraftProposal` (token_ids, probs)
@@ -386,7 +386,7 @@ class Drafter:
         """Does middle level r.chain[ci], relaying the round's drafts over `rows` rows, draft the next round on
         the target's verdict (`NestedDraft.follow`)? Only for rounds drafted now (a look-ahead drafts the next
         round itself) and small batches (`FOLLOW_MAX_ROWS`): the next request must ask exactly what the verdict
-        implies, and a row that joins makes it differ."""
+        implies (`specray.serve.follow`)."""
         assert self.nesting is not None
         return (self.follow and isinstance(r.source, Immediate) and rows <= FOLLOW_MAX_ROWS
                 and self.nesting.follows(self.levels[r.chain[ci]].worker, self.levels[r.top].worker))

@@ -30,11 +30,16 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from specray.coordinator.inner import NestedDraft, NestedOutcome, follow_on
+from specray.engine.protocol import DraftProposal
 from specray.serve.wire import NestedCall, Verdict
 
-__all__ = ["FollowOns"]
+__all__ = ["FollowOns", "merged"]
 
 log = logging.getLogger(__name__)
+
+#: a request that comes while the verdict it follows is still on its way (the target sends it before its reply to
+#: the coordinator, but another thread of this actor reads it) waits this long for it
+VERDICT_WAIT_S = 0.005
 
 
 class _Pending:
@@ -67,8 +72,11 @@ class FollowOns:
         self._lock = threading.Lock()
         self._last: tuple[str, NestedCall, NestedDraft, NestedOutcome] | None = None
         self._pending: _Pending | None = None
-        #: follow-ons drafted, handed to their request, dropped (another request came)
-        self.drafted = self.used = self.dropped = 0
+        self._heard = threading.Event()  # the verdict on `_last` came, or will not be waited for
+        self._heard.set()
+        #: follow-ons drafted, handed to their request (`joins`: of those, to a request with rows that joined since,
+        #: drafted then), dropped (another request came)
+        self.drafted = self.used = self.dropped = self.joins = 0
 
     def ran(self, call: NestedCall, draft: NestedDraft, outcome: NestedOutcome) -> None:
         """`call` (its draft resolved: `draft`) ran and will be relayed under its key: its verdict may come."""
@@ -76,6 +84,7 @@ class FollowOns:
             return
         with self._lock:
             self._last = (call.relay[1], call, draft, outcome)
+            self._heard = threading.Event()
 
     def verdict(self, v: Verdict) -> None:
         """The target's verdict on the last relayed round: draft the next round now, in the calling thread (the
@@ -85,6 +94,7 @@ class FollowOns:
             if last is None or last[0] != v.key:  # another request came first, or a late verdict of an older round
                 return
             self._last = None
+            self._heard.set()
             _, call, draft, out = last
             nxt = follow_on(draft, out, v.token_ids)
             if nxt is None:
@@ -115,26 +125,107 @@ class FollowOns:
         the request remembered for its verdict: `ran`); raises the level's error if drafting it failed. Any
         other request drops it, after it finished. None: the request runs as sent."""
         with self._lock:
+            heard = self._heard if self._last is not None else None
+        if heard is not None and call is not None:  # its verdict may be a moment behind it
+            heard.wait(VERDICT_WAIT_S)
+        with self._lock:
             self._last = None
+            self._heard.set()
             pending, self._pending = self._pending, None
             if pending is None:
                 return None
-            same = (call is not None and draft is not None and not call.low_frees
-                    and call.low_at == pending.call.low_at and call.poll == pending.call.poll
-                    and replace(draft, follow=None) == replace(pending.draft, follow=None))
-            if same and not pending.finished and call is not None and draft is not None and call.relay is not None:
+            joined = _joined(call, draft, pending)
+            if joined == [] and call is not None and call.low_frees:
+                joined = None  # only the request's own first call below carries its frees there: run it as sent
+            whole = joined == []
+            if whole and not pending.finished and call is not None and draft is not None and call.relay is not None:
                 pending.relay_to = (call, draft)  # the drafting thread relays its drafts the moment they are made
-            elif not same:
+            elif joined is None:
                 pending.cancel.set()  # its inner rounds end with the one under way
         pending.done.wait()
-        if not same:
+        if joined is None:
             self.dropped += 1
             return None
         self.used += 1
         if pending.error is not None:
             raise pending.error
-        assert pending.outcome is not None
-        return pending.outcome, pending.relayed
+        assert pending.outcome is not None and call is not None and draft is not None
+        if whole:
+            return pending.outcome, pending.relayed
+        # rows joined: draft only those now (the first call below carries the request's frees there)
+        self.joins += 1
+        rest = NestedCall(_rows(draft, joined), [call.mid_sampling[j] for j in joined],
+                          [call.low_sampling[j] for j in joined], call.low_at, call.low_frees, poll=call.poll)
+        taken = [j for j in range(len(draft.seq_ids)) if j not in set(joined)]
+        return merged(len(draft.seq_ids), [(taken, pending.outcome), (joined, self._run(rest, _never))]), False
 
     def stats(self) -> dict[str, int]:
-        return {"drafted": self.drafted, "used": self.used, "dropped": self.dropped}
+        return {"drafted": self.drafted, "used": self.used, "dropped": self.dropped, "joins": self.joins}
+
+
+def _never() -> bool:
+    return False
+
+
+#: the per-row fields of a `NestedDraft` (the rest are the request's, the same for every row)
+_ROW_FIELDS = ("seq_ids", "sampling", "mid_syncs", "low_syncs", "want", "mid_owed", "low_owed")
+
+
+def _rows(draft: NestedDraft, rows: list[int]) -> NestedDraft:
+    """The request restricted to `rows` (no follow-on of its own: the outcome is merged into the request's)."""
+    return replace(draft, follow=None, **{f: [getattr(draft, f)[j] for j in rows] for f in _ROW_FIELDS})
+
+
+def _joined(call: NestedCall | None, draft: NestedDraft | None, pending: _Pending) -> list[int] | None:
+    """The request's rows that the follow-on did not draft (rows that joined since: [] for exactly the request
+    drafted for), or None if the request differs otherwise (another plan; a drafted row absent or asked
+    something else) and the follow-on is of no use to it (logged at debug level, with why)."""
+    if call is None or draft is None:
+        return None
+    why = _differs(call, draft, pending)
+    if why is not None:
+        log.debug("follow-on dropped: %s", why)
+        return None
+    drafted = set(pending.draft.seq_ids)
+    return [j for j, sid in enumerate(draft.seq_ids) if sid not in drafted]
+
+
+def _differs(call: NestedCall, draft: NestedDraft, pending: _Pending) -> str | None:
+    """How the request differs from the follow-on other than by rows that joined (None: it does not)."""
+    if call.low_at != pending.call.low_at or call.poll != pending.call.poll:
+        return "another level below"
+    ahead = pending.draft
+    if replace(_rows(draft, []), follow=None) != replace(_rows(ahead, []), follow=None):
+        return "another plan or method"
+    where = {sid: j for j, sid in enumerate(draft.seq_ids)}
+    if len(where) != len(draft.seq_ids) or any(sid not in where for sid in ahead.seq_ids):
+        return "a drafted row is not in the request"
+    for f in _ROW_FIELDS:
+        mine, drafted_for = getattr(draft, f), getattr(ahead, f)
+        if bool(mine) != bool(drafted_for) or (
+                mine and any(mine[where[sid]] != drafted_for[p] for p, sid in enumerate(ahead.seq_ids))):
+            return f"a drafted row asks another {f}"
+    return None
+
+
+def merged(n: int, parts: list[tuple[list[int], NestedOutcome]]) -> NestedOutcome:
+    """One request's outcome from the outcomes of disjoint sets of its rows (each part: the request's index of each
+    of its rows, in its order): drafts, held tokens and q per row; the inner rounds' logs of every part, their rows
+    renumbered as the request's; the first failure of the level below."""
+    ids: list[list[int]] = [[] for _ in range(n)]
+    mid: list[list[int]] = [[] for _ in range(n)]
+    low: list[list[int]] = [[] for _ in range(n)]
+    logs = []
+    probs = None
+    for rows, out in parts:
+        for j, b in enumerate(rows):
+            ids[b], mid[b], low[b] = list(out.drafts.token_ids[j]), out.mid_held[j], out.low_held[j]
+        logs += [replace(log, idx=[rows[j] for j in log.idx]) for log in out.logs]
+        q = out.drafts.probs  # [len(rows), K, V]
+        if q is not None and rows:
+            width = max(q.shape[1], *(p.shape[1] for _, o in parts if (p := o.drafts.probs) is not None))
+            if probs is None:
+                probs = q.new_zeros(n, width, q.shape[-1])  # [B, K, V]
+            probs[rows, : q.shape[1]] = q
+    error = next((out.low_error for _, out in parts if out.low_error is not None), None)
+    return NestedOutcome(DraftProposal(ids, probs), mid, low, logs, error, followed=True)

@@ -360,6 +360,30 @@ def test_follow_ons_over_actors_are_used_and_equal_in_process(fakes, setup):
         assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
 
 
+def test_rows_joining_a_followed_batch_over_actors_equal_plain(fakes):
+    """Sequences join a running batch (as the scheduler admits requests) while the middle level drafts on the
+    target's verdicts: the follow-on is taken for the running rows and only the new ones are drafted in the same
+    request (`FollowOns.claim`); every row gets the plain target's greedy tokens and every level ends empty."""
+    from specray.coordinator.cascade import CascadeEngine
+
+    want = generate([Level("target", worker=in_process()["target"])], PROMPTS, max_tokens=17, ignore_eos=True)
+    before = fakes.workers["d2"].transport_stats()
+    eng = CascadeEngine(fake_cascade("models3", VerifyMethod.GREEDY, fakes.workers), nesting=fakes.nesting)
+    seqs = [eng.new_sequence(p, SamplingParams(), 17) for p in PROMPTS[:2]]
+    waiting, r = list(PROMPTS[2:]), 0
+    while any(not s.finished for s in seqs) or waiting:
+        if r in (2, 4) and waiting:
+            seqs.append(eng.new_sequence(waiting.pop(0), SamplingParams(), 17))
+        eng.step(seqs)
+        r += 1
+    for s in seqs:
+        eng.release(s)
+    after = fakes.workers["d2"].transport_stats()
+    assert [s.output for s in seqs] == [x.token_ids for x in want.results]
+    assert after["follow_joins"] - before["follow_joins"] >= 2
+    assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
+
+
 def test_penalties_min_p_and_logprobs_over_actors_equal_in_process(fakes):
     """Per-sequence penalties, min_p and logprobs travel with the sampling parameters (sent once per sequence)
     to every level's actor, the nested middle level's included; the log-probabilities come back with the

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from specray.coordinator.cascade import CascadeEngine, Plan
 from specray.coordinator.generate import generate
@@ -21,17 +22,32 @@ from specray.serve.wire import NestedCall, Verdict
 from specray.spec.params import SamplingParams, VerifyMethod
 from tests.unit.test_nested import PROMPTS, SAMPLED, LocalNesting, RelayNesting, levels, run
 
+EP = (("127.0.0.1", 1), "tok")
+
 
 class FollowNesting(RelayNesting):
     """`RelayNesting` whose middle level drafts the next round when the target's verdict reaches it (the target
-    forwards it from `LocalPending.deliver`), and hands that outcome to the request it was drafted for."""
+    forwards it from `LocalPending.deliver`), through the middle level actor's own `FollowOns`, in this process."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.last: tuple | None = None
-        self.pending: tuple[NestedDraft, NestedOutcome] | None = None
-        self.drafted = self.used = self.dropped = 0
+        self.follow = FollowOns(self._run, relay=lambda call, out: out)
         self.forwards = 0
+        self._keys = iter(range(1_000_000))
+        self._key: str | None = None
+        self._levels: tuple = ()
+
+    @property
+    def used(self) -> int:
+        return self.follow.used
+
+    @property
+    def dropped(self) -> int:
+        return self.follow.dropped
+
+    def _run(self, call: NestedCall, cancel) -> NestedOutcome:
+        mid, low = self._levels
+        return LocalNesting.draft(self, mid, low, call.draft)
 
     def follows(self, mid, target) -> bool:
         return True
@@ -42,26 +58,17 @@ class FollowNesting(RelayNesting):
                                     forward=forward)
 
     def verdict(self, emitted: list[list[int]]) -> None:
-        last, self.last = self.last, None
-        if last is None:
-            return
-        call, out, mid, low = last
-        nxt = follow_on(call, out, emitted)
-        if nxt is not None:
-            ahead = LocalNesting.draft(self, mid, low, nxt)
-            ahead.followed = True
-            self.pending = (nxt, ahead)
-            self.drafted += 1
+        if self._key is not None:
+            self.follow.verdict(Verdict(self._key, emitted))
 
     def draft(self, mid, low, call, relay=None):
-        pending, self.pending = self.pending, None
-        if pending is not None and replace(pending[0], follow=None) == replace(call, follow=None):
-            out = pending[1]
-            self.used += 1
-        else:
-            self.dropped += pending is not None
-            out = LocalNesting.draft(self, mid, low, call)
-        self.last = (call, out, mid, low) if call.follow is not None and relay is not None else None
+        self._levels = (mid, low)
+        n = len(call.seq_ids)
+        self._key = f"k{next(self._keys)}" if relay is not None else None
+        req = NestedCall(call, [None] * n, [None] * n, EP, (), relay=None if relay is None else (EP, self._key))
+        ahead = self.follow.claim(req, call)
+        out = ahead[0] if ahead is not None else LocalNesting.draft(self, mid, low, call)
+        self.follow.ran(req, call, out)
         if relay is not None and out.low_error is None:
             relay.deliver(out.drafts)
             out.relayed = True
@@ -98,7 +105,8 @@ def test_follow_ons_give_the_same_tokens_and_statistics(method, sampling):
     assert [r.token_ids for r in followed.results] == [r.token_ids for r in plain.results]
     assert {n: s.as_dict() for n, s in followed.stats.items()} == {n: s.as_dict() for n, s in plain.stats.items()}
     assert nest.forwards == nest.relayed  # a batch of 4 rows: every relayed round asked for one
-    assert nest.used >= nest.relayed // 2 and nest.drafted == nest.used + nest.dropped + (nest.pending is not None)
+    st = nest.follow.stats()
+    assert st["used"] >= nest.relayed // 2 and st["drafted"] == st["used"] + st["dropped"]
 
 
 def test_a_dropped_follow_on_leaves_every_level_as_the_coordinator_mirrors_it():
@@ -132,7 +140,6 @@ def test_no_follow_on_beside_a_look_ahead_or_when_turned_off():
     assert nest.relayed > 0 and nest.forwards == 0
 
 
-EP = (("127.0.0.1", 1), "tok")
 #: K 4, 10 tokens left, stop token 0
 FOLLOW = FollowOn(4, (10,), ((0,),))
 
@@ -170,7 +177,7 @@ def test_a_follow_on_goes_to_the_request_it_was_drafted_for_and_only_to_it():
     real, resolved = _next(call, draft, out, [[7, 3]], "k2")
     got, relayed = f.claim(real, resolved)
     assert got.followed and got.drafts.token_ids == [[1, 2]] and not relayed
-    assert f.stats() == {"drafted": 1, "used": 1, "dropped": 0}
+    assert f.stats() == {"drafted": 1, "used": 1, "dropped": 0, "joins": 0}
     f.ran(call, draft, out)
     f.claim(None, None)  # another request (a free) came first
     f.verdict(Verdict("k1", [[7, 3]]))
@@ -243,3 +250,130 @@ def test_follow_ons_default_on_gpu_levels_only():
     assert cfg("gpu", "gpu").follows and cfg("cuda", "gpu").follows
     assert not cfg("cpu", "gpu").follows and not cfg("cpu", "cpu").follows
     assert cfg("cpu", "cpu", follow=True).follows and not cfg("gpu", "gpu", follow=False).follows
+
+
+def _two_rows(want=(3, 2)) -> NestedDraft:
+    sp = SamplingParams()
+    return NestedDraft(1, 0, ["a", "b"], [sp, sp], [SeqSync(3, (3,)), SeqSync(4, (1,))],
+                       [SeqSync(3, (3,)), SeqSync(4, ())], list(want), 2, VerifyMethod.GREEDY, "greedy", False, 0.0,
+                       0.0, 16, mid_owed=[1, 1], low_owed=[1, 0], follow=FollowOn(3, (9, 7), ((0,), (0,))))
+
+
+def test_a_request_with_rows_that_joined_takes_the_follow_on_for_the_others():
+    """`_joined`: the rows a request adds to the one drafted for (new sequences) are the only ones left to draft;
+    any other difference (a drafted row asked something else, or missing; another K below) makes the follow-on of
+    no use. `merged` puts the parts' drafts, held tokens, q and logs back in the request's row order."""
+    from specray.coordinator.inner import InnerLog
+    from specray.engine.protocol import VerifyResult
+    from specray.serve.follow import _joined, _Pending, merged
+
+    ahead = _two_rows()
+    pending = _Pending(ahead, NestedCall(ahead, [None] * 2, [None] * 2, EP, ()))
+    c = replace(pending.call)
+    new = SamplingParams(temperature=0.5, seed=1)
+    real = replace(ahead, seq_ids=["c", "b", "a"], sampling=[new, *ahead.sampling[::-1]],
+                   mid_syncs=[SeqSync.start((9, 9)), *ahead.mid_syncs[::-1]],
+                   low_syncs=[SeqSync.start((9, 9)), *ahead.low_syncs[::-1]], want=[2, 2, 3], mid_owed=[0, 1, 1],
+                   low_owed=[0, 0, 1])
+    assert _joined(c, ahead, pending) == [] and _joined(c, real, pending) == [0]
+    assert _joined(c, replace(real, want=[2, 1, 3]), pending) is None  # b asks 1 token, it was drafted 2
+    assert _joined(c, replace(real, k_low=3), pending) is None
+    assert _joined(c, replace(real, seq_ids=["c", "d", "a"]), pending) is None  # b went, d came
+    assert _joined(replace(c, low_at=None), real, pending) is None
+    q1, q2 = torch.rand(2, 3, 16), torch.rand(1, 2, 16)
+    log1 = InnerLog([0, 1], [[4], [5]], VerifyResult([[4, 6], [5]], [1, 0]), 0.01)
+    log2 = InnerLog([0], [[7]], VerifyResult([[7]], [1]), 0.02)
+    out = merged(3, [([2, 1], NestedOutcome(DraftProposal([[4, 6, 8], [5, 1]], q1), [[4, 6, 8], [5, 1]],
+                                            [[4], [5]], [log1])),
+                     ([0], NestedOutcome(DraftProposal([[7, 2]], q2), [[7, 2]], [[7]], [log2]))])
+    assert out.drafts.token_ids == [[7, 2], [5, 1], [4, 6, 8]] and out.mid_held == [[7, 2], [5, 1], [4, 6, 8]]
+    assert out.low_held == [[7], [5], [4]] and out.followed and out.low_error is None
+    assert [log.idx for log in out.logs] == [[2, 1], [0]]
+    assert torch.equal(out.drafts.probs[2], q1[0]) and torch.equal(out.drafts.probs[1], q1[1])
+    assert torch.equal(out.drafts.probs[0, :2], q2[0]) and not out.drafts.probs[0, 2].any()
+
+
+def test_follow_ons_claim_drafts_only_the_rows_that_joined():
+    """FollowOns with a row joined since the verdict: the follow-on is waited for (not cancelled), the request's
+    new row alone is drafted now, with the request's frees for the level below, and the outcomes merged."""
+    ran: list[NestedCall] = []
+
+    def run(call, cancel):
+        ran.append(call)
+        n = len(call.draft.seq_ids)
+        return NestedOutcome(DraftProposal([[len(ran)]] * n), [[len(ran)]] * n, [[]] * n)
+
+    f = FollowOns(run, relay=lambda call, out: out)
+    call, draft, out = _round("k1")
+    f.ran(call, draft, out)
+    f.verdict(Verdict("k1", [[7, 3]]))
+    _, nxt = _next(call, draft, out, [[7, 3]], "k2")
+    new = SamplingParams(temperature=0.5, seed=1)
+    real = replace(nxt, seq_ids=[*nxt.seq_ids, "z"], sampling=[*nxt.sampling, new],
+                   mid_syncs=[*nxt.mid_syncs, SeqSync.start((1, 2))], low_syncs=[*nxt.low_syncs, SeqSync.start((1, 2))],
+                   want=[*nxt.want, 2], mid_owed=[*nxt.mid_owed, 0], low_owed=[*nxt.low_owed, 0])
+    req = NestedCall(real, [None, new], [None, new], EP, ("gone",), relay=(EP, "k2"))
+    got, relayed = f.claim(req, real)
+    assert not relayed and got.followed and got.drafts.token_ids == [[1], [2]]
+    assert ran[1].draft.seq_ids == ["z"] and ran[1].low_frees == ("gone",) and ran[1].mid_sampling == [new]
+    assert f.stats() == {"drafted": 1, "used": 1, "dropped": 0, "joins": 1}
+
+
+def _stream(nesting, joins_at: dict[int, int]) -> tuple[list[list[int]], dict]:
+    """Greedy rounds over PROMPTS[:2], the other prompts joining the batch before the rounds `joins_at` names (as
+    a scheduler admits requests); the tokens of every row, and the per-level statistics."""
+    lv = levels(VerifyMethod.GREEDY)
+    eng = CascadeEngine(lv, nesting=nesting)
+    seqs = [eng.new_sequence(p, SamplingParams(), 17) for p in PROMPTS[:2]]
+    waiting = list(PROMPTS[2:])
+    r = 0
+    while any(not s.finished for s in seqs) or waiting:
+        for _ in range(joins_at.get(r, 0)):
+            if waiting:
+                seqs.append(eng.new_sequence(waiting.pop(0), SamplingParams(), 17))
+        eng.step(seqs)
+        r += 1
+    stats: dict = {}
+    for s in seqs:
+        for key, st in s.stats.items():
+            stats.setdefault(key, []).append(st.as_dict())
+        eng.release(s)
+    for x in lv:
+        assert x.worker.stats().live_sequences == 0
+    return [s.output for s in seqs], stats
+
+
+def test_rows_that_join_are_drafted_beside_the_follow_on_and_change_nothing():
+    """Rows joining a running batch: the follow-on drafted for the running rows is taken for them, the new rows
+    drafted in the same request (`FollowOns.claim`); tokens and per-row statistics equal relayed rounds without
+    follow-ons, and plain greedy decoding's tokens."""
+    plain, stats = _stream(RelayNesting(), {2: 1, 4: 1})
+    nest = FollowNesting()
+    got, got_stats = _stream(nest, {2: 1, 4: 1})
+    ref = generate(CascadeEngine([levels(VerifyMethod.GREEDY)[-1]]), PROMPTS, max_tokens=17, ignore_eos=True)
+    assert got == plain == [r.token_ids for r in ref.results]
+    assert got_stats == stats
+    assert nest.follow.joins >= 2 and nest.follow.used > nest.follow.joins
+
+
+def test_a_request_that_frees_rows_below_runs_as_sent():
+    """The request drafted for, plus sequences to free at the level below and no new row: nothing else would carry
+    the frees there, so the follow-on is dropped and the request runs as sent."""
+    f = FollowOns(lambda call, cancel: NestedOutcome(DraftProposal([[1]]), [[1]], [[1]]), relay=lambda c, o: o)
+    call, draft, out = _round("k1")
+    f.ran(call, draft, out)
+    f.verdict(Verdict("k1", [[7, 3]]))
+    real, resolved = _next(call, draft, out, [[7, 3]], "k2")
+    assert f.claim(replace(real, low_frees=("gone",)), resolved) is None and f.stats()["dropped"] == 1
+
+
+def test_a_request_a_moment_ahead_of_its_verdict_waits_for_it():
+    """The target sends its verdict before its reply, but another thread of the middle level's actor reads it: a
+    request that comes first waits a moment for it (`VERDICT_WAIT_S`) and takes the follow-on drafted on it."""
+    f = FollowOns(lambda call, cancel: NestedOutcome(DraftProposal([[1]]), [[1]], [[1]]), relay=lambda c, o: o)
+    call, draft, out = _round("k1")
+    f.ran(call, draft, out)
+    real, resolved = _next(call, draft, out, [[7, 3]], "k2")
+    threading.Timer(0.001, f.verdict, args=(Verdict("k1", [[7, 3]]),)).start()
+    got = f.claim(real, resolved)
+    assert got is not None and got[0].followed and f.stats()["used"] == 1
