@@ -113,6 +113,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from specray.config import LevelConfig, PolicyConfig
+from specray.coordinator import drafting
 from specray.coordinator.cascade import CascadeEngine, Level
 from specray.coordinator.generate import generate
 from specray.heap import freeze_startup_heap
@@ -1035,6 +1036,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(the app's defaults: the ranking within a time budget), b<share> (the same with another "
                          "rerank_budget, e.g. b0.005) or N (rank one round in N); its ranking counts in the overhead")
     ap.add_argument("--planner-k-max", type=int, default=16, help="the planner's largest K (the served default: 16)")
+    ap.add_argument("--follow-max-rows", type=int, default=None,
+                    help="an experiment: follow-ons up to this many rows (specray.coordinator.drafting.FOLLOW_MAX_ROWS,"
+                         " 4 when serving); the simulation's rows never end or join, so every one is taken")
     ap.add_argument("--warmup-tokens", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each configuration this many times (transports interleaved) and report the median "
@@ -1042,6 +1046,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/overhead-<date>.json)")
     ap.add_argument("--note", action="append", default=[], help="a line for the JSON's notes (e.g. which code ran)")
     args = ap.parse_args(argv)
+    if args.follow_max_rows is not None:
+        drafting.FOLLOW_MAX_ROWS = args.follow_max_rows
+        args.note.append(f"follow-ons up to {args.follow_max_rows} rows (served: 4)")
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     torch.set_num_threads(1)  # the coordinator's CPU side: no OpenMP pool to wake after every sleep
