@@ -213,16 +213,9 @@ def follow_on(call: NestedDraft, out: NestedOutcome, emitted: Sequence[Sequence[
     if not rows:
         return None
 
-    def synced(syncs: list[SeqSync], held: list[list[int]], b: int) -> SeqSync:
-        context = syncs[b].keep + len(syncs[b].append)
-        h, e = held[b], emitted[b]
-        c = 0
-        while c < min(len(h), len(e)) and h[c] == e[c]:
-            c += 1
-        return SeqSync(context + c, tuple(e[c:]))
-
-    mid = [synced(call.mid_syncs, out.mid_held, b) for b in rows]
-    low = [synced(call.low_syncs, out.low_held, b) for b in rows]
+    mid_held, low_held = _Held.after(call.mid_syncs, out.mid_held), _Held.after(call.low_syncs, out.low_held)
+    mid = [mid_held.sync(b, list(emitted[b])) for b in rows]
+    low = [low_held.sync(b, list(emitted[b])) for b in rows]
     left = [f.remaining[b] - len(emitted[b]) for b in rows]
     return replace(call, seq_ids=[call.seq_ids[b] for b in rows], sampling=[call.sampling[b] for b in rows],
                    mid_syncs=mid, low_syncs=low, want=[min(f.k, n - 1) for n in left],
@@ -332,6 +325,14 @@ class _Held:
         self.first: list[SeqSync | None] = list(syncs)
         self.owed = list(owed) if owed else [0] * len(syncs)  # context tokens no forward of the level fed yet
         self.starting = [s.keep == 0 for s in syncs]  # rows the level starts (`SeqSync.start`) at their first forward
+
+    @staticmethod
+    def after(syncs: Sequence[SeqSync], held: Sequence[Sequence[int]]) -> _Held:
+        """What a level holds once a request with these syncs left it holding `held` beyond each row's context."""
+        h = _Held(syncs)
+        h.first = [None] * len(syncs)
+        h.held = [list(x) for x in held]
+        return h
 
     def feed(self, rows: Sequence[int]) -> tuple[int, int, bool]:
         """A forward over `rows` feeds what they owe: (most, total) tokens caught up, and whether it started one."""

@@ -78,6 +78,11 @@ class FollowOns:
         #: drafted then), dropped (another request came)
         self.drafted = self.used = self.dropped = self.joins = 0
 
+    @property
+    def waiting(self) -> bool:
+        """A follow-on is drafted or a verdict expected: the next request is compared with it (`claim`)."""
+        return self._last is not None or self._pending is not None
+
     def ran(self, call: NestedCall, draft: NestedDraft, outcome: NestedOutcome) -> None:
         """`call` (its draft resolved: `draft`) ran and will be relayed under its key: its verdict may come."""
         if call.relay is None or draft.follow is None:

@@ -92,23 +92,26 @@ class LevelActor:
         """A round's call (`ActorWorker`): free what the coordinator finished, then propose or verify; a nested
         request that a follow-on was drafted for takes its outcome (specray.serve.follow)."""
         call = request.call
-        draft = self._resolved(call) if isinstance(call, NestedCall) else None
-        ahead = self._follow.claim(call if isinstance(call, NestedCall) else None, draft)
+        nested = call if isinstance(call, NestedCall) else None
+        # its draft with the sampling resolved, only where a follow-on is compared with it or asked for
+        draft = (self._resolved(nested) if nested is not None
+                 and (nested.draft.follow is not None or self._follow.waiting) else None)
+        ahead = self._follow.claim(nested, draft)
         with self._lock:
             for seq_id in request.frees:
                 self.worker.free(seq_id)
                 self._samplings.forget(seq_id)
-            if not isinstance(call, NestedCall) or call.relay is None or call.draft.follow is None:
+            if nested is None:
                 return call.run(self.worker, self._samplings, self._peers)
-            assert draft is not None
             if ahead is not None:
                 out, relayed = ahead
             else:
-                out, relayed = replace(call, relay=None).run(self.worker, self._samplings, self._peers), False
+                out, relayed = replace(nested, relay=None).run(self.worker, self._samplings, self._peers), False
             if relayed:  # by the drafting thread, which remembered this request for its verdict too
                 return out
-            self._follow.ran(call, draft, out)  # before its drafts reach the target, whose verdict may follow
-            return call.relay_outcome(out, self._peers)
+            if draft is not None:
+                self._follow.ran(nested, draft, out)  # before its drafts reach the target: its verdict may follow
+            return nested.relay_outcome(out, self._peers)
 
     def _resolved(self, call: NestedCall) -> NestedDraft | None:
         """The nested request's draft with its sampling parameters resolved (None: a row this level never saw)."""
