@@ -36,6 +36,10 @@ preset has two levels (0.5B -> 1.5B): plain and draft. The h200-hf preset has th
 measured on an H200 (benchmarks/bench_gpu.py: 1B -> 8B, plain and draft), to set the simulated round beside the
 real one measured there.
 
+`--churn` drives the engine as a server does instead (`stream`): the batch stays full, rows of varied lengths end
+and new ones join between rounds, so a middle level's follow-ons meet the requests serving sends them (their
+counts per run: JSON `follow`).
+
 Definitions, per run (one timed `generate` after an untimed warm-up on the same prompts and engine):
   rounds              engine rounds (target verifications) = the most rounds any row took
   wall                seconds of the timed `generate`
@@ -92,9 +96,11 @@ import asyncio
 import datetime as _dt
 import functools
 import gc
+import itertools
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -114,12 +120,15 @@ import torch
 
 from specray.config import LevelConfig, PolicyConfig
 from specray.coordinator import drafting
-from specray.coordinator.cascade import CascadeEngine, Level
-from specray.coordinator.generate import generate
+from specray.coordinator.cascade import CascadeEngine, GenerationResult, Level, Seq
+from specray.coordinator.generate import Batch, generate
+from specray.coordinator.state import Planning
+from specray.coordinator.stats import LevelStats, named_stats
 from specray.heap import freeze_startup_heap
 from specray.policy.planner import Planner
 from specray.spec.bound import expected_accepted_length, speedup_bound
 from specray.spec.ngram import NgramConfig
+from specray.spec.params import SamplingParams
 from specray.testing.sim import PRESETS, SimWorker, StepCostModel, sim_factory, union_length
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,13 +200,54 @@ NODE_OF: dict[str, dict[str, str]] = {
 }
 
 
-def make_prompts(batch: int, length: int = PROMPT_LEN) -> list[list[int]]:
+def make_prompts(batch: int, length: int = PROMPT_LEN, seed: int = 1000) -> list[list[int]]:
     """`batch` prompts of `length` distinct token ids each (a different permutation per row)."""
     out = []
     for b in range(batch):
-        g = torch.Generator().manual_seed(1000 + b)
+        g = torch.Generator().manual_seed(seed + b)
         out.append(torch.randperm(VOCAB, generator=g)[:length].tolist())
     return out
+
+
+def stream(engine: CascadeEngine, batch: int, max_tokens: int, plan: Any, seed: int = 0) -> Batch:
+    """Continuous batching, as a server runs it (`--churn`): `batch` rows at all times, each asking a length drawn
+    from [max_tokens / 2, 3 max_tokens / 2] (the first rows from [1, 2 max_tokens], so that they end apart); a row
+    that ends is freed and a new request takes its place before the next round, until the rows have
+    `batch * max_tokens` tokens in all. Rows end and join every few rounds, as they do under load; the batch
+    never drains. `out.results[0].rounds` holds the rounds of the whole stream."""
+    rng = random.Random(seed)
+    groups = plan if isinstance(plan, Planning) else None
+    made = itertools.count()
+
+    def new_row(lo: int, hi: int) -> Seq:
+        i = next(made)
+        return engine.new_sequence(make_prompts(1, seed=2000 + i)[0], SamplingParams(), rng.randint(lo, hi))
+
+    rows = [new_row(1, 2 * max_tokens) for _ in range(batch)]
+    done: list[Seq] = []
+    tokens = rounds = 0
+    try:
+        while tokens < batch * max_tokens:
+            if groups is not None:
+                this = groups.plan_groups(batch, engine.backlog(rows))[0][0]
+            else:
+                this = plan(batch) if callable(plan) else plan
+            tokens += sum(len(t) for t in engine.step(rows, this))
+            rounds += 1
+            for j, s in enumerate(rows):
+                if s.finished:
+                    engine.release(s)
+                    done.append(s)
+                    rows[j] = new_row(max(1, max_tokens // 2), max_tokens * 3 // 2)
+    finally:
+        for s in rows:
+            engine.release(s)
+    total: dict[str, LevelStats] = {}
+    for s in [*done, *rows]:
+        for name, st in named_stats([lv.name for lv in engine.levels], s.stats).items():
+            total.setdefault(name, LevelStats()).merge(st)
+    head = GenerationResult([0] * tokens, None, "length", rounds, {}, None, None)
+    return Batch([head], total)
 
 
 # ------------------------------------------------------------------------------------------ client-side timing
@@ -310,6 +360,9 @@ class InprocBackend:
     def rest(self) -> None:
         """Nothing runs between configurations here."""
 
+    def follow_stats(self) -> dict[str, dict[str, float]]:
+        return {}  # follow-ons are the level actors'
+
 
 class TraceFiles:
     """Reads the JSON-lines traces level actors append to, from where the last read stopped."""
@@ -402,6 +455,15 @@ class RayBackend:
     def drain(self) -> None:
         self._flush()
         self.files.read_new()
+
+    def follow_stats(self) -> dict[str, dict[str, float]]:
+        """Each level actor's follow-on counters (`FollowOns.stats`, via its transport stats)."""
+        out = {}
+        for n, lv in self.levels.items():
+            if lv.worker is not None:
+                st = lv.worker.transport_stats()
+                out[n] = {k[len("follow_"):]: v for k, v in st.items() if k.startswith("follow_")}
+        return out
 
     def rest(self) -> None:
         """Between configurations: close the levels' connections / compiled graphs (an idle compiled graph's reader
@@ -597,7 +659,7 @@ class GcPauses:
 
 def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int, max_tokens: int, overlap: bool,
             k: int = 4, warmup_tokens: int = 8, planner: tuple[int, str] | None = None,
-            inner_min_share: float = 0.0) -> dict[str, Any]:
+            inner_min_share: float = 0.0, churn: bool = False) -> dict[str, Any]:
     """One configuration: an untimed warm-up `generate`, then the timed one; the run's numbers (module docstring).
     `planner` = (k_max, how): the live planner chooses each round's plan over the plan's levels, its ranking
     included in the overhead; how: "served" (the app's defaults, a time budget for the ranking), "b<share>" (the
@@ -630,10 +692,15 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
         client.clear()
         if timed is not None:
             timed.reset()
+        follow0 = backend.follow_stats()
         with GcPauses() as pauses:
             t0 = time.monotonic()
-            out = generate(engine, prompts, max_tokens=max_tokens, ignore_eos=True, plan=timed or policy)
+            if churn:
+                out = stream(engine, batch, max_tokens, timed or policy or engine.default_plan)
+            else:
+                out = generate(engine, prompts, max_tokens=max_tokens, ignore_eos=True, plan=timed or policy)
             t1 = time.monotonic()
+        follow1 = backend.follow_stats()
     finally:
         gc.unfreeze()  # this run's engine and workers go with it (the next run freezes its own after its warm-up)
         pool = getattr(engine, "_ahead_pool", None)
@@ -686,7 +753,9 @@ def measure(backend: Any, client: ClientLog, preset: str, plan: str, batch: int,
                                                 "per_pos": st["accepted_per_pos"], "drafts": st["num_drafts"]}
     return {
         "path": backend.path, "preset": preset, "plan": plan, "levels": list(names), "overlap": overlap,
-        "inner_min_share": inner_min_share,
+        "inner_min_share": inner_min_share, "churn": churn,
+        # the middle levels' follow-ons in the timed run (`FollowOns.stats`; the Ray paths)
+        "follow": {n: {k: v - follow0[n].get(k, 0) for k, v in st.items()} for n, st in follow1.items()},
         "planner": None if planner is None else {"k_max": planner[0], "rerank": planner[1],
                                                  "held": policy.plan_name(policy.current),
                                                  # its own CPU (thread time) per round, in all and per hook
@@ -752,6 +821,8 @@ def config_label(r: dict[str, Any]) -> str:
     tag = "+pl{}".format(pl["rerank"]) if pl else ""
     if r.get("inner_min_share"):
         tag += f"/t{r['inner_min_share']:g}"
+    if r.get("churn"):
+        tag += "/churn"
     return f"{r['plan']}{'+ov' if r['overlap'] else ''}{tag}"
 
 
@@ -777,6 +848,11 @@ def row_text(r: dict[str, Any]) -> str:
     gcp = r.get("coordinator_gc") or {}
     if gcp.get("max_ms", 0.0) > 1.0:  # a collection long enough to stall a round
         flags.append(f"coordinator GC {gcp['collections']}x, {gcp['pause_ms']:.1f} ms, longest {gcp['max_ms']:.1f}")
+    for n, f in (r.get("follow") or {}).items():
+        if f.get("drafted"):
+            flags.append(f"follow-ons at {_short(n)}: {f['used']:.0f} used ({f.get('joins', 0):.0f} with rows joined, "
+                         f"{f.get('trims', 0):.0f} with rows left), {f['dropped']:.0f} dropped of "
+                         f"{f['drafted']:.0f} drafted")
     if r["logic_over_cost_s"] > 0.02 * r["model_s"]:
         flags.append(f"worker Python over its cost {r['logic_over_cost_s']:.3f}s, counted as model time")
     return (f"{r['path']:<18} {config_label(r):<12} {r['batch']:>3} {r['max_tokens']:>3} {r['rounds']:>6} "
@@ -900,6 +976,9 @@ class TransportView:
     def drain(self) -> None:
         self.base.drain()
 
+    def follow_stats(self) -> dict[str, dict[str, float]]:
+        return self.base.follow_stats()
+
     def traces(self, t0: float, t1: float) -> list[dict[str, Any]]:
         return self.base.traces(t0, t1)
 
@@ -960,6 +1039,7 @@ class Settings:
     planner_k_max: int = 16
     #: the cascade's middle level runs each of these tail cuts (`Level.inner_min_share`; 0: none)
     inner_min_shares: list[float] = field(default_factory=lambda: [0.0])
+    churn: bool = False  # continuous batching: rows end and join (`stream`)
 
     def tokens_for(self, batch: int) -> int:
         return self.max_tokens_large if (self.max_tokens_large and batch >= 64) else self.max_tokens
@@ -1002,7 +1082,7 @@ def run_path(path: str, s: Settings, trace_dir: str, on_run: Callable[[dict[str,
                             for j, sh in variants:
                                 be = backends[j]
                                 reps[(j, sh)].append(measure(be, client, s.preset, plan, b, s.tokens_for(b), ov,
-                                                             s.k, s.warmup_tokens, pol, sh))
+                                                             s.k, s.warmup_tokens, pol, sh, s.churn))
                                 be.rest()
                         for v in variants:
                             on_run(median_run(reps[v]))
@@ -1038,7 +1118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--planner-k-max", type=int, default=16, help="the planner's largest K (the served default: 16)")
     ap.add_argument("--follow-max-rows", type=int, default=None,
                     help="an experiment: follow-ons up to this many rows (specray.coordinator.drafting.FOLLOW_MAX_ROWS,"
-                         " 4 when serving); the simulation's rows never end or join, so every one is taken")
+                         " 4 when serving); without --churn the rows never end or join, so every one is taken")
+    ap.add_argument("--churn", action="store_true",
+                    help="continuous batching, as served: rows of varied lengths end and are replaced at once "
+                         "(`stream`), so that follow-ons meet rows that end and join")
     ap.add_argument("--warmup-tokens", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each configuration this many times (transports interleaved) and report the median "
@@ -1066,7 +1149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         transports=list(dict.fromkeys(args.transports)),
         warmup_tokens=args.warmup_tokens, repeat=max(1, args.repeat), planners=list(args.planner),
         planner_k_max=args.planner_k_max,
-        inner_min_shares=args.inner_min_share or [0.0 if qwen else GPU_TAIL_CUT],
+        inner_min_shares=args.inner_min_share or [0.0 if qwen else GPU_TAIL_CUT], churn=args.churn,
     )
     if s.max_tokens_large and any(b >= 64 for b in s.batches):
         notes.append(f"batch >= 64 runs generate {s.max_tokens_large} tokens per row (others {s.max_tokens})")

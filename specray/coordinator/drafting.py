@@ -437,6 +437,9 @@ class Drafter:
         for s, mh, lh in zip(sub, got.mid_held, got.low_held):
             s.mirror[i].extend(mh)
             s.mirror[low_key].extend(lh)
+        for b in got.unsynced:  # neither level took these rows (`NestedOutcome.unsynced`): start them there again
+            sub[b].mirror.pop(i, None)
+            sub[b].mirror.pop(low_key, None)
         width = self.tree_width(r, ci - 1)
         for log in got.logs:  # timed as `LevelCalls` times the calls it makes: not a call that caught a row up
             if log.steps and low.ngram is None:  # lookups are not timed (as when drafted from here)

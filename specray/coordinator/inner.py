@@ -192,6 +192,9 @@ class NestedOutcome:
     relayed: bool = False
     #: drafted on the target's verdict, before the request came (`follow_on`)
     followed: bool = False
+    #: rows of the request that neither level took, drafts empty (rows that joined a follow-on's batch, left for
+    #: the next follow-on: specray.serve.follow): the coordinator's next call starts them at both levels again
+    unsynced: list[int] = field(default_factory=list)
 
 
 def follow_on(call: NestedDraft, out: NestedOutcome, emitted: Sequence[Sequence[int]]) -> NestedDraft | None:
@@ -213,7 +216,8 @@ def follow_on(call: NestedDraft, out: NestedOutcome, emitted: Sequence[Sequence[
     if not rows:
         return None
 
-    mid_held, low_held = _Held.after(call.mid_syncs, out.mid_held), _Held.after(call.low_syncs, out.low_held)
+    mid_held = _Held.after(call.mid_syncs, out.mid_held, out.unsynced)
+    low_held = _Held.after(call.low_syncs, out.low_held, out.unsynced)
     mid = [mid_held.sync(b, list(emitted[b])) for b in rows]
     low = [low_held.sync(b, list(emitted[b])) for b in rows]
     left = [f.remaining[b] - len(emitted[b]) for b in rows]
@@ -327,10 +331,11 @@ class _Held:
         self.starting = [s.keep == 0 for s in syncs]  # rows the level starts (`SeqSync.start`) at their first forward
 
     @staticmethod
-    def after(syncs: Sequence[SeqSync], held: Sequence[Sequence[int]]) -> _Held:
-        """What a level holds once a request with these syncs left it holding `held` beyond each row's context."""
-        h = _Held(syncs)
-        h.first = [None] * len(syncs)
+    def after(syncs: Sequence[SeqSync], held: Sequence[Sequence[int]], unsynced: Sequence[int] = ()) -> _Held:
+        """What a level holds once a request with these syncs left it holding `held` beyond each row's context
+        (the rows `unsynced` it never took: their syncs are still to apply)."""
+        h, todo = _Held(syncs), set(unsynced)
+        h.first = [syncs[b] if b in todo else None for b in range(len(syncs))]
         h.held = [list(x) for x in held]
         return h
 

@@ -41,6 +41,7 @@ MESSAGES: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("specray.engine.protocol", "VerifyResult", {}),
     ("specray.serve.wire", "Verdict", {}),
     ("specray.coordinator.inner", "FollowOn", {}),
+    ("specray.serve.wire", "Frees", {}),
 )
 
 

@@ -28,7 +28,16 @@ from specray.heap import freeze_startup_heap
 from specray.serve.direct import FrameClient, FrameServer, Reply, TransportError
 from specray.serve.follow import FollowOns
 from specray.serve.relay import Rendezvous
-from specray.serve.wire import Endpoint, LevelRequest, NestedCall, RelayedDrafts, RelayedVerifyCall, Samplings, Verdict
+from specray.serve.wire import (
+    Endpoint,
+    Frees,
+    LevelRequest,
+    NestedCall,
+    RelayedDrafts,
+    RelayedVerifyCall,
+    Samplings,
+    Verdict,
+)
 
 __all__ = ["LevelActor", "LevelStartError", "WorkerFactory"]
 
@@ -60,7 +69,8 @@ class LevelActor:
         #: middle level that asked for a follow-on
         self._relay = Rendezvous(self.run, self.free_many, forward=self._peers.post)
         #: this level as a middle level: the next round drafted on the target's verdict (specray.serve.follow)
-        self._follow = FollowOns(self._run_nested, lambda call, out: call.relay_outcome(out, self._peers))
+        self._follow = FollowOns(self._run_nested, lambda call, out: call.relay_outcome(out, self._peers),
+                                 post=self._peers.post)
         threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the server's threads set it too
         self._server = FrameServer(ray.util.get_node_ip_address(), self._frame,
                                    on_thread_start=lambda: torch.set_num_threads(threads), replies=True)
@@ -98,15 +108,14 @@ class LevelActor:
                  and (nested.draft.follow is not None or self._follow.waiting) else None)
         ahead = self._follow.claim(nested, draft)
         with self._lock:
-            for seq_id in request.frees:
-                self.worker.free(seq_id)
-                self._samplings.forget(seq_id)
+            self._free(request.frees)
             if nested is None:
                 return call.run(self.worker, self._samplings, self._peers)
             if ahead is not None:
                 out, relayed = ahead
             else:
-                out, relayed = replace(nested, relay=None).run(self.worker, self._samplings, self._peers), False
+                out, relayed = replace(self._follow.sent(nested), relay=None).run(self.worker, self._samplings,
+                                                                                  self._peers), False
             if relayed:  # by the drafting thread, which remembered this request for its verdict too
                 return out
             if draft is not None:
@@ -124,15 +133,19 @@ class LevelActor:
         with self._lock:
             return call.run(self.worker, self._samplings, self._peers, cancel)
 
-    def _frame(self, request: LevelRequest | RelayedDrafts | Verdict, reply: Reply | None) -> Any:
+    def _frame(self, request: LevelRequest | RelayedDrafts | Verdict | Frees, reply: Reply | None) -> Any:
         """A frame of the direct transport: a round's call, either half of a relayed verification
-        (specray.serve.relay), whose reply may be deferred until the other half comes, or a verdict to draft
-        the next round on (specray.serve.follow)."""
+        (specray.serve.relay), whose reply may be deferred until the other half comes, a verdict to draft
+        the next round on, or frees a middle level above owed this level (specray.serve.follow)."""
         if isinstance(request, RelayedDrafts):
             self._relay.drafts(request)
             return None
         if isinstance(request, Verdict):
             self._follow.verdict(request)
+            return None
+        if isinstance(request, Frees):
+            with self._lock:
+                self._free(request.seq_ids)
             return None
         if isinstance(request.call, RelayedVerifyCall):
             if reply is None:
@@ -149,9 +162,12 @@ class LevelActor:
         """Free several sequences in one call (idempotent)."""
         self._follow.claim(None, None)
         with self._lock:
-            for s in seq_ids:
-                self.worker.free(s)
-                self._samplings.forget(s)
+            self._free(seq_ids)
+
+    def _free(self, seq_ids: Sequence[str]) -> None:  # under the lock
+        for s in seq_ids:
+            self.worker.free(s)
+            self._samplings.forget(s)
 
     def stats(self) -> WorkerStats:
         with self._lock:

@@ -20,9 +20,9 @@ from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult, Worker
 from specray.engine.tree_rows import TokenTree
 from specray.spec.params import SamplingParams, VerifyMethod
 
-__all__ = ["LevelRequest", "NestedCall", "Peers", "ProposeCall", "RelayedDrafts", "RelayedVerifyCall", "Samplings",
-           "TreeProposeCall", "TreeVerifyCall", "Verdict", "VerifyCall", "WireSampling", "WireSync", "WireTree",
-           "syncs", "wire_syncs", "wire_trees"]
+__all__ = ["Frees", "LevelRequest", "NestedCall", "Peers", "ProposeCall", "RelayedDrafts", "RelayedVerifyCall",
+           "Samplings", "TreeProposeCall", "TreeVerifyCall", "Verdict", "VerifyCall", "WireSampling", "WireSync",
+           "WireTree", "syncs", "wire_syncs", "wire_trees"]
 
 WireSync = tuple[int, tuple[int, ...]] | None
 #: a draft tree as (token_ids, parents) (`specray.spec.tree.DraftTree`'s layout); None: no draft
@@ -298,6 +298,14 @@ class Verdict:
 
     key: str
     token_ids: list[list[int]]
+
+
+@dataclass(frozen=True)
+class Frees:
+    """Sequences to free, one-way from a middle level to the level below: the frees a request carried for that
+    level while the request took a follow-on (specray.serve.follow), where no call below follows to carry them."""
+
+    seq_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)

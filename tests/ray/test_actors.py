@@ -384,6 +384,43 @@ def test_rows_joining_a_followed_batch_over_actors_equal_plain(fakes):
     assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
 
 
+def test_rows_ending_apart_in_a_followed_batch_over_actors_equal_plain(fakes, monkeypatch):
+    """Eight rows of different lengths, one of them ended by the coordinator itself mid-stream (as a stop string
+    ends a request), with follow-ons at every batch size: requests that free rows take the follow-on (the frees
+    below go with the next call there, `FollowOns` "Frees"), a request that lacks a drafted row takes it for the
+    others, every row gets the plain target's greedy tokens, and every level ends empty."""
+    from specray.coordinator import drafting
+    from specray.coordinator.cascade import CascadeEngine
+
+    monkeypatch.setattr(drafting, "FOLLOW_MAX_ROWS", 64)
+    prompts = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]
+    lengths = [9, 21, 13, 17, 11, 19, 15, 23]
+    plain = [generate([Level("target", worker=in_process()["target"])], [p], max_tokens=n, ignore_eos=True)
+             .results[0].token_ids for p, n in zip(prompts, lengths)]
+    before = fakes.workers["d2"].transport_stats()
+    eng = CascadeEngine(fake_cascade("models3", VerifyMethod.GREEDY, fakes.workers), nesting=fakes.nesting)
+    seqs = [eng.new_sequence(p, SamplingParams(), n) for p, n in zip(prompts, lengths)]
+    r = 0
+    while any(not s.finished for s in seqs):
+        eng.step(seqs)
+        r += 1
+        if r == 2:  # the coordinator ends a row the verdict did not (a stop string)
+            seqs[1].finished, seqs[1].finish_reason = True, "stop"
+        for s in seqs:
+            if s.finished:
+                eng.release(s)
+    after = fakes.workers["d2"].transport_stats()
+    assert [s.output for s in seqs] == [plain[1][: len(seqs[1].output)] if j == 1 else x
+                                        for j, x in enumerate(plain)]
+    used, trims = (after[f"follow_{k}"] - before[f"follow_{k}"] for k in ("used", "trims"))
+    assert used >= r // 2 and trims >= 1, (used, trims, r)
+    deadline = time.monotonic() + 10  # frees sent on their own (`Frees`) are one-way: they land a moment later
+    while any(w.stats().live_sequences for w in fakes.workers.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
+    assert fakes.workers["d2"].transport_stats()["follow_owed_frees"] == 0
+
+
 def test_penalties_min_p_and_logprobs_over_actors_equal_in_process(fakes):
     """Per-sequence penalties, min_p and logprobs travel with the sampling parameters (sent once per sequence)
     to every level's actor, the nested middle level's included; the log-probabilities come back with the

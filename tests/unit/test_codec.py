@@ -15,6 +15,7 @@ from specray.coordinator.inner import FollowOn, InnerLog, NestedDraft, NestedOut
 from specray.engine.protocol import DraftProposal, SeqSync, VerifyResult
 from specray.serve import codec
 from specray.serve.wire import (
+    Frees,
     LevelRequest,
     NestedCall,
     ProposeCall,
@@ -61,7 +62,7 @@ def _messages():
                         confidence=0.5, stop_below=0.1, vocab=7, min_share=0.25,
                         lookup=NgramConfig(), mid_owed=[1, 0], low_owed=[2, 2], follow=FollowOn(4, (10, 3)))
     log = InnerLog([0, 1], [[1, 2], [3]], vr, 0.01, 0.02, 2, None, (3, 5, True), (0, 0, False), 2)
-    out = NestedOutcome(dp, [[1, 2], [3]], [[1], []], [log, log], RuntimeError("level below failed"), True, True)
+    out = NestedOutcome(dp, [[1, 2], [3]], [[1], []], [log, log], RuntimeError("level below failed"), True, True, [1])
     calls = [
         ProposeCall(["a", "b"], [3, 1], [sp, None], "greedy", 0, [(0, (1, 2)), None], 0.2, (EP, "key")),
         VerifyCall(["a"], [[1, 2]], torch.rand(1, 2, 7), [None], VerifyMethod.REJECTION, 2, None, True, False),
@@ -74,7 +75,7 @@ def _messages():
     ]
     return ([LevelRequest(("f1", "f2"), c) for c in calls] + calls
             + [RelayedDrafts("key", [[1, 2]], torch.rand(1, 2, 7), abort="gone"), Verdict("key", [[4, 5], [6]]),
-               FollowOn(2, (7,)), draft, log, out, vr, dp,
+               FollowOn(2, (7,)), Frees(("a", "b")), draft, log, out, vr, dp,
                SeqSync(1, (2, 3)), VerifyResult([[1]], [0])])
 
 

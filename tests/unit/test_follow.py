@@ -18,7 +18,7 @@ from specray.coordinator.generate import generate
 from specray.coordinator.inner import FollowOn, NestedDraft, NestedOutcome, follow_on
 from specray.engine.protocol import DraftProposal, SeqSync
 from specray.serve.follow import FollowOns
-from specray.serve.wire import NestedCall, Verdict
+from specray.serve.wire import Frees, NestedCall, Verdict
 from specray.spec.params import SamplingParams, VerifyMethod
 from tests.unit.test_nested import PROMPTS, SAMPLED, LocalNesting, RelayNesting, levels, run
 
@@ -170,7 +170,8 @@ def test_a_follow_on_goes_to_the_request_it_was_drafted_for_and_only_to_it():
     real, resolved = _next(call, draft, out, [[7, 3]], "k2")
     got, relayed = f.claim(real, resolved)
     assert got.followed and got.drafts.token_ids == [[1, 2]] and not relayed
-    assert f.stats() == {"drafted": 1, "used": 1, "dropped": 0, "joins": 0}
+    assert f.stats() == {"drafted": 1, "used": 1, "dropped": 0, "joins": 0, "deferred": 0, "trims": 0,
+                         "owed_frees": 0}
     f.ran(call, draft, out)
     f.claim(None, None)  # another request (a free) came first
     f.verdict(Verdict("k1", [[7, 3]]))
@@ -253,12 +254,13 @@ def _two_rows(want=(3, 2)) -> NestedDraft:
 
 
 def test_a_request_with_rows_that_joined_takes_the_follow_on_for_the_others():
-    """`_joined`: the rows a request adds to the one drafted for (new sequences) are the only ones left to draft;
-    any other difference (a drafted row asked something else, or missing; another K below) makes the follow-on of
-    no use. `merged` puts the parts' drafts, held tokens, q and logs back in the request's row order."""
+    """`_match`: the rows a request adds to the one drafted for (new sequences) are the only ones left to draft,
+    and drafted rows it lacks (ended by the coordinator) are left out; any other difference (a drafted row asked
+    something else; another K below) makes the follow-on of no use. `merged` puts the parts' drafts, held tokens,
+    q and logs back in the request's row order, without the rows left out."""
     from specray.coordinator.inner import InnerLog
     from specray.engine.protocol import VerifyResult
-    from specray.serve.follow import _joined, _Pending, merged
+    from specray.serve.follow import _match, _Pending, merged
 
     ahead = _two_rows()
     pending = _Pending(ahead, NestedCall(ahead, [None] * 2, [None] * 2, EP, ()))
@@ -268,11 +270,14 @@ def test_a_request_with_rows_that_joined_takes_the_follow_on_for_the_others():
                    mid_syncs=[SeqSync.start((9, 9)), *ahead.mid_syncs[::-1]],
                    low_syncs=[SeqSync.start((9, 9)), *ahead.low_syncs[::-1]], want=[2, 2, 3], mid_owed=[0, 1, 1],
                    low_owed=[0, 0, 1])
-    assert _joined(c, ahead, pending) == [] and _joined(c, real, pending) == [0]
-    assert _joined(c, replace(real, want=[2, 1, 3]), pending) is None  # b asks 1 token, it was drafted 2
-    assert _joined(c, replace(real, k_low=3), pending) is None
-    assert _joined(c, replace(real, seq_ids=["c", "d", "a"]), pending) is None  # b went, d came
-    assert _joined(replace(c, low_at=None), real, pending) is None
+    assert _match(c, ahead, pending).exact(2) and not _match(c, real, pending).exact(3)
+    assert _match(c, real, pending) == ([2, 1], [0])
+    assert _match(c, replace(real, want=[2, 1, 3]), pending) is None  # b asks 1 token, it was drafted 2
+    assert _match(c, replace(real, k_low=3), pending) is None
+    gone = _match(c, replace(real, seq_ids=["c", "d", "a"]), pending)  # b went, d came
+    assert gone == ([2, None], [0, 1]) and gone.trimmed
+    assert _match(c, replace(ahead, seq_ids=["x", "y"]), pending) is None  # none of its rows: of no use
+    assert _match(replace(c, low_at=None), real, pending) is None
     q1, q2 = torch.rand(2, 3, 16), torch.rand(1, 2, 16)
     log1 = InnerLog([0, 1], [[4], [5]], VerifyResult([[4, 6], [5]], [1, 0]), 0.01)
     log2 = InnerLog([0], [[7]], VerifyResult([[7]], [1]), 0.02)
@@ -284,11 +289,28 @@ def test_a_request_with_rows_that_joined_takes_the_follow_on_for_the_others():
     assert [log.idx for log in out.logs] == [[2, 1], [0]]
     assert torch.equal(out.drafts.probs[2], q1[0]) and torch.equal(out.drafts.probs[1], q1[1])
     assert torch.equal(out.drafts.probs[0, :2], q2[0]) and not out.drafts.probs[0, 2].any()
+    # the first part's second row left out (the request lacks it): its drafts, q and log rows go
+    log1 = InnerLog([0, 1], [[4], [5]], VerifyResult([[4, 6], [5]], [1, 0], probs=torch.rand(2, 2, 16),
+                                                     confidence=[[0.9, 0.8], [0.4]]), 0.01, asked=2)
+    log3 = InnerLog([1], [[5]], VerifyResult([[5]], [0]), 0.01)
+    out = merged(2, [([1, None], NestedOutcome(DraftProposal([[4, 6, 8], [5, 1]], q1), [[4, 6, 8], [5, 1]],
+                                               [[4], [5]], [log1, log3])),
+                     ([0], NestedOutcome(DraftProposal([[7, 2]], q2), [[7, 2]], [[7]], [log2]))])
+    assert out.drafts.token_ids == [[7, 2], [4, 6, 8]] and out.mid_held == [[7, 2], [4, 6, 8]]
+    assert out.low_held == [[7], [4]] and torch.equal(out.drafts.probs[1], q1[0])
+    assert [log.idx for log in out.logs] == [[1], [0]]  # log3 had only the row left out
+    kept = out.logs[0]
+    assert kept.drafts == [[4]] and kept.result.token_ids == [[4, 6]] and kept.result.num_accepted == [1]
+    assert kept.result.confidence == [[0.9, 0.8]] and torch.equal(kept.result.probs, log1.result.probs[[0]])
+    assert kept.asked == 1
 
 
 def test_follow_ons_claim_drafts_only_the_rows_that_joined():
-    """FollowOns with a row joined since the verdict: the follow-on is waited for (not cancelled), the request's
-    new row alone is drafted now, with the request's frees for the level below, and the outcomes merged."""
+    """FollowOns with rows joined since the verdict: the follow-on is waited for (not cancelled). A row new to both
+    levels (every sync starts it) is left for the next follow-on: no drafts now (`NestedOutcome.unsynced`), so
+    nothing goes below and the request's frees there are owed. A row both levels hold already is drafted now,
+    alone, with the request's frees for the level below; the outcomes merged. The next follow-on takes the new row
+    in, starting it at both levels, its sampling parameters with it."""
     ran: list[NestedCall] = []
 
     def run(call, cancel):
@@ -302,14 +324,36 @@ def test_follow_ons_claim_drafts_only_the_rows_that_joined():
     f.verdict(Verdict("k1", [[7, 3]]))
     _, nxt = _next(call, draft, out, [[7, 3]], "k2")
     new = SamplingParams(temperature=0.5, seed=1)
-    real = replace(nxt, seq_ids=[*nxt.seq_ids, "z"], sampling=[*nxt.sampling, new],
-                   mid_syncs=[*nxt.mid_syncs, SeqSync.start((1, 2))], low_syncs=[*nxt.low_syncs, SeqSync.start((1, 2))],
-                   want=[*nxt.want, 2], mid_owed=[*nxt.mid_owed, 0], low_owed=[*nxt.low_owed, 0])
+
+    def joined(sync: SeqSync) -> NestedDraft:
+        return replace(nxt, seq_ids=[*nxt.seq_ids, "z"], sampling=[*nxt.sampling, new],
+                       mid_syncs=[*nxt.mid_syncs, sync], low_syncs=[*nxt.low_syncs, sync], want=[*nxt.want, 2],
+                       mid_owed=[*nxt.mid_owed, 0], low_owed=[*nxt.low_owed, 0],
+                       follow=FollowOn(4, (*nxt.follow.remaining, 10), (*nxt.follow.stops, (0,))))
+
+    real = joined(SeqSync.start((1, 2)))
     req = NestedCall(real, [None, new], [None, new], EP, ("gone",), relay=(EP, "k2"))
     got, relayed = f.claim(req, real)
-    assert not relayed and got.followed and got.drafts.token_ids == [[1], [2]]
+    assert not relayed and got.followed and got.drafts.token_ids == [[1], []] and got.unsynced == [1]
+    assert len(ran) == 1 and f.stats()["owed_frees"] == 1 and f.stats()["deferred"] == 1
+    f.ran(req, real, got)
+    f.verdict(Verdict("k2", [[1, 4], [8]]))  # the next follow-on: "z" starts at both levels, with its parameters
+    ahead = ran[-1]
+    assert ahead.draft.seq_ids == ["a", "z"] and ahead.low_frees == ("gone",)
+    assert ahead.draft.mid_syncs[1] == SeqSync(0, (1, 2, 8)) == ahead.draft.low_syncs[1]
+    assert ahead.mid_sampling == [None, new] == ahead.low_sampling and ahead.draft.mid_owed[1] == 3
+
+    f = FollowOns(run, relay=lambda call, out: out)
+    ran.clear()
+    f.ran(call, draft, out)
+    f.verdict(Verdict("k1", [[7, 3]]))
+    real = joined(SeqSync(2, (5,)))  # a row both levels hold (it sat a round out)
+    req = NestedCall(real, [None, new], [None, new], EP, ("gone",), relay=(EP, "k2"))
+    got, relayed = f.claim(req, real)
+    assert not relayed and got.followed and got.drafts.token_ids == [[1], [2]] and got.unsynced == []
     assert ran[1].draft.seq_ids == ["z"] and ran[1].low_frees == ("gone",) and ran[1].mid_sampling == [new]
-    assert f.stats() == {"drafted": 1, "used": 1, "dropped": 0, "joins": 1}
+    assert f.stats() == {"drafted": 1, "used": 1, "dropped": 0, "joins": 1, "deferred": 0, "trims": 0,
+                         "owed_frees": 0}
 
 
 def _stream(nesting, joins_at: dict[int, int]) -> tuple[list[list[int]], dict]:
@@ -336,28 +380,76 @@ def _stream(nesting, joins_at: dict[int, int]) -> tuple[list[list[int]], dict]:
     return [s.output for s in seqs], stats
 
 
-def test_rows_that_join_are_drafted_beside_the_follow_on_and_change_nothing():
-    """Rows joining a running batch: the follow-on drafted for the running rows is taken for them, the new rows
-    drafted in the same request (`FollowOns.claim`); tokens and per-row statistics equal relayed rounds without
-    follow-ons, and plain greedy decoding's tokens."""
+def test_rows_that_join_wait_for_the_next_follow_on_and_change_no_token():
+    """Rows joining a running batch: the follow-on drafted for the running rows is taken for them, and the new rows
+    (new to both levels) get no draft that round, the target's step giving them their first token; the next
+    follow-on takes them in (`FollowOns.claim`). Every row gets plain greedy decoding's tokens, the running rows'
+    statistics equal relayed rounds without follow-ons, and the joined rows' first round drafted nothing."""
     plain, stats = _stream(RelayNesting(), {2: 1, 4: 1})
     nest = FollowNesting()
     got, got_stats = _stream(nest, {2: 1, 4: 1})
     ref = generate(CascadeEngine([levels(VerifyMethod.GREEDY)[-1]]), PROMPTS, max_tokens=17, ignore_eos=True)
     assert got == plain == [r.token_ids for r in ref.results]
-    assert got_stats == stats
-    assert nest.follow.joins >= 2 and nest.follow.used > nest.follow.joins
+    assert {k: v[:2] for k, v in got_stats.items()} == {k: v[:2] for k, v in stats.items()}
+    top = max(stats)  # (target, middle): the middle level's drafts for the target, per row
+    for j in (2, 3):  # one verification more without a draft: the round they joined
+        undrafted = [st[top][j]["verify_calls"] - st[top][j]["num_drafts"] for st in (got_stats, stats)]
+        assert undrafted[0] == undrafted[1] + 1, (j, got_stats[top][j], stats[top][j])
+    assert nest.follow.joins >= 2 and nest.follow.deferred == 2 and nest.follow.used > nest.follow.joins
 
 
-def test_a_request_that_frees_rows_below_runs_as_sent():
-    """The request drafted for, plus sequences to free at the level below and no new row: nothing else would carry
-    the frees there, so the follow-on is dropped and the request runs as sent."""
-    f = FollowOns(lambda call, cancel: NestedOutcome(DraftProposal([[1]]), [[1]], [[1]]), relay=lambda c, o: o)
+def test_frees_for_the_level_below_go_with_the_next_call_there_or_on_their_own():
+    """A request that takes a follow-on whole makes no call below, so the sequences it frees there are owed: the
+    next follow-on's first call below carries them (never a row of that call itself), or a request as sent does;
+    when the next request is not a nested one, they go on their own (`Frees`, one-way)."""
+    ran: list[NestedCall] = []
+    posted: list = []
+
+    def run(call, cancel):
+        ran.append(call)
+        return NestedOutcome(DraftProposal([[1]]), [[1]], [[1]])
+
+    f = FollowOns(run, relay=lambda c, o: o, post=lambda at, msg: posted.append((at, msg)))
     call, draft, out = _round("k1")
     f.ran(call, draft, out)
     f.verdict(Verdict("k1", [[7, 3]]))
     real, resolved = _next(call, draft, out, [[7, 3]], "k2")
-    assert f.claim(replace(real, low_frees=("gone",)), resolved) is None and f.stats()["dropped"] == 1
+    got = f.claim(replace(real, low_frees=("gone", "a")), resolved)  # "a": as if it ended and came back
+    assert got is not None and got[0].followed and f.stats()["owed_frees"] == 2
+    f.ran(real, resolved, got[0])
+    f.verdict(Verdict("k2", [[1, 4]]))
+    assert ran[-1].low_frees == ("gone",) and f.stats()["owed_frees"] == 0  # "a" is a row of that call: live
+    real2, resolved2 = _next(real, resolved, got[0], [[1, 4]], "k3")
+    got = f.claim(replace(real2, low_frees=("gone2",)), resolved2)
+    assert f.sent(real2).low_frees == ("gone2",) and f.sent(real2).draft is real2.draft
+    assert f.stats()["owed_frees"] == 0
+    f.claim(replace(real2, low_frees=("gone3",)), resolved2)  # nothing pending: runs as sent, its own frees
+    f._owed[EP] = ["gone4"]
+    f.claim(None, None)  # a request that is not nested: nothing goes below from here
+    assert posted == [(EP, Frees(("gone4",)))] and f.stats()["owed_frees"] == 0
+    f._owed[EP] = ["gone5"]
+    f.ran(real2, resolved2, got[0])
+    f.verdict(Verdict("k3", [[0]]))  # the stop token ends the row: no follow-on, so no call below from here
+    assert posted[-1] == (EP, Frees(("gone5",))) and f.stats()["owed_frees"] == 0
+
+
+def test_a_request_that_lacks_a_drafted_row_takes_the_follow_on_for_the_others():
+    """A row the coordinator ended without the verdict saying so (a stop string, a cancelled request) is absent
+    from the next request: the follow-on serves the rows it has, the missing row's drafts left out."""
+    f = FollowOns(lambda call, cancel: NestedOutcome(DraftProposal([[1], [2]]), [[1], [2]], [[1], [2]]),
+                  relay=lambda c, o: o)
+    ahead = _two_rows()
+    call = NestedCall(ahead, [None] * 2, [None] * 2, EP, (), relay=(EP, "k1"))
+    f.ran(call, replace(ahead, follow=ahead.follow), NestedOutcome(DraftProposal([[3, 3], [1]]), [[3, 3], [1]],
+                                                                   [[3], [1]]))
+    f.verdict(Verdict("k1", [[3, 3], [1, 5]]))
+    nxt = f._pending.draft
+    only_b = replace(nxt, **{k: [getattr(nxt, k)[1]] for k in ("seq_ids", "sampling", "mid_syncs", "low_syncs",
+                                                                "want", "mid_owed", "low_owed")})
+    got, relayed = f.claim(replace(call, draft=only_b, mid_sampling=[None], low_sampling=[None],
+                                   relay=(EP, "k2")), only_b)
+    assert got.drafts.token_ids == [[2]] and got.mid_held == [[2]] and not relayed
+    assert f.stats()["trims"] == 1 and f.stats()["used"] == 1
 
 
 def test_a_request_a_moment_ahead_of_its_verdict_waits_for_it():
