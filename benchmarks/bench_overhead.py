@@ -1118,7 +1118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--planner-k-max", type=int, default=16, help="the planner's largest K (the served default: 16)")
     ap.add_argument("--follow-max-rows", type=int, default=None,
                     help="an experiment: follow-ons up to this many rows (specray.coordinator.drafting.FOLLOW_MAX_ROWS,"
-                         " 4 when serving); without --churn the rows never end or join, so every one is taken")
+                         " 64 when serving); without --churn the rows never end or join, so every one is taken")
     ap.add_argument("--churn", action="store_true",
                     help="continuous batching, as served: rows of varied lengths end and are replaced at once "
                          "(`stream`), so that follow-ons meet rows that end and join")
@@ -1129,9 +1129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/overhead-<date>.json)")
     ap.add_argument("--note", action="append", default=[], help="a line for the JSON's notes (e.g. which code ran)")
     args = ap.parse_args(argv)
+    FOLLOW_MAX_ROWS_SERVED = drafting.FOLLOW_MAX_ROWS
     if args.follow_max_rows is not None:
         drafting.FOLLOW_MAX_ROWS = args.follow_max_rows
-        args.note.append(f"follow-ons up to {args.follow_max_rows} rows (served: 4)")
+        args.note.append(f"follow-ons up to {args.follow_max_rows} rows (served: {FOLLOW_MAX_ROWS_SERVED})")
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     torch.set_num_threads(1)  # the coordinator's CPU side: no OpenMP pool to wake after every sleep

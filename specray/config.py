@@ -374,13 +374,13 @@ class CascadeConfig(_Strict):
     )
     follow: bool | None = Field(
         None, description="With relays, the target also sends its verdict to a nested middle level, which drafts "
-        "the next round on it at once (rounds drafted without overlap, at most 4 rows): the verdict's trip to the "
+        "the next round on it at once (rounds drafted without overlap, at most 64 rows): the verdict's trip to the "
         "coordinator, the coordinator's commit and plan, and its request to the middle level come off the round's "
-        "critical path; rows that joined are drafted beside it. A request that asks something else (the plan "
-        "changed) cancels the follow-on and waits for its inner round under way. Default: on where every model "
-        "level runs on a GPU (num_gpus > 0 or a device other than cpu), whose steps are short enough for that path "
-        "to count; off on CPU levels, whose steps take a hundred times longer and share the cores a cancelled "
-        "follow-on would take.",
+        "critical path; rows that joined get their first draft from the next follow-on. A request that asks "
+        "something else (the plan changed) cancels the follow-on and waits for its inner round under way. "
+        "Default: on where every model level runs on a GPU (num_gpus > 0 or a device other than cpu), whose steps "
+        "are short enough for that path to count; off on CPU levels, whose steps take a hundred times longer and "
+        "share the cores a cancelled follow-on would take.",
     )
 
     @property

@@ -63,9 +63,10 @@ __all__ = ["DraftSource", "Drafter", "Drafts", "Immediate", "RoundState", "Until
 log = logging.getLogger(__name__)
 
 #: the most rows of a round whose middle level drafts the next round on the target's verdict (`Drafter._follows`):
-#: a request that differs from the follow-on otherwise than by rows that joined (a row ended with none joining, a
-#: plan switched) waits for its inner round under way, and how often a larger batch does is not measured on a GPU
-FOLLOW_MAX_ROWS = 4
+#: the largest batch whose follow-ons were measured under continuous batching, rows ending and joining every round
+#: (benchmarks/bench_overhead.py --churn); a request the follow-on does not fit (a plan switched) waits for the
+#: inner round under way
+FOLLOW_MAX_ROWS = 64
 
 #: each row's draft for the level above and q when the drafter sampled: `DraftProposal` (token_ids, probs)
 
@@ -385,8 +386,8 @@ class Drafter:
     def _follows(self, r: RoundState, ci: int, rows: int) -> bool:
         """Does middle level r.chain[ci], relaying the round's drafts over `rows` rows, draft the next round on
         the target's verdict (`NestedDraft.follow`)? Only for rounds drafted now (a look-ahead drafts the next
-        round itself) and small batches (`FOLLOW_MAX_ROWS`): the next request must ask exactly what the verdict
-        implies (`specray.serve.follow`)."""
+        round itself) and batches up to `FOLLOW_MAX_ROWS`: the next request must ask what the verdict implies, give
+        or take rows that end and join (`specray.serve.follow`)."""
         assert self.nesting is not None
         return (self.follow and isinstance(r.source, Immediate) and rows <= FOLLOW_MAX_ROWS
                 and self.nesting.follows(self.levels[r.chain[ci]].worker, self.levels[r.top].worker))

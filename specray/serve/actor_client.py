@@ -89,6 +89,10 @@ class ActorClient:
         self.incarnation: str = i["incarnation"]
         self._tokenizer: Any = None
         self._frees: list[str] = []  # finished sequences, freed with the next request
+        #: the frees for the level below that this (middle) level's last two nested requests carried: a request
+        #: that took a follow-on leaves them owed there until its next call below (specray.serve.follow), so if
+        #: this level fails they are sent again (freeing is idempotent)
+        self._carried: tuple[tuple[str, ...], ...] = ()
         self._frees_lock = threading.Lock()
         self._sampled: dict[str, SamplingParams] = {}  # the sampling parameters the actor holds per sequence
         self._graph: Any = None  # the compiled graph, built on first use and after a failure

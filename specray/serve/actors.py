@@ -207,10 +207,13 @@ class ActorWorker(ActorClient):
         try:
             out: NestedOutcome = self._send_direct(call)
         except BaseException:
-            with low._frees_lock:  # never reached the level below: free them with its next request
-                low._frees[:0] = frees
+            with low._frees_lock:  # never reached the level below, or owed there by this level: free them again
+                low._frees[:0] = [*(f for carried in self._carried for f in carried), *frees]
+            self._carried = ()
             low._forget_samplings()
             raise
+        if frees:
+            self._carried = (*self._carried[-1:], frees)
         if out.low_error is not None:
             out.low_error = low._peer_failed(out.low_error)
         return out

@@ -489,6 +489,41 @@ def test_a_level_killed_during_nested_drafting_fails_over_exactly(victim):
         assert all(w.stats().live_sequences == 0 for w in lc.workers.values())
 
 
+def test_a_middle_level_killed_while_rows_end_apart_leaves_nothing_behind_below(monkeypatch):
+    """d1 -> d2 -> target with follow-ons while rows end round after round: a request that takes a follow-on leaves
+    its frees for d1 owed at d2 until d2's next call there, so when d2 is killed the coordinator sends the frees
+    its last requests carried again. Every row gets the plain target's tokens and d1 ends empty."""
+    from specray.coordinator import drafting
+    from specray.coordinator.cascade import CascadeEngine
+
+    monkeypatch.setattr(drafting, "FOLLOW_MAX_ROWS", 64)
+    cfg = CascadeConfig(levels=[level(n, num_speculative_tokens=k) for n, k in (("d1", 2), ("d2", 5))]
+                        + [level("target")], follow=True)
+    prompts = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]
+    lengths = [6, 9, 12, 15, 18, 21, 40, 44]
+    with launch_levels(cfg, [fake(n, *FAKES[n]) for n in ("d1", "d2", "target")], name_prefix="nkfree") as lc:
+        eng = CascadeEngine(lc.levels, nesting=lc.nesting)
+        eng.retry_after_s = 0.0
+        seqs = [eng.new_sequence(p, SamplingParams(), n) for p, n in zip(prompts, lengths)]
+        pid, r = lc.info["d2"]["pid"], 0
+        while any(not s.finished for s in seqs):
+            if r == 4:
+                os.kill(pid, signal.SIGKILL)
+            eng.step(seqs)
+            r += 1
+            for s in seqs:
+                if s.finished:
+                    eng.release(s)
+        plain = [generate([Level("target", worker=in_process()["target"])], [p], max_tokens=n, ignore_eos=True)
+                 .results[0].token_ids for p, n in zip(prompts, lengths)]
+        assert [s.output for s in seqs] == plain
+        deadline = time.monotonic() + 10
+        while lc.workers["d1"].stats().live_sequences and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lc.workers["d1"].stats().live_sequences == 0
+        assert lc.workers["target"].stats().live_sequences == 0
+
+
 def test_a_middle_level_killed_while_drafting_with_the_ngram_beside_it_fails_over_exactly():
     """n-gram -> d2 -> target, d2 drafting nested with the n-gram text it holds: killing d2 loses that text with
     it; every row finishes with the plain target's tokens, and once Ray restarts d2 the cascade takes it back and
