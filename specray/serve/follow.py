@@ -221,9 +221,10 @@ class FollowOns:
         return replace(call, low_frees=(*owed, *call.low_frees)) if owed else call
 
     def stats(self) -> dict[str, int]:
+        with self._lock:  # the owed frees change in the transport's threads
+            owed = sum(len(v) for v in self._owed.values())
         return {"drafted": self.drafted, "used": self.used, "dropped": self.dropped, "joins": self.joins,
-                "deferred": self.deferred, "trims": self.trims,
-                "owed_frees": sum(len(v) for v in self._owed.values())}
+                "deferred": self.deferred, "trims": self.trims, "owed_frees": owed}
 
     def _carry(self, at: Endpoint | None, rows: Sequence[str]) -> tuple[str, ...]:
         """The frees owed at the level below `at`, taken by a call about to go there over `rows` (under the lock):
