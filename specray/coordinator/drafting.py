@@ -49,7 +49,7 @@ from specray.coordinator.failover import LevelCallError
 from specray.coordinator.feed import Verified, fed_lengths
 from specray.coordinator.inner import FollowOn, InnerLog, NestedDraft, Nesting, inner_rounds
 from specray.coordinator.state import Plan, Seq
-from specray.coordinator.stats import LevelStats, drafter_of
+from specray.coordinator.stats import drafter_of, stats_for
 from specray.engine.protocol import DraftMode
 from specray.engine.protocol import DraftProposal as Drafts
 from specray.spec.params import TreeShape, VerifyMethod
@@ -496,8 +496,8 @@ def _record(rows: Sequence[Seq], level: int, lower: int, log: InnerLog) -> None:
     for j, b in enumerate(log.idx):
         key = (level, drafter_of(lower, bool(log.drafts[j]), native))
         tree = log.trees[j] if log.trees is not None else None
-        rows[b].stats.setdefault(key, LevelStats()).record(fed[j], res.num_accepted[j], len(res.token_ids[j]),
-                                                           tree.max_depth if tree is not None else None)
+        stats_for(rows[b].stats, key).record(fed[j], res.num_accepted[j], len(res.token_ids[j]),
+                                             tree.max_depth if tree is not None else None)
 
 
 class Immediate:

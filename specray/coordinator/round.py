@@ -40,7 +40,7 @@ from specray.coordinator.drafting import Immediate, RoundState
 from specray.coordinator.feed import fed_lengths
 from specray.coordinator.lookahead import LookAhead
 from specray.coordinator.state import Plan, Seq
-from specray.coordinator.stats import LevelStats, drafter_of
+from specray.coordinator.stats import drafter_of, stats_for
 from specray.spec.params import TreeShape, VerifyMethod
 
 __all__ = ["new_round", "run_round"]
@@ -111,7 +111,7 @@ def run_round(r: RoundState, calls: LevelCalls) -> dict[str, list[int]]:
         lower = r.drafters[b] if r.drafters is not None else r.lower  # a hybrid round: each row's own drafter
         who = drafter_of(lower, bool(drafts.token_ids[b]), res.native_drafts is not None)
         tree = drafts.trees[b] if drafts.trees is not None else None
-        s.stats.setdefault((r.top, who), LevelStats()).record(
+        stats_for(s.stats, (r.top, who)).record(
             fed[b], res.num_accepted[b], len(toks), tree.max_depth if tree is not None else None)
         r.source.keep(r, b, s, looks.get(b), len(drafts.token_ids[b]), res, new)
     calls.feed.shadowed(r.rows, r.plan)  # the n-gram's acceptance where this round did not ask it (feed.py)

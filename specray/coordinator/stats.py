@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["NATIVE", "NATIVE_NAME", "LevelStats", "StatsKey", "drafter_of", "named_stats", "pair_name"]
+__all__ = ["NATIVE", "NATIVE_NAME", "LevelStats", "StatsKey", "drafter_of", "named_stats", "pair_name", "stats_for"]
 
 #: drafter index of a verification the verifier's own engine drafted for (a native vLLM level)
 NATIVE = -1
@@ -25,6 +25,15 @@ StatsKey = tuple[int, int | None]
 
 def pair_name(drafter: str, verifier: str) -> str:
     return f"{drafter}->{verifier}"
+
+
+def stats_for(stats: dict[StatsKey, LevelStats], key: StatsKey) -> LevelStats:
+    """The entry of `key`, made on first use (`setdefault` would build a `LevelStats` every call, a round's
+    commit and every inner round)."""
+    st = stats.get(key)
+    if st is None:
+        st = stats[key] = LevelStats()
+    return st
 
 
 def drafter_of(lower: int | None, had_draft: bool, native: bool) -> int | None:
