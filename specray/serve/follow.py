@@ -9,8 +9,9 @@ the middle level its next request; only then do the next round's inner rounds st
                 rounds run now, with the level below (a row the verdict ended by a stop token gets none)
                 target --VerifyResult--> coordinator: commit, plan, next request
     round n+1   coordinator --NestedCall--> middle level: the request it drafted for -> that outcome (its drafts
-                relayed on under the new key the moment they are made); rows that joined since are drafted beside
-                it, rows the request lacks (the coordinator ended them) are left out of it; a request that differs
+                relayed on under the new key the moment they are made); a row that joined since, new to both
+                levels, gets no draft this round and joins the next follow-on (one they hold is drafted beside
+                it), rows the request lacks (the coordinator ended them) are left out of it; a request that differs
                 otherwise (another plan, another level below, a row asking something else) cancels the follow-on
                 (its inner rounds stop at the next boundary), then runs as sent
 
@@ -26,9 +27,10 @@ to the right text: a dropped follow-on only cost the levels' time.
 Frees: a request carries the sequences the coordinator finished since its last call to the level below
 (`NestedCall.low_frees`), freed there with the first call the request makes below. A request that takes a
 follow-on whole makes none, so its frees are owed: they go with the next call this level makes below (the next
-follow-on's first inner round, usually the same round's verdict later), or on their own (`Frees`) when the next
-request is not a nested one. Sequence ids are never reused while a coordinator runs, so a free that comes a round
-late only holds the level's memory a round longer.
+follow-on's first inner round, usually the same round's verdict later), or on their own (`Frees`) when none
+follows (the verdict ended every row, or the next request is not a nested one). Sequence ids are never reused while
+a coordinator runs, so a free that comes a round late only holds the level's memory a round longer; if this level
+dies owing frees, the coordinator sends again what its last requests carried (`ActorWorker.nested`).
 """
 
 from __future__ import annotations
