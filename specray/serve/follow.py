@@ -152,38 +152,40 @@ class FollowOns:
     def claim(self, call: NestedCall | None, draft: NestedDraft | None) -> tuple[NestedOutcome, bool] | None:
         """Before any request touches the worker: a follow-on drafted for this nested request (`draft`: its draft
         with the sampling resolved) is its outcome, with whether its drafts were relayed already (and the request
-        remembered for its verdict: `ran`); rows that joined since are drafted now, rows the request lacks are left
-        out; raises the level's error if drafting it failed. A request that differs otherwise drops it, after it
-        finished. None: the request runs as sent (`sent`). `call` None: a request that is not a nested one."""
+        remembered for its verdict: `ran`); rows that joined since are drafted now or left for the next follow-on
+        (`_Match.split`), rows the request lacks are left out; raises the level's error if drafting it failed. A
+        request that differs otherwise drops it, after it finished. None: the request runs as sent (`sent`).
+        `call` None: a request that is not a nested one."""
         with self._lock:
             heard = self._heard if self._last is not None else None
         if heard is not None and call is not None:  # its verdict may be a moment behind it
             heard.wait(VERDICT_WAIT_S)
         loose: dict[Endpoint, list[str]] = {}
+        owed_below: tuple[str, ...] = ()
+        now: list[int] = []
+        later: list[int] = []
+        exact = False
         with self._lock:
             self._last = None
             self._heard.set()
             pending, self._pending = self._pending, None
-            if call is None:  # no call below is coming from here: the frees owed there go on their own
+            if call is None and self._owed:  # no call below is coming from here: what is owed there goes on its own
                 loose, self._owed = self._owed, {}
             match = None if pending is None else _match(call, draft, pending)
-            exact = match is not None and draft is not None and match.exact(len(draft.seq_ids))
-            if pending is None:
-                pass
-            elif exact and not pending.finished and call is not None and call.relay is not None:
-                pending.relay_to = (call, draft)  # the drafting thread relays its drafts the moment they are made
-            elif match is None:
-                pending.cancel.set()  # its inner rounds end with the one under way
-            # rows that joined: a row new to both levels waits for the next follow-on (drafting it now would cost both
-            # levels inner rounds of their own after the follow-on's); one they hold is drafted now, beside it
-            later = [] if match is None or draft is None else [j for j in match.joined if _starting(draft, j)]
-            now = [] if match is None else [j for j in match.joined if j not in set(later)]
-            owed_below: tuple[str, ...] = ()
-            if match is not None and call is not None and call.low_at is not None:
-                if now:  # the call for those rows goes below: it carries what is owed there too
-                    owed_below = (*self._carry(call.low_at, draft.seq_ids if draft else ()), *call.low_frees)
-                elif call.low_frees:  # nothing of this request goes below: its frees there wait for what does
-                    self._owed.setdefault(call.low_at, []).extend(call.low_frees)
+            if match is None:
+                if pending is not None:
+                    pending.cancel.set()  # its inner rounds end with the one under way
+            else:
+                assert pending is not None and call is not None and draft is not None
+                now, later = match.split(draft)
+                exact = match.exact(len(draft.seq_ids))
+                if exact and not pending.finished and call.relay is not None:
+                    pending.relay_to = (call, draft)  # the drafting thread relays its drafts as they are made
+                if call.low_at is not None:
+                    if now:  # the call for those rows goes below: it carries what is owed there too
+                        owed_below = (*self._carry(call.low_at, draft.seq_ids), *call.low_frees)
+                    elif call.low_frees:  # nothing of this request goes below: its frees there wait for what does
+                        self._owed.setdefault(call.low_at, []).extend(call.low_frees)
         if pending is not None:
             pending.done.wait()
         self._send(loose)  # after the follow-on's calls below: they hold the connection there
@@ -280,6 +282,13 @@ class _Match(NamedTuple):
     def exact(self, rows: int) -> bool:
         """The follow-on drafted exactly the request's `rows` rows, in its order."""
         return not self.joined and self.where == list(range(rows))
+
+    def split(self, draft: NestedDraft) -> tuple[list[int], list[int]]:
+        """The joined rows to draft now, beside the follow-on (both levels hold them), and those that wait for the
+        next follow-on (new to both levels: drafting them now would cost both levels inner rounds of their own
+        after the follow-on's)."""
+        later = [j for j in self.joined if _starting(draft, j)]
+        return [j for j in self.joined if not _starting(draft, j)], later
 
 
 def _match(call: NestedCall | None, draft: NestedDraft | None, pending: _Pending) -> _Match | None:
