@@ -120,9 +120,8 @@ import torch
 
 from specray.config import LevelConfig, PolicyConfig
 from specray.coordinator import drafting
-from specray.coordinator.cascade import CascadeEngine, GenerationResult, Level, Seq
+from specray.coordinator.cascade import CascadeEngine, GenerationResult, Level, Seq, round_plans
 from specray.coordinator.generate import Batch, generate
-from specray.coordinator.state import Planning
 from specray.coordinator.stats import LevelStats, named_stats
 from specray.heap import freeze_startup_heap
 from specray.policy.planner import Planner
@@ -216,7 +215,7 @@ def stream(engine: CascadeEngine, batch: int, max_tokens: int, plan: Any, seed: 
     `batch * max_tokens` tokens in all. Rows end and join every few rounds, as they do under load; the batch
     never drains. `out.results[0].rounds` holds the rounds of the whole stream."""
     rng = random.Random(seed)
-    groups = plan if isinstance(plan, Planning) else None
+    plan_of = round_plans(engine, plan)
     made = itertools.count()
 
     def new_row(lo: int, hi: int) -> Seq:
@@ -228,11 +227,7 @@ def stream(engine: CascadeEngine, batch: int, max_tokens: int, plan: Any, seed: 
     tokens = rounds = 0
     try:
         while tokens < batch * max_tokens:
-            if groups is not None:
-                this = groups.plan_groups(batch, engine.backlog(rows))[0][0]
-            else:
-                this = plan(batch) if callable(plan) else plan
-            tokens += sum(len(t) for t in engine.step(rows, this))
+            tokens += sum(len(t) for t in engine.step(rows, plan_of(rows, batch)))
             rounds += 1
             for j, s in enumerate(rows):
                 if s.finished:

@@ -27,7 +27,7 @@ from specray.coordinator.stats import LevelStats
 from specray.spec.params import SamplingParams, TokenLogprob, TreeShape, VerifyMethod
 
 __all__ = ["CascadeEngine", "GenerationResult", "Level", "LevelCallError", "LevelStats", "Plan", "Seq",
-           "run_to_completion"]
+           "round_plans", "run_to_completion"]
 
 
 class CascadeEngine:
@@ -199,6 +199,19 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
 
 
+def round_plans(
+    engine: CascadeEngine, plan: Plan | Callable[[int], Plan] | None,
+) -> Callable[[Sequence[Seq], int], Plan | None]:
+    """(rows, active rows) -> the round's plan: `plan` itself, or a planner's for the batch size (a `Planning` one
+    with the rows' `Backlog` too: its first group's plan runs the round). What the planner takes is checked once
+    here: a protocol check costs a round's work."""
+    if isinstance(plan, Planning):
+        return lambda seqs, n: plan.plan_groups(n, engine.backlog(seqs))[0][0]
+    if callable(plan):
+        return lambda seqs, n: plan(n)
+    return lambda seqs, n: plan
+
+
 def run_to_completion(
     engine: CascadeEngine, seqs: list[Seq], plan: Plan | Callable[[int], Plan] | None = None,
     on_tokens: Callable[[Seq, list[int]], None] | None = None,
@@ -208,15 +221,10 @@ def run_to_completion(
     `plan` may be a callable (a planner): it is asked for the plan of every round with the batch size (a `Planning`
     one with the rows' `Backlog` too: its first group's plan runs the round).
     """
-    groups = plan if isinstance(plan, Planning) else None  # checked once: a protocol check costs a round's work
+    plan_of = round_plans(engine, plan)
     try:
         while any(not s.finished for s in seqs):
-            n = sum(not s.finished for s in seqs)
-            if groups is not None:
-                this = groups.plan_groups(n, engine.backlog(seqs))[0][0]
-            else:
-                this = plan(n) if callable(plan) else plan
-            new = engine.step(seqs, this)
+            new = engine.step(seqs, plan_of(seqs, sum(not s.finished for s in seqs)))
             if on_tokens is not None:
                 for s, toks in zip(seqs, new):
                     if toks:

@@ -384,6 +384,41 @@ def test_rows_joining_a_followed_batch_over_actors_equal_plain(fakes):
     assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
 
 
+#: eight rows for the streams whose rows end apart
+APART = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]
+
+
+def _plain_each(prompts, lengths) -> list[list[int]]:
+    """The plain target's greedy tokens for each prompt, each with its own length."""
+    return [generate([Level("target", worker=in_process()["target"])], [p], max_tokens=n, ignore_eos=True)
+            .results[0].token_ids for p, n in zip(prompts, lengths)]
+
+
+def _step_releasing(eng, seqs, before=None, after=None) -> int:
+    """Rounds until every row ends, each ended row freed at once (as a scheduler does); `before(r)` / `after(r)`
+    run around round r; returns the rounds run."""
+    r = 0
+    while any(not s.finished for s in seqs):
+        if before is not None:
+            before(r)
+        eng.step(seqs)
+        r += 1
+        if after is not None:
+            after(r)
+        for s in seqs:
+            if s.finished:
+                eng.release(s)
+    return r
+
+
+def _until_empty(workers, timeout_s: float = 10.0) -> None:
+    """Wait for the levels to hold no sequence: frees sent on their own (`Frees`) are one-way and land a moment
+    later."""
+    deadline = time.monotonic() + timeout_s
+    while any(w.stats().live_sequences for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_rows_ending_apart_in_a_followed_batch_over_actors_equal_plain(fakes, monkeypatch):
     """Eight rows of different lengths, one of them ended by the coordinator itself mid-stream (as a stop string
     ends a request), with follow-ons at every batch size: requests that free rows take the follow-on (the frees
@@ -393,30 +428,23 @@ def test_rows_ending_apart_in_a_followed_batch_over_actors_equal_plain(fakes, mo
     from specray.coordinator.cascade import CascadeEngine
 
     monkeypatch.setattr(drafting, "FOLLOW_MAX_ROWS", 64)
-    prompts = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]
     lengths = [9, 21, 13, 17, 11, 19, 15, 23]
-    plain = [generate([Level("target", worker=in_process()["target"])], [p], max_tokens=n, ignore_eos=True)
-             .results[0].token_ids for p, n in zip(prompts, lengths)]
+    plain = _plain_each(APART, lengths)
     before = fakes.workers["d2"].transport_stats()
     eng = CascadeEngine(fake_cascade("models3", VerifyMethod.GREEDY, fakes.workers), nesting=fakes.nesting)
-    seqs = [eng.new_sequence(p, SamplingParams(), n) for p, n in zip(prompts, lengths)]
-    r = 0
-    while any(not s.finished for s in seqs):
-        eng.step(seqs)
-        r += 1
+    seqs = [eng.new_sequence(p, SamplingParams(), n) for p, n in zip(APART, lengths)]
+
+    def stop_one(r: int) -> None:
         if r == 2:  # the coordinator ends a row the verdict did not (a stop string)
             seqs[1].finished, seqs[1].finish_reason = True, "stop"
-        for s in seqs:
-            if s.finished:
-                eng.release(s)
+
+    r = _step_releasing(eng, seqs, after=stop_one)
     after = fakes.workers["d2"].transport_stats()
     assert [s.output for s in seqs] == [plain[1][: len(seqs[1].output)] if j == 1 else x
                                         for j, x in enumerate(plain)]
     used, trims = (after[f"follow_{k}"] - before[f"follow_{k}"] for k in ("used", "trims"))
     assert used >= r // 2 and trims >= 1, (used, trims, r)
-    deadline = time.monotonic() + 10  # frees sent on their own (`Frees`) are one-way: they land a moment later
-    while any(w.stats().live_sequences for w in fakes.workers.values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until_empty(fakes.workers.values())
     assert all(w.stats().live_sequences == 0 for w in fakes.workers.values())
     assert fakes.workers["d2"].transport_stats()["follow_owed_frees"] == 0
 
@@ -499,27 +527,20 @@ def test_a_middle_level_killed_while_rows_end_apart_leaves_nothing_behind_below(
     monkeypatch.setattr(drafting, "FOLLOW_MAX_ROWS", 64)
     cfg = CascadeConfig(levels=[level(n, num_speculative_tokens=k) for n, k in (("d1", 2), ("d2", 5))]
                         + [level("target")], follow=True)
-    prompts = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]
     lengths = [6, 9, 12, 15, 18, 21, 40, 44]
     with launch_levels(cfg, [fake(n, *FAKES[n]) for n in ("d1", "d2", "target")], name_prefix="nkfree") as lc:
         eng = CascadeEngine(lc.levels, nesting=lc.nesting)
         eng.retry_after_s = 0.0
-        seqs = [eng.new_sequence(p, SamplingParams(), n) for p, n in zip(prompts, lengths)]
-        pid, r = lc.info["d2"]["pid"], 0
-        while any(not s.finished for s in seqs):
+        seqs = [eng.new_sequence(p, SamplingParams(), n) for p, n in zip(APART, lengths)]
+        pid = lc.info["d2"]["pid"]
+
+        def kill(r: int) -> None:
             if r == 4:
                 os.kill(pid, signal.SIGKILL)
-            eng.step(seqs)
-            r += 1
-            for s in seqs:
-                if s.finished:
-                    eng.release(s)
-        plain = [generate([Level("target", worker=in_process()["target"])], [p], max_tokens=n, ignore_eos=True)
-                 .results[0].token_ids for p, n in zip(prompts, lengths)]
-        assert [s.output for s in seqs] == plain
-        deadline = time.monotonic() + 10
-        while lc.workers["d1"].stats().live_sequences and time.monotonic() < deadline:
-            time.sleep(0.05)
+
+        _step_releasing(eng, seqs, before=kill)
+        assert [s.output for s in seqs] == _plain_each(APART, lengths)
+        _until_empty([lc.workers["d1"]])
         assert lc.workers["d1"].stats().live_sequences == 0
         assert lc.workers["target"].stats().live_sequences == 0
 
