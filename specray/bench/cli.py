@@ -122,7 +122,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap", action="store_true",
                    help="draft the next round on a second thread while the target verifies this one")
     g.add_argument("--hf-lookup-k", type=int, default=10, help="hf_lookup: prompt_lookup_num_tokens")
-    g.add_argument("--peer-threads", type=int, default=2, help="vllm_* peers: threads of vLLM's engine")
+    g.add_argument("--peer-threads", type=int, nargs="+", default=[2], metavar="N",
+                   help="vllm_* peers: threads of vLLM's engine; several counts run each peer once per count, named "
+                        "PEER@Nt (vllm_ngram@1t, vllm_ngram@2t), so that a plan's 2 cores stand beside vLLM's 1 and 2")
     g = p.add_argument_group("a running server")
     g.add_argument("--url", default=None, help="OpenAI base URL of a running server, e.g. http://127.0.0.1:8001/v1")
     g.add_argument("--served-model", default=None, help="the model id to request (none: the first of /v1/models)")
@@ -353,7 +355,13 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
     for s in skipped:
         print(f"skipped {s['name']}: {s['reason']}", file=log)
     hf_peers = [p for p in peers if p in HF_PEERS]
-    vllm_peers = [p for p in peers if p in VLLM_PEERS]
+    peer_threads = list(dict.fromkeys(args.peer_threads))
+    if any(t < 1 for t in peer_threads):
+        raise ValueError("--peer-threads must be at least 1")
+    vllm_peers = [(p, t) for p in peers if p in VLLM_PEERS for t in peer_threads]
+
+    def peer_name(p: str, threads: int) -> str:
+        return f"{p}@{threads}t" if len(peer_threads) > 1 else p
     hf = None
     if hf_peers:
         draft_worker = next((lv.worker for lv in reversed(levels[:-1]) if lv.worker is not None), None)
@@ -416,24 +424,25 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
                 cell(w, 1, p, "peer").add(res.seconds, res.requests)
                 bar.update(1)
 
-    def vllm_passes(w: str, wrows: list[dict[str, Any]], order: Sequence[str], rep: int) -> None:
+    def vllm_passes(w: str, wrows: list[dict[str, Any]], order: Sequence[tuple[str, int]], rep: int) -> None:
         # at T > 0 a repetition seeds the peer's requests anew (vLLM's peers seed each request by its index)
         shift = rep * len(wrows) if args.temperature > 0 else 0
-        for p in order:
+        for p, threads in order:
+            name = peer_name(p, threads)
             for b in batches:  # the same chunks of b requests as the modes, each one generate call
-                bar.set_postfix_str(f"{w} {batch_kind} {b} {p} (fresh process){rep_tag(rep)}")
+                bar.set_postfix_str(f"{w} {batch_kind} {b} {name} (fresh process){rep_tag(rep)}")
                 rows_b = [(i + shift, ids, mt)
                           for i, ids, mt in ids_rows([r for c in _chunks(wrows, b, args.requests) for r in c])]
                 try:
                     res = peers_mod.run_vllm(
-                        p, peer_model, rows_b, threads=args.peer_threads, dtype=peer_dtype,
+                        p, peer_model, rows_b, threads=threads, dtype=peer_dtype,
                         draft=peer_draft[0] if peer_draft else None, k=peer_draft[1] if peer_draft else 4,
                         temperature=args.temperature, batch=b, closed_loop=args.requests is not None, log=log)
                     for r in res.requests:
                         r.index -= shift
-                    cell(w, b, p, "peer").add(res.seconds, res.requests)
+                    cell(w, b, name, "peer").add(res.seconds, res.requests)
                 except RuntimeError as exc:
-                    skipped.append({"name": f"{p}:{w}:{b}", "reason": str(exc)})
+                    skipped.append({"name": f"{name}:{w}:{b}", "reason": str(exc)})
                 bar.update(1)
 
     def rep_tag(rep: int) -> str:
@@ -455,7 +464,9 @@ def run_bench(args: argparse.Namespace, build: Callable[[Any], list[Any]] | None
                         if b == 1:
                             hf_passes(w, wrows, hf_peers[::-1], rep)
                         mode_passes(w, wrows, b, modes[::-1], rep)
-    settings = {"modes": modes, "peers": peers, "batches": list(batches), "batch_kind": batch_kind,
+    peer_names = [p for p in peers if p in HF_PEERS] + [peer_name(p, t) for p, t in vllm_peers]
+    settings = {"modes": modes, "peers": peer_names, "peer_threads": peer_threads, "batches": list(batches),
+                "batch_kind": batch_kind,
                 "temperature": args.temperature, "seed": args.seed, "samples": args.samples, "repeat": args.repeat,
                 "requests": args.requests, "max_tokens": args.max_tokens,
                 "workloads": {w: len(r) for w, r in by_workload.items()}}

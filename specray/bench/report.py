@@ -138,6 +138,14 @@ _OWN_PLAIN = {"hf_plain": "hf_plain", "hf_assisted": "hf_plain", "hf_lookup": "h
               "vllm_plain": "vllm_plain", "vllm_ngram": "vllm_plain", "vllm_draft": "vllm_plain"}
 
 
+def own_plain(name: str) -> str:
+    """The plain run a peer's speedup is measured against: vllm_ngram -> vllm_plain, vllm_ngram@1t -> vllm_plain@1t
+    (the same engine on the same threads); '' for a mode."""
+    base, at, threads = name.partition("@")
+    own = _OWN_PLAIN.get(base, "")
+    return f"{own}@{threads}" if own and at else own
+
+
 def build_report(cells: Sequence[Cell], *, target: dict[str, Any], settings: dict[str, Any],
                  skipped: Sequence[dict[str, str]], check_outputs: bool, versions: dict[str, str | None],
                  created: str) -> dict[str, Any]:
@@ -148,7 +156,7 @@ def build_report(cells: Sequence[Cell], *, target: dict[str, Any], settings: dic
         plain = by_key.get((r["workload"], r["batch"], "none"))
         if plain and plain["tokens_per_s"] > 0:
             r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"]
-        own = by_key.get((r["workload"], r["batch"], _OWN_PLAIN.get(r["name"], "")))
+        own = by_key.get((r["workload"], r["batch"], own_plain(r["name"])))
         if r["kind"] == "peer" and own and own["tokens_per_s"] > 0:
             r["speedup_vs_own_plain"] = r["tokens_per_s"] / own["tokens_per_s"]
         ratio = r["speedup_vs_own_plain"] if r["kind"] == "peer" else r["speedup"]  # a peer: against its own plain

@@ -339,6 +339,35 @@ def test_vllm_peers_run_at_every_batch_size_on_the_modes_chunks(tiny, workload, 
     assert cells == {(w, b) for w in n for b in (1, 3)}
 
 
+
+def test_several_peer_thread_counts_run_each_vllm_peer_once_per_count(tiny, workload, monkeypatch):
+    """--peer-threads 1 2: each vLLM peer runs once per count, named PEER@Nt, and its speedup over its own plain loop
+    is against the plain loop on the same threads."""
+    from specray.bench.runner import Chunk
+
+    monkeypatch.setattr(peers_mod, "installed", lambda module: True)
+    calls = []
+
+    def fake_run_vllm(peer, model, rows, *, batch=1, threads=2, **kw):
+        calls.append((peer, threads))
+        seconds = {("vllm_plain", 1): 2.0, ("vllm_plain", 2): 1.0, ("vllm_ngram", 1): 1.0, ("vllm_ngram", 2): 0.25}
+        s = seconds[(peer, threads)]
+        return Chunk(s, [RequestResult(i, 4, s, 0.1, [1, 2, 3, 4]) for i, _, _ in rows])
+
+    monkeypatch.setattr(peers_mod, "run_vllm", fake_run_vllm)
+    report = run_bench(_args(*_tiny_flags(tiny, workload, "--modes", "none", "--no-warmup",
+                                          "--peers", "vllm_plain", "vllm_ngram", "--peer-threads", "1", "2")))
+    validate(report)
+    assert set(calls) == {(p, t) for p in ("vllm_plain", "vllm_ngram") for t in (1, 2)}
+    assert report["settings"]["peer_threads"] == [1, 2]
+    assert report["settings"]["peers"] == ["vllm_plain@1t", "vllm_plain@2t", "vllm_ngram@1t", "vllm_ngram@2t"]
+    peers = {(r["workload"], r["name"]): r for r in report["results"] if r["kind"] == "peer"}
+    workloads = {w for w, _ in peers}
+    assert set(peers) == {(w, f"{p}@{t}t") for w in workloads for p in ("vllm_plain", "vllm_ngram") for t in (1, 2)}
+    for w in workloads:
+        assert peers[(w, "vllm_ngram@1t")]["speedup_vs_own_plain"] == pytest.approx(2.0)
+        assert peers[(w, "vllm_ngram@2t")]["speedup_vs_own_plain"] == pytest.approx(4.0)
+
 def test_requests_run_a_closed_loop_of_n_requests_at_most_b_in_flight(tiny, workload, monkeypatch):
     """--requests N: each pass is one chunk of N requests (the workload's, repeated in order), at most B of them in
     the scheduler at once, each timed from its admission; greedy outputs still equal plain decoding's, and a vLLM
