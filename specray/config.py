@@ -488,6 +488,10 @@ class PolicyConfig(_Strict):
         "K) candidate, milliseconds of the coordinator's CPU, so after a ranking that took t the next waits t / budget "
         "(GPU-speed rounds rank every many rounds, CPU-speed ones every round or two). null: rank by rerank_every "
         "alone.")
+    rerank_surprise: float = Field(
+        0.25, gt=0, le=1, description="Rank again at once, whatever rerank_every and rerank_budget say, when the held "
+        "plan's goodput, priced again on a held round from what its rounds measured, has fallen by this share below "
+        "its goodput when it was chosen (a lookup whose copy ended drafts nothing for rounds on end). 1: never.")
     table: list[tuple[int, int, int | str]] | None = Field(
         None, description="Static override [[min_batch, max_batch, plan], ...]: plan is K (0 = plain), 'none', "
         "'ngram', 'draft', 'cascade', 'hybrid' or a plan name like 'ngram:3>draft:4>target' (hybrid: "
@@ -505,7 +509,8 @@ class PolicyConfig(_Strict):
         override it)."""
         return dict(table=self.table, hysteresis=self.hysteresis, patience=self.patience,
                     explore_every=self.explore_every, decisive=self.decisive, rerank_every=self.rerank_every,
-                    rerank_budget=self.rerank_budget, explore_budget=self.explore_budget, margin=self.margin)
+                    rerank_budget=self.rerank_budget, rerank_surprise=self.rerank_surprise,
+                    explore_budget=self.explore_budget, margin=self.margin)
 
 
 class PoolsConfig(_Strict):

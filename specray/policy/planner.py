@@ -60,8 +60,9 @@ class Planner:
     to the engine's measurements (`on_call`, `on_verify`, ...: its `measurements` take them); tests may call those
     hooks directly.
 
-    Stability: the current plan is kept unless another beats it by more than `hysteresis` (relative) on
-    `patience` consecutive calls, so noise cannot make it flap (one call suffices to fall back to plain
+    Stability: the current plan is kept unless another beats it by more than `hysteresis` (relative) for
+    `patience` consecutive rounds (rankings the cadence spaces out count the held rounds between them), so noise
+    cannot make it flap (one call suffices to fall back to plain
     decoding when it is predicted better by more than `decisive`, relative: a 2x gap between two measured
     costs is not noise, and a losing plan can cost many times a round -- speculation scored on a vLLM target
     at batch 16 costs ~8 plain rounds; and one suffices for a switch that starts or stops no model drafter,
@@ -102,6 +103,7 @@ class Planner:
         decisive: float = 1.0,
         rerank_every: int = 1,
         rerank_budget: float | None = None,
+        rerank_surprise: float = 0.25,
         explore_budget: float | None = None,
         margin: float = 0.0,
         trace: Callable[[dict[str, Any]], None] | None = None,
@@ -151,7 +153,8 @@ class Planner:
                                      tree=self.measurements.tree_widths[self.default_plan.levels[0]])
         self.ranking = Ranking(self.pricing, self.names, self.plain, self.default_plan)
         #: when to rank again (`rerank_every`, `rerank_budget`) and the held plan between rankings
-        self.cadence = Cadence(self.measurements, self.pricing, self.k_choices, rerank_every, rerank_budget)
+        self.cadence = Cadence(self.measurements, self.pricing, self.k_choices, rerank_every, rerank_budget,
+                               rerank_surprise)
         #: probes of stale pairs and of plain decoding, within `explore_budget` (a share of the serving time; needs
         #: `on_round`, which the scheduler calls)
         self.exploration = Exploration(self.measurements, self.pricing, explore_every, explore_budget, probe_batch)
@@ -249,7 +252,7 @@ class Planner:
         otherwise as the `cadence` says."""
         if self._calls <= 1 or self.measurements.clock < self.warmup or batch_bucket(batch) != self._last_bucket:
             return False
-        return self.cadence.hold(self._current)
+        return self.cadence.hold(self._current, batch)
 
     def plan(self, batch_size: int, backlog: Backlog | None = None) -> Plan:
         """The plan for the next round over `batch_size` sequences (table, warm-up, hysteresis, exploration).
@@ -314,6 +317,7 @@ class Planner:
                                      self._current)
             self._last = (batch, self._current)
             return self._current
+        held_rounds = self.cadence.unranked  # rounds the held plan ran unranked since the latest ranking
         with self.cadence.ranking(self._current):
             ranked = self.explain(batch)
             best = ranked[0][0]
@@ -357,7 +361,9 @@ class Planner:
         if best != self._current:
             cur_gp = self._score(self._current, batch)
             if best_gp > cur_gp * (1.0 + self.hysteresis):
-                self._streak += 1
+                # patience counts rounds: a plan that led at the previous ranking too has led through the rounds
+                # held since (rankings `cadence` spaces out would otherwise stretch patience to many rounds)
+                self._streak += 1 + (held_rounds if self._streak else 0)
                 # plain decoding predicted to beat the held plan by more than `decisive` (2x by default) is not
                 # noise -- both costs are measured at this batch (the held plan runs; plain is probed at every new
                 # bucket): switch at once, not after `patience` rounds of a plan that loses big. A speculative
@@ -370,6 +376,7 @@ class Planner:
         else:
             self._streak = 0
         self._last, self.last_reason = (batch, self._current), "ranked"
+        self.cadence.priced(self.pricing.goodput(self._current, batch))
         return self._current
 
     __call__ = plan

@@ -495,6 +495,60 @@ def test_a_decisive_gap_to_plain_switches_at_once_others_wait_for_patience():
     assert chosen[:2] == [p.default_plan] * 2 and chosen[2] == p.plain
 
 
+def test_patience_counts_the_rounds_held_between_rankings():
+    """Patience is in rounds: with rankings four rounds apart, a plan that led at two of them has led for five
+    rounds and takes over at the second, not after three rankings (nine rounds) of the plan it beats."""
+    def chosen(rerank_every: int) -> list[Plan]:
+        q = Planner(two_levels(), k_choices=[4], explore_every=0, patience=3, warmup=0, hysteresis=0.05,
+                    rerank_every=rerank_every, rerank_surprise=1.0)
+        q._current = q.plain
+        for _ in range(20):  # speculation predicted ~3x better than the held plain decoding
+            q.on_call(1, "verify", 1, 1, 0.1)
+            q.on_call(0, "propose", 1, 4, 0.004)
+            q.on_call(1, "verify", 1, 5, 0.11)
+            q.on_verify(1, 0, [4], [4])
+        plans = [q.plan(1) for _ in range(10)]
+        return [plan == q.default_plan for plan in plans]
+
+    assert chosen(1).index(True) == 2  # every round ranked: the third ranking, three rounds
+    assert chosen(4).index(True) == 4  # ranked at rounds 1 and 5: five rounds of the better plan leading
+
+
+def test_a_held_plan_whose_price_falls_is_ranked_again_at_once(monkeypatch):
+    """Between rankings the held plan is priced alone each round; fallen by `rerank_surprise` below the best it was
+    priced at since it was chosen (a lookup whose copy ended, its drafts rejected round after round), it is ranked
+    again at once, not after the rounds the cadence would hold it for: its K follows the falling acceptance, where
+    without the wake the lookup's long K is held while its own price is below plain decoding's."""
+    rankings = []
+    explain = Planner.explain
+    monkeypatch.setattr(Planner, "explain", lambda self, batch: rankings.append(batch) or explain(self, batch))
+
+    def run(surprise: float) -> tuple[Planner, list[Plan], float]:
+        """The plans of the 30 rounds after the copy ends, and the tokens per second those rounds really took."""
+        levels = [Level("ngram", ngram=NgramConfig(3, 1, 3), k=4), Level("target", worker=_dummy("target"))]
+        p = Planner(levels, k_max=8, explore_every=0, rerank_every=1000, rerank_surprise=surprise)
+        sim = Sim(p, {1: linear_cost(0.1, 0.004)}, {(1, 0): 0.9})
+        sim.run(1, 40)
+        assert p.current == Plan((0, 1), (8,))  # copying: the lookup's longest K, held
+        sim.alpha[(1, 0)] = 0.0  # the copy ends: every draft is rejected from here on
+        rankings.clear()
+        plans, tokens, seconds = [], 0, 0.0
+        for _ in range(30):
+            plans.append(p(1))
+            n, dt = sim.round(plans[-1], 1)
+            tokens, seconds = tokens + n, seconds + dt
+        return p, plans, tokens / seconds
+
+    p, after, woken = run(0.25)
+    assert len(rankings) >= 3 and p.current.k[0] < 8
+    p, after, held = run(1.0)  # without the wake: never ranked, K 8 held while priced below plain decoding
+    assert rankings == [] and set(after) == {Plan((0, 1), (8,))}
+    assert p.goodput(p.current, 1) < p.goodput(p.plain, 1)
+    assert woken > 1.05 * held  # the shorter drafts cost less to verify
+    with pytest.raises(ValueError, match="surprise"):
+        Planner(two_levels(), rerank_surprise=0.0)
+
+
 def test_switches_that_start_no_model_drafter_follow_the_ranking_at_once():
     """Patience guards switches that start or stop a model drafter (its cache catches up on every row first). A
     lookup's K, the lookup on or off, plain decoding: such switches cost nothing and follow the ranking on the
