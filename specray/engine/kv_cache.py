@@ -117,6 +117,15 @@ class SlotKVCache:
         if (slots, capacity) == (self._slots, self._capacity):
             return
         shape = (slots, self.num_kv_heads, capacity, self.head_dim)
+        # Pools grown inside a forward (under inference mode) would be inference tensors, which refuse the
+        # in-place moves that compact an accepted tree path outside it; ordinary tensors take writes in both.
+        with torch.inference_mode(False):
+            self._grow_pools(shape)
+        self._free.extend(range(slots - 1, self._slots - 1, -1))
+        self._free.sort(reverse=True)
+        self._slots, self._capacity = slots, capacity
+
+    def _grow_pools(self, shape: tuple[int, int, int, int]) -> None:
         for store in (self.k, self.v):
             for i in range(self.num_layers):
                 new = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -126,9 +135,6 @@ class SlotKVCache:
                     store[i] = new
                 else:
                     store.append(new)
-        self._free.extend(range(slots - 1, self._slots - 1, -1))
-        self._free.sort(reverse=True)
-        self._slots, self._capacity = slots, capacity
 
     def ensure_capacity(self, length: int) -> None:
         if length > self._capacity:

@@ -178,6 +178,22 @@ def test_accepted_path_compacts_to_a_chain(model):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_a_path_compacts_after_the_cache_grew_inside_a_forward(model):
+    """A prompt longer than the cache's first capacity grows its pools inside the (inference-mode) forward;
+    compacting an accepted path afterwards, outside that forward, still works and gives a chain's logits."""
+    w, ref = model
+    prompt = [(7 * i) % 40 + 3 for i in range(w.cache.capacity + 9)]
+    w.add("long", prompt)
+    w.verify(["long"], [[]], None, G, VerifyMethod.GREEDY)  # the prefill grows the pools
+    assert w.cache.capacity > len(prompt)
+    text = w.tokens("long")
+    tree, path, g = greedy_tree(ref, text)
+    res = w.verify_tree(["long"], [tree], None, G, VerifyMethod.GREEDY)
+    assert res.token_ids == [g] and res.num_accepted == [3]
+    torch.testing.assert_close(next_logits(w, "long", [5, 6]), full_logits(ref, w.tokens("long") + [5, 6])[-3:],
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("method", [VerifyMethod.GREEDY, VerifyMethod.COUPLED])
 def test_tree_rounds_through_verify_tree_logits_equal_plain_decoding(model, method):
     """score_tree -> `spec.tree_verify.verify_tree_logits` -> accept_paths, round after round: the text equals plain
