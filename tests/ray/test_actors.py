@@ -481,7 +481,7 @@ def _until_taken_back(eng, name: str, prompts, max_tokens: int, timeout_s: float
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("victim", ["d1", "d2"])
+@pytest.mark.parametrize("victim", ["d1", pytest.param("d2", marks=pytest.mark.slow)])
 def test_a_level_killed_during_nested_drafting_fails_over_exactly(victim):
     """d1 -> d2 -> target with d2 drafting nested: killing the level below (d1, reached from d2's actor) or the
     middle level itself drops it from the cascade; every row finishes with the plain target's tokens; Ray
@@ -713,7 +713,7 @@ def test_killed_level_is_restarted_and_reports_lost_sequences():
         assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
 
 
-@pytest.mark.parametrize("chain", [("d2",), ("d1", "d2")])
+@pytest.mark.parametrize("chain", [pytest.param(("d2",), marks=pytest.mark.slow), ("d1", "d2")])
 def test_a_target_killed_during_relayed_rounds_fails_its_round_and_serves_again(chain):
     """Relayed rounds (the level below the target sends it the drafts): killing the target fails the round in
     flight with the target's error (its requests end, as the failure table says) instead of hanging on a

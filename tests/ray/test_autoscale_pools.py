@@ -286,6 +286,7 @@ def test_pools_metrics_reach_the_node_agent_counted_once(pools_app):
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_coordinator_policy_scales_cascade_replicas_by_break_even(pools_app, tiny):
     """The default layout (one cascade per Coordinator replica) with CoordinatorPolicy: break-even 3 x headroom
     0.75 sizes each replica for 2.25 sequences, so 8 concurrent clients need more than one replica."""

@@ -2,7 +2,7 @@
 cascade in real Ray actors, for a bounded time. 0 errors, every request answered, p50/p90 latency reported,
 no sequence or cache left behind, and the level actors' memory back within 10% of the warm baseline.
 
-The default suite runs it for 20 s; the slow suite (`--runslow`) for the issue's 3 minutes
+The default suite runs it for 10 s; the slow suite (`--runslow`) for the issue's 3 minutes
 (`SPECRAY_LOAD_SECONDS` overrides both)."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def run_load(tiny, seconds: float) -> None:
 
 
 def test_32_streaming_clients_short(tiny):
-    run_load(tiny, float(os.environ.get("SPECRAY_LOAD_SECONDS", 20)))
+    run_load(tiny, float(os.environ.get("SPECRAY_LOAD_SECONDS", 10)))
 
 
 @pytest.mark.slow

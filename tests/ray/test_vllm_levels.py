@@ -14,7 +14,7 @@ from specray.engine.hf import HFWorker
 from specray.spec.params import SamplingParams
 from tests.ray.conftest import local_ray
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # in process: tests/unit/test_vllm_worker.py
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The quick brown", "Hello"]
 

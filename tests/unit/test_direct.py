@@ -43,9 +43,13 @@ def test_replies_errors_and_polling_for_short_calls():
     server = _server(handler)
     client = FrameClient(server.address, server.token, poll=True)
     try:
-        for _ in range(6):
+        # due within POLL_UNDER_S: once the clock has seen a few replies, calls poll near their reply (the first
+        # calls on a loaded box may be slow, and a reply faster than the clock's low quantile parks as usual)
+        for _ in range(40):
             assert client.call(("ok", 0.004), shape=("ok", 1)) == ("ok", 0.004)
-        assert client.clock.polled > 0  # due within POLL_UNDER_S: later calls poll near their reply
+            if client.clock.polled >= 3:
+                break
+        assert client.clock.polled >= 3
         with pytest.raises(ValueError, match="bad request"):
             client.call(("fail", 0.0), shape=("fail", 1))
         polled = client.clock.polled

@@ -20,8 +20,13 @@ def test_notebook_is_committed_without_outputs(path):
             assert not cell.outputs and cell.execution_count is None, f"{path.name}: strip the outputs"
 
 
+#: notebooks the default suite leaves to the slow one (each runs a sweep of served plans)
+SLOW_NOTEBOOKS = {"regimes"}
+
+
 @pytest.mark.ray
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW_NOTEBOOKS else p
+                                  for p in NOTEBOOKS], ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_on_tiny_models(path, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECRAY_NOTEBOOK_MODELS", "tiny")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
