@@ -7,7 +7,9 @@ The levels of the config (n-gram -> 0.5B -> 1.5B; the target on vLLM with engine
 installed) are loaded once. Modes: `adaptive` (the config's policy, a fresh planner at the start of every workload
 pass: what a server that has just started sees; `adaptive-old`: the planner as it was before the cold-start fix,
 deaf to the feed's shadow lookups and extrapolating its step-cost slopes, with an engine of its own;
-`adaptive-unaged`: verifications priced against the plain step now, not the one measured then), `none` (plain
+`adaptive-unaged`: verifications priced against the plain step now, not the one measured then;
+`adaptive-calibrated`: the goodput model's prices corrected by what each plan family's rounds delivered),
+`none` (plain
 decoding), `ngram`, `draft`, `cascade` (fixed plans at the levels' configured K). Batch 1, greedy: per workload,
 prompt by prompt, every mode runs the same prompt before the next prompt starts (order rotated per prompt), each
 after the prefix caches are emptied, so load that comes and goes hits every mode alike. With --warm-request each
@@ -49,7 +51,7 @@ from specray.spec.params import SamplingParams
 
 FIXED = ("none", "ngram", "draft", "cascade")
 PEERS = ("vllm_plain", "vllm_ngram")
-ADAPTIVE = ("adaptive", "adaptive-old", "adaptive-unaged")
+ADAPTIVE = ("adaptive", "adaptive-old", "adaptive-unaged", "adaptive-calibrated")
 
 
 class Recorder:
@@ -175,7 +177,16 @@ def time_split(results: list[dict[str, Any]], streams: list[list[dict[str, Any]]
     return out
 
 
-_PLANNERS = {"adaptive": LoggedPlanner, "adaptive-old": BeforeColdStartFix, "adaptive-unaged": UnagedSlopes}
+class Calibrated(LoggedPlanner):
+    """The planner with its calibration on, whatever the config says (`adaptive-calibrated`): each plan family's
+    price corrected by what its rounds delivered (`specray.policy.calibration`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "calibrate": True})
+
+
+_PLANNERS = {"adaptive": LoggedPlanner, "adaptive-old": BeforeColdStartFix, "adaptive-unaged": UnagedSlopes,
+             "adaptive-calibrated": Calibrated}
 
 
 async def _generate(engine, planner, tok, stop_ids, ids: list[int], max_tokens: int, spec) -> tuple[int, float]:
@@ -201,7 +212,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--modes", nargs="+", default=["adaptive", *FIXED], choices=[*ADAPTIVE, *FIXED],
                     help="adaptive-old: the planner before the cold-start fix (no shadow lookups, fitted slopes "
-                         "extrapolated); adaptive-unaged: verifications priced against the plain step priced now")
+                         "extrapolated); adaptive-unaged: verifications priced against the plain step priced now; "
+                         "adaptive-calibrated: priced by the plans' own rounds too (policy.calibrate)")
     ap.add_argument("--repeats", type=int, default=1, help="passes over every workload (a fresh planner each)")
     ap.add_argument("--prompts", choices=["bench", "served"], default="bench",
                     help="bench: `specray bench`'s sample sets; served: benchmarks/prompts.py (bench_serve's)")

@@ -492,6 +492,11 @@ class PolicyConfig(_Strict):
         0.25, gt=0, le=1, description="Rank again at once, whatever rerank_every and rerank_budget say, when the held "
         "plan's goodput, priced again on a held round from what its rounds measured, has fallen by this share below "
         "its goodput when it was chosen (a lookup whose copy ended drafts nothing for rounds on end). 1: never.")
+    calibrate: bool = Field(
+        False, description="Correct each plan family's predicted goodput by what its rounds delivered: measured "
+        "against predicted tokens per round and round seconds, decayed (`specray.policy.calibration`). Off by "
+        "default: at batch 1 on the served levels it trailed the uncalibrated planner on code (benchmarks/README.md, "
+        "'Calibrating the planner by its plans' own rounds'). false: the goodput model's prices stand.")
     table: list[tuple[int, int, int | str]] | None = Field(
         None, description="Static override [[min_batch, max_batch, plan], ...]: plan is K (0 = plain), 'none', "
         "'ngram', 'draft', 'cascade', 'hybrid' or a plan name like 'ngram:3>draft:4>target' (hybrid: "
@@ -510,7 +515,8 @@ class PolicyConfig(_Strict):
         return dict(table=self.table, hysteresis=self.hysteresis, patience=self.patience,
                     explore_every=self.explore_every, decisive=self.decisive, rerank_every=self.rerank_every,
                     rerank_budget=self.rerank_budget, rerank_surprise=self.rerank_surprise,
-                    explore_budget=self.explore_budget, margin=self.margin)
+                    explore_budget=self.explore_budget, margin=self.margin,
+                    calibrate=self.calibrate)
 
 
 class PoolsConfig(_Strict):

@@ -37,9 +37,11 @@ SPECULATION_CHOICES = ("auto", "none", "ngram", "draft", "cascade", "hybrid")
 @runtime_checkable
 class RoundTimed(Protocol):
     """A planner that is told how long each round it chose plans for took (wall seconds, every group): the cost
-    of what no worker call's timing shows, such as a level catching up on rows it has not seen."""
+    of what no worker call's timing shows, such as a level catching up on rows it has not seen. `tokens`: what the
+    round committed, where it was one group of the planner's rows, none of them in its first round (a prefill);
+    else None (the round's time is not its plan's)."""
 
-    def on_round(self, batch: int, seconds: float) -> None: ...
+    def on_round(self, batch: int, seconds: float, tokens: int | None = None) -> None: ...
 
 
 class RequestError(ValueError):
@@ -290,6 +292,8 @@ class Scheduler:
                 plan, method, tree, members = groups[0]
                 half = len(members) // 2
                 groups = [(plan, method, tree, members[:half]), (plan, method, tree, members[half:])]
+            # a round that measures its plan: one group of the planner's rows, none in its first round (a prefill)
+            measures = len(groups) == 1 and all(live.plan is None and live.seq.rounds > 0 for live in self._active)
             t0 = time.perf_counter()
             if self.pipeline:  # groups overlap across levels (needs thread-safe workers, e.g. actor proxies)
                 results = await asyncio.gather(
@@ -315,7 +319,10 @@ class Scheduler:
                     for live, toks in zip(members, res):
                         self._deliver(live, toks)
             if planned and self._round_timed is not None:
-                self._round_timed.on_round(batch, dt)
+                tokens = None
+                if measures and not isinstance(results[0], BaseException):
+                    tokens = sum(len(t) for t in results[0])
+                self._round_timed.on_round(batch, dt, tokens)
             if self.on_round is not None:
                 sizes: dict[Plan, int] = {}
                 for plan, _m, _t, members in groups:

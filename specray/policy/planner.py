@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from specray.coordinator.state import Backlog, Plan
 from specray.policy.cadence import Cadence
+from specray.policy.calibration import Calibration, Expected
 from specray.policy.exploration import Exploration
 from specray.policy.measurements import Measurements, batch_bucket
 from specray.policy.pricing import Pricing
@@ -106,6 +107,7 @@ class Planner:
         rerank_surprise: float = 0.25,
         explore_budget: float | None = None,
         margin: float = 0.0,
+        calibrate: bool = False,
         trace: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         if not levels:
@@ -159,6 +161,9 @@ class Planner:
         #: `on_round`, which the scheduler calls)
         self.exploration = Exploration(self.measurements, self.pricing, explore_every, explore_budget, probe_batch)
         self.table = [(int(lo), int(hi), spec) for lo, hi, spec in (table or [])]
+        #: each plan family's goodput corrected by what its reported rounds delivered (`on_round` with their
+        #: tokens); None: the prices stand
+        self.calibration = Calibration() if calibrate else None
 
         self._lock = self.measurements.lock  # the measurements' hooks and the choice see one state
         self._current = self.default_plan
@@ -190,13 +195,19 @@ class Planner:
         self.measurements.memo.clear()
         return self
 
-    def on_round(self, batch: int, seconds: float) -> None:
+    def on_round(self, batch: int, seconds: float, tokens: int | None = None) -> None:
         """A round the planner chose a plan for took `seconds` (wall, every group): its trace record's seconds, and
-        served time or a probe's cost for exploration (`Exploration.on_round`)."""
+        served time or a probe's cost for exploration (`Exploration.on_round`). `tokens`: what it committed over its
+        `batch` rows, where it ran one group of the planner's rows, none in its first round; the `calibration` of
+        the plan's family reads it (None: a round that says nothing about its plan)."""
         with self._lock:
             if self._pending is not None:
+                if tokens is not None:
+                    self._pending.note(tokens=tokens)
                 self._pending.flush(seconds)
             self.exploration.on_round(batch, seconds)
+            if self.calibration is not None:
+                self.calibration.observe(batch, seconds, tokens)
 
     # ----- choosing --------------------------------------------------------------------------------
     def _pairs(self, plan: Plan) -> list[tuple[int, int]]:
@@ -224,12 +235,16 @@ class Planner:
         time is certain: a draft verified at no extra cost (a step flat in the tokens it feeds) cannot lose to plain
         decoding, since a round yields a token per row either way, and needs no margin; one whose round takes
         `margin` more time or beyond must be predicted `margin` better."""
-        gp = self._paid_back(plan, self.ranking.goodput(plan, batch, self._current))
+        gp = self._paid_back(plan, self._calibrated(plan, self.ranking.goodput(plan, batch, self._current)))
         if not (self.margin and self._pairs(plan)):
             return gp
         plain = self.round_time(self.plain, batch)
         extra = max(0.0, self.round_time(plan, batch) / plain - 1.0) if plain > 0 else self.margin
         return gp / (1.0 + min(self.margin, extra))
+
+    def _calibrated(self, plan: Plan, gp: float) -> float:
+        """Goodput `gp` of `plan` as priced, times its family's calibration factor (`specray.policy.calibration`)."""
+        return gp if self.calibration is None else gp * self.calibration.factor(plan)
 
     def _paid_back(self, plan: Plan, gp: float) -> float:
         """Goodput `gp` of `plan` over the remaining tokens R of this round's `Backlog` once its model drafters have
@@ -266,9 +281,30 @@ class Planner:
                 chosen = self._choose(batch)
                 if self._pending is not None:
                     self._pending.hold(self._record(batch, chosen))
+                if self.calibration is not None:
+                    self.calibration.expect(self._expected(batch, chosen))
                 return chosen
             finally:
                 self._backlog = None
+
+    def _best_first(self, ranked: list[tuple[Plan, float]]) -> list[tuple[Plan, float]]:
+        """The ranking in the order the choice weighs it: calibrated, the catch-up paid."""
+        if (self.calibration is None or not self.calibration.active) and not (
+                self._backlog is not None and self._backlog.uncovered):
+            return ranked
+        return sorted(ranked, key=lambda pg: self._paid_back(pg[0], self._calibrated(*pg)), reverse=True)
+
+    def _expected(self, batch: int, chosen: Plan) -> Expected | None:
+        """What the calibration compares the round of `chosen` with: its predicted tokens per row, round seconds and
+        priced catch-up; None for the warm-up's rounds (priced from priors, and their drafters' first calls) and a
+        table's (no choice to correct)."""
+        if self.last_reason in ("warmup", "table"):
+            return None
+        catch_up = 0.0
+        if self._backlog is not None and self._backlog.uncovered:
+            catch_up = self.pricing.catch_up_time(self.pricing.drafters(chosen), self._backlog.uncovered)
+        return Expected(chosen, batch, self.pricing.expected_length(chosen, batch),
+                        self.pricing.round_time(chosen, batch), catch_up)
 
     def _record(self, batch: int, chosen: Plan) -> dict[str, Any]:
         """The trace record of this answer: the plan and why; unless it held the plan, also the best-ranked candidates
@@ -278,7 +314,10 @@ class Planner:
             return {"time": round(time.time(), 3), "batch": batch, "plan": self.plan_name(chosen), "reason": "hold"}
 
         def priced(plan: Plan, gp: float) -> dict[str, Any]:
-            return self.ranking.priced(plan, self._paid_back(plan, gp), batch)
+            out = self.ranking.priced(plan, self._paid_back(plan, self._calibrated(plan, gp)), batch)
+            if self.calibration is not None:
+                out["calibration"] = round(self.calibration.factor(plan), 3)
+            return out
 
         ranked = self.explain(batch) if self.last_reason != "table" else []
         backlog = self._backlog
@@ -286,7 +325,7 @@ class Planner:
             "time": round(time.time(), 3), "batch": batch, "plan": self.plan_name(chosen), "reason": self.last_reason,
             "clock": self.measurements.clock,
             "predicted_s": round(self.pricing.round_time(chosen, batch), 4),
-            "top": [priced(p, g) for p, g in ranked[:3]],
+            "top": [priced(p, g) for p, g in self._best_first(ranked)[:3]],
             "plain": priced(self.plain, self.pricing.goodput(self.plain, batch)),
             "backlog": None if backlog is None else {"uncovered": {self.names[i]: n for i, n in
                                                                    backlog.uncovered.items()},
@@ -321,10 +360,12 @@ class Planner:
         with self.cadence.ranking(self._current):
             ranked = self.explain(batch)
             best = ranked[0][0]
-            if self._backlog is not None and self._backlog.uncovered:
-                # the best plan once its drafters' catch-up is paid (the ranking itself, memoised, leaves it out)
-                best = max(ranked, key=lambda pg: self._paid_back(*pg))[0]
-        best_gp = self._paid_back(best, self.ranking.goodput(best, batch, self._current))
+            calibrated = self.calibration is not None and self.calibration.active
+            if calibrated or (self._backlog is not None and self._backlog.uncovered):
+                # the best plan once calibrated and once its drafters' catch-up is paid (the ranking itself,
+                # memoised, leaves both out)
+                best = max(ranked, key=lambda pg: self._paid_back(pg[0], self._calibrated(*pg)))[0]
+        best_gp = self._paid_back(best, self._calibrated(best, self.ranking.goodput(best, batch, self._current)))
         if self.margin and self._pairs(best):
             plain_gp = self._score(self.plain, batch)
             best_gp = self._score(best, batch)

@@ -37,6 +37,11 @@ class PendingTrace:
             self.flush(None)
         self.record = record
 
+    def note(self, **fields: Any) -> None:
+        """Add `fields` (what the round reported besides its seconds) to the record held."""
+        if self.record is not None:
+            self.record.update(fields)
+
     def flush(self, seconds: float | None) -> None:
         record, self.record = self.record, None
         if record is None:

@@ -266,13 +266,15 @@ def test_the_planner_is_told_each_round_it_planned_and_not_asked_for_overridden_
         def __init__(self) -> None:
             self.asked: list[int] = []
             self.rounds: list[tuple[int, float]] = []
+            self.tokens: list[int | None] = []
 
         def __call__(self, batch: int) -> Plan:
             self.asked.append(batch)
             return Plan((2,), ())
 
-        def on_round(self, batch: int, seconds: float) -> None:
+        def on_round(self, batch: int, seconds: float, tokens: int | None = None) -> None:
             self.rounds.append((batch, seconds))
+            self.tokens.append(tokens)
 
     planner = Timed()
     assert isinstance(planner, RoundTimed)
@@ -293,6 +295,8 @@ def test_the_planner_is_told_each_round_it_planned_and_not_asked_for_overridden_
     overridden = asyncio.run(main())
     assert overridden >= 1 and planner.asked == [1] * (len(rounds) - overridden)
     assert planner.rounds == rounds[overridden:] and all(dt > 0 for _, dt in planner.rounds)
+    # the tokens of each round but the first (the prefill's), which says nothing about the plan
+    assert planner.tokens[0] is None and all(t == 1 for t in planner.tokens[1:]) and len(planner.tokens) > 2
 
 
 def test_stop_token_ids_end_the_text_before_the_stop_token(tiny):
