@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specray.coordinator.state import Plan
+from specray.policy.pricing import _effective
 
 __all__ = ["Calibration", "Expected", "family"]
 
@@ -39,10 +40,8 @@ __all__ = ["Calibration", "Expected", "family"]
 def family(plan: Plan) -> tuple:
     """The plans whose rounds calibrate each other: the same levels that run (below a K of 0 none does), hybrid or
     not, tree width (K aside)."""
-    run = len(plan.levels) - 1
-    while run > 0 and plan.k[run - 1] > 0:
-        run -= 1
-    return plan.levels[run:], plan.hybrid and run == 0, plan.tree
+    eff = _effective(plan)
+    return tuple(plan.levels[j] for j in eff), plan.hybrid and len(eff) == len(plan.levels), plan.tree
 
 
 @dataclass(frozen=True)

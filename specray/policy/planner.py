@@ -235,16 +235,35 @@ class Planner:
         time is certain: a draft verified at no extra cost (a step flat in the tokens it feeds) cannot lose to plain
         decoding, since a round yields a token per row either way, and needs no margin; one whose round takes
         `margin` more time or beyond must be predicted `margin` better."""
-        gp = self._paid_back(plan, self._calibrated(plan, self.ranking.goodput(plan, batch, self._current)))
+        gp = self._weighed(plan, self.ranking.goodput(plan, batch, self._current))
         if not (self.margin and self._pairs(plan)):
             return gp
         plain = self.round_time(self.plain, batch)
         extra = max(0.0, self.round_time(plan, batch) / plain - 1.0) if plain > 0 else self.margin
         return gp / (1.0 + min(self.margin, extra))
 
-    def _calibrated(self, plan: Plan, gp: float) -> float:
-        """Goodput `gp` of `plan` as priced, times its family's calibration factor (`specray.policy.calibration`)."""
-        return gp if self.calibration is None else gp * self.calibration.factor(plan)
+    def _weighed(self, plan: Plan, gp: float) -> float:
+        """Goodput `gp` of `plan` as priced, as the choice weighs it: times its family's calibration factor
+        (`specray.policy.calibration`), then over the rows' remaining tokens once its catch-up is paid
+        (`_paid_back`)."""
+        if self.calibration is not None:
+            gp *= self.calibration.factor(plan)
+        return self._paid_back(plan, gp)
+
+    def _reweighed(self) -> bool:
+        """Whether `_weighed` can reorder the ranking this round (it leaves both corrections out, memoised)."""
+        return (self.calibration is not None and self.calibration.active) or (
+            self._backlog is not None and bool(self._backlog.uncovered))
+
+    def _catch_up_time(self, drafters: frozenset[int]) -> float:
+        """Seconds `drafters` spend catching up on this round's backlog, priced once per plan() call."""
+        c = self._catch_up.get(drafters)
+        if c is None:
+            backlog = self._backlog
+            c = 0.0 if backlog is None or not backlog.uncovered else self.pricing.catch_up_time(
+                drafters, backlog.uncovered)
+            self._catch_up[drafters] = c
+        return c
 
     def _paid_back(self, plan: Plan, gp: float) -> float:
         """Goodput `gp` of `plan` over the remaining tokens R of this round's `Backlog` once its model drafters have
@@ -253,10 +272,7 @@ class Planner:
         backlog = self._backlog
         if backlog is None or gp <= 0 or not backlog.uncovered:
             return gp
-        drafters = self.pricing.drafters(plan)
-        c = self._catch_up.get(drafters)
-        if c is None:  # the same for every plan of these drafters: priced once per plan() call
-            c = self._catch_up[drafters] = self.pricing.catch_up_time(drafters, backlog.uncovered)
+        c = self._catch_up_time(self.pricing.drafters(plan))  # the same for every plan of these drafters
         if c <= 0:
             return gp
         r = max(1, backlog.remaining)
@@ -288,11 +304,8 @@ class Planner:
                 self._backlog = None
 
     def _best_first(self, ranked: list[tuple[Plan, float]]) -> list[tuple[Plan, float]]:
-        """The ranking in the order the choice weighs it: calibrated, the catch-up paid."""
-        if (self.calibration is None or not self.calibration.active) and not (
-                self._backlog is not None and self._backlog.uncovered):
-            return ranked
-        return sorted(ranked, key=lambda pg: self._paid_back(pg[0], self._calibrated(*pg)), reverse=True)
+        """The ranking in the order the choice weighs it (`_weighed`)."""
+        return sorted(ranked, key=lambda pg: self._weighed(*pg), reverse=True) if self._reweighed() else ranked
 
     def _expected(self, batch: int, chosen: Plan) -> Expected | None:
         """What the calibration compares the round of `chosen` with: its predicted tokens per row, round seconds and
@@ -300,11 +313,8 @@ class Planner:
         table's (no choice to correct)."""
         if self.last_reason in ("warmup", "table"):
             return None
-        catch_up = 0.0
-        if self._backlog is not None and self._backlog.uncovered:
-            catch_up = self.pricing.catch_up_time(self.pricing.drafters(chosen), self._backlog.uncovered)
         return Expected(chosen, batch, self.pricing.expected_length(chosen, batch),
-                        self.pricing.round_time(chosen, batch), catch_up)
+                        self.pricing.round_time(chosen, batch), self._catch_up_time(self.pricing.drafters(chosen)))
 
     def _record(self, batch: int, chosen: Plan) -> dict[str, Any]:
         """The trace record of this answer: the plan and why; unless it held the plan, also the best-ranked candidates
@@ -314,7 +324,7 @@ class Planner:
             return {"time": round(time.time(), 3), "batch": batch, "plan": self.plan_name(chosen), "reason": "hold"}
 
         def priced(plan: Plan, gp: float) -> dict[str, Any]:
-            out = self.ranking.priced(plan, self._paid_back(plan, self._calibrated(plan, gp)), batch)
+            out = self.ranking.priced(plan, self._weighed(plan, gp), batch)
             if self.calibration is not None:
                 out["calibration"] = round(self.calibration.factor(plan), 3)
             return out
@@ -360,12 +370,9 @@ class Planner:
         with self.cadence.ranking(self._current):
             ranked = self.explain(batch)
             best = ranked[0][0]
-            calibrated = self.calibration is not None and self.calibration.active
-            if calibrated or (self._backlog is not None and self._backlog.uncovered):
-                # the best plan once calibrated and once its drafters' catch-up is paid (the ranking itself,
-                # memoised, leaves both out)
-                best = max(ranked, key=lambda pg: self._paid_back(pg[0], self._calibrated(*pg)))[0]
-        best_gp = self._paid_back(best, self._calibrated(best, self.ranking.goodput(best, batch, self._current)))
+            if self._reweighed():  # the best plan as the choice weighs it: calibrated, its catch-up paid
+                best = max(ranked, key=lambda pg: self._weighed(*pg))[0]
+        best_gp = self._weighed(best, self.ranking.goodput(best, batch, self._current))
         if self.margin and self._pairs(best):
             plain_gp = self._score(self.plain, batch)
             best_gp = self._score(best, batch)
