@@ -8,7 +8,8 @@ installed) are loaded once. Modes: `adaptive` (the config's policy, a fresh plan
 pass: what a server that has just started sees; `adaptive-old`: the planner as it was before the cold-start fix,
 deaf to the feed's shadow lookups and extrapolating its step-cost slopes, with an engine of its own;
 `adaptive-unaged`: verifications priced against the plain step now, not the one measured then;
-`adaptive-calibrated`: the goodput model's prices corrected by what each plan family's rounds delivered),
+`adaptive-calibrated`: the goodput model's prices corrected by what each plan family's rounds delivered;
+`adaptive-prior-start`: warm-up on the plan the priors rank best, which the first ranking replaces at once),
 `none` (plain
 decoding), `ngram`, `draft`, `cascade` (fixed plans at the levels' configured K). Batch 1, greedy: per workload,
 prompt by prompt, every mode runs the same prompt before the next prompt starts (order rotated per prompt), each
@@ -51,7 +52,7 @@ from specray.spec.params import SamplingParams
 
 FIXED = ("none", "ngram", "draft", "cascade")
 PEERS = ("vllm_plain", "vllm_ngram")
-ADAPTIVE = ("adaptive", "adaptive-old", "adaptive-unaged", "adaptive-calibrated")
+ADAPTIVE = ("adaptive", "adaptive-old", "adaptive-unaged", "adaptive-calibrated", "adaptive-prior-start")
 
 
 class Recorder:
@@ -185,8 +186,25 @@ class Calibrated(LoggedPlanner):
         super().__init__(*args, **{**kwargs, "calibrate": True})
 
 
+class PriorStart(LoggedPlanner):
+    """The planner before its warm-up ran the configured plan (`adaptive-prior-start`): the configured plan only if
+    its price at the priors beats plain decoding, else the priors' best plan; and the first ranking replaces the
+    warm-up's plan at once, whatever it was."""
+
+    def _start(self, batch: int, best):
+        return self.default_plan if self._score(self.default_plan, batch) >= self._score(self.plain, batch) else best
+
+    @property
+    def _configured_start(self) -> bool:
+        return False
+
+    @_configured_start.setter
+    def _configured_start(self, value: bool) -> None:
+        pass
+
+
 _PLANNERS = {"adaptive": LoggedPlanner, "adaptive-old": BeforeColdStartFix, "adaptive-unaged": UnagedSlopes,
-             "adaptive-calibrated": Calibrated}
+             "adaptive-calibrated": Calibrated, "adaptive-prior-start": PriorStart}
 
 
 async def _generate(engine, planner, tok, stop_ids, ids: list[int], max_tokens: int, spec) -> tuple[int, float]:
@@ -213,7 +231,8 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["adaptive", *FIXED], choices=[*ADAPTIVE, *FIXED],
                     help="adaptive-old: the planner before the cold-start fix (no shadow lookups, fitted slopes "
                          "extrapolated); adaptive-unaged: verifications priced against the plain step priced now; "
-                         "adaptive-calibrated: priced by the plans' own rounds too (policy.calibrate)")
+                         "adaptive-calibrated: priced by the plans' own rounds too (policy.calibrate); "
+                         "adaptive-prior-start: warm-up on the priors' best plan, left at the first ranking")
     ap.add_argument("--repeats", type=int, default=1, help="passes over every workload (a fresh planner each)")
     ap.add_argument("--prompts", choices=["bench", "served"], default="bench",
                     help="bench: `specray bench`'s sample sets; served: benchmarks/prompts.py (bench_serve's)")

@@ -168,6 +168,7 @@ class Planner:
         self._lock = self.measurements.lock  # the measurements' hooks and the choice see one state
         self._current = self.default_plan
         self._streak = 0
+        self._configured_start = False  # the warm-up runs the configured plan (`_start`)
         self._calls = 0  # plan() answers past the table (rounds), whether ranked or held
         self._last_bucket, self._bucket_run = 0, 0  # bucket of the latest plan() call, consecutive calls there
         self._last: tuple[int, Plan] | None = None  # (batch, plan) of the latest plan() answer
@@ -378,15 +379,18 @@ class Planner:
             best_gp = self._score(best, batch)
             if plain_gp >= best_gp:
                 best, best_gp = self.plain, plain_gp
-        if warming and self.measurements.clock >= self.warmup:
-            # the warm-up's plan was never ranked: the first ranking replaces it without hysteresis or patience
+        if warming and self.measurements.clock >= self.warmup and (best == self.plain or not self._configured_start):
+            # the warm-up's plan was never ranked: the first ranking replaces it without hysteresis or patience. The
+            # configured plan, measured by its warm-up rounds, gives way at once only to plain decoding (its drafters'
+            # own rounds say they lose); another speculative plan, often priced from a few shadow lookups, must lead
+            # it `patience` rounds like any held plan
             self._current, self._streak = best, 0
         if self.measurements.clock < self.warmup or self._calls <= self.warmup:
             # nothing measured yet, or nothing of the planner's own plans (a server's first requests may all name
-            # their plan while the target's clock runs): the configured plan unless even the priors say it loses
-            start = self.default_plan if self._score(self.default_plan, batch) >= self._score(
-                self.plain, batch) else best
+            # their plan while the target's clock runs)
+            start = self._start(batch, best)
             self._current, self._streak = start, 0
+            self._configured_start = start == self.default_plan
             self._last, self.last_reason = (batch, start), "warmup"
             return start
         bucket, grew = batch_bucket(batch), 0 < self._last_bucket < batch_bucket(batch)
@@ -428,6 +432,20 @@ class Planner:
         return self._current
 
     __call__ = plan
+
+    def _start(self, batch: int, best: Plan) -> Plan:
+        """The warm-up's plan: the configured one, unless it loses to plain decoding on what is known of it. While
+        one of its model drafters is untimed (`warmup_timed` calls), that is its verification alone
+        (`Pricing.verify_goodput`): a drafter's prior cost says nothing of that drafter, and priced at it, a long
+        configured K (a cascade drafting 16 tokens with confidence stops) lost to plain decoding and the warm-up ran
+        a short draft the ranking then left, rounds of a few tokens on text the configured plan copies in one.
+        Once they are timed, its price. Where it loses, the best-ranked plan `best`."""
+        plan, m = self.default_plan, self.measurements
+        if any(m.costs[i].n_obs < self.warmup_timed for i in self.pricing.drafters(plan)):
+            price = self._weighed(plan, self.pricing.verify_goodput(plan, batch))
+        else:
+            price = self._score(plan, batch)
+        return plan if price >= self._score(self.plain, batch) else best
 
     def _warming(self) -> str | None:
         """Whether warm-up goes on with its plan's model drafters: 'timing' (the plan as it is) until each was timed

@@ -538,6 +538,15 @@ class Pricing:
             return self._bounded(plan, max(1, batch))[0]
         return self._elen(m.top, plan.levels[-2], plan.k[-1], self.width(plan, len(plan.levels) - 2))
 
+    def verify_goodput(self, plan: Plan, batch: int) -> float:
+        """`goodput` with the plan's drafting free: what the target's verification of its K tokens allows, the
+        bound no drafter's cost can raise (the planner's warm-up weighs the configured plan by it while its
+        drafters' costs are priors)."""
+        if len(plan.levels) == 1 or plan.k[-1] == 0 or plan.hybrid:
+            return self.goodput(plan, batch)
+        t = self._verify_time(batch, plan.k[-1]) + self.host(plan, batch)
+        return self.expected_length(plan, batch) * batch / t if t > 0 else math.inf
+
     def goodput(self, plan: Plan, batch: int) -> float:
         """Expected committed tokens per second: E[L] * B / T_round."""
         t = self.round_time(plan, batch)

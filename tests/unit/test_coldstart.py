@@ -536,3 +536,57 @@ def test_warm_up_runs_at_the_first_answers_even_after_requests_that_named_their_
         _round(p, 0.01)
     assert answers[:3] == [(draft_plan, "warmup")] * 3  # the first answers, then until timed three times
     assert answers[3][0].levels == (0, 1) and answers[3][1] == "ranked"
+
+
+def _served_cascade() -> list[Level]:
+    """The served config's shape: an n-gram (K 8) -> a drafter model (K 16, confidence stops) -> the target."""
+    return [Level("ngram", ngram=NgramConfig(8, 1, 4), k=8),
+            Level("mid", worker=FakeWorker("mid", vocab=8), k=16, confidence=0.6),
+            Level("t", worker=FakeWorker("t", vocab=8))]
+
+
+def test_warm_up_runs_the_configured_cascade_its_drafters_prior_cost_would_price_below_plain():
+    """The served cold start: priced at the priors (every drafted token a step of the drafter, acceptance 0.5), the
+    configured cascade drafting 16 tokens loses to plain decoding, and warm-up ran a 2-token draft of the drafter
+    alone for its first rounds, a few tokens each where the configured plan copies a dozen. A drafter's prior cost
+    says nothing of that drafter: until it is timed the configured plan is weighed by its verification alone, so
+    warm-up runs it. Where even its verification loses (a large batch on the target's prior), plain decoding; and
+    once its drafter is timed and slow, the ranking's plan."""
+    p = Planner(_served_cascade(), k_max=16)
+    assert p.goodput(p.default_plan, 1) < p.goodput(p.plain, 1)  # priced at the drafter's prior cost
+    assert p.pricing.verify_goodput(p.default_plan, 1) > p.goodput(p.plain, 1)
+    assert p(1) == p.default_plan and p.last_reason == "warmup"
+    assert Planner(_served_cascade(), k_max=16)(64) == p.plain  # its verification of 64 x 17 tokens loses
+
+    slow = Planner(_served_cascade(), k_max=16)
+    for _ in range(3):  # the drafter timed: 0.5 s a step against a 0.1 s target step
+        slow.on_call(1, "propose", 1, 1, 0.5)
+        slow.on_call(2, "verify", 1, 1, 0.1)
+    assert slow.pricing.verify_goodput(slow.default_plan, 1) > slow.goodput(slow.plain, 1)
+    assert slow(1) != slow.default_plan
+
+
+def test_the_configured_warm_up_plan_is_left_only_with_patience():
+    """The served cold start on code, after the configured cascade's warm-up: shadow lookups of the n-gram accepted
+    whole price the n-gram alone above the cascade, whose rounds cost its drafter's inner calls. A warm-up plan chosen
+    on priors is replaced by the first ranking at once; the configured plan, measured by its own warm-up rounds, gives
+    way to another speculative plan like any held plan: once it has led `patience` rankings."""
+    def cascade_round(p: Planner) -> None:  # 6 inner calls of the drafter, 16 tokens verified and accepted
+        for _ in range(6):
+            p.on_call(1, "verify", 1, 5, 0.04)
+            p.on_verify(1, 0, [4], [2])
+        p.on_call(2, "verify", 1, 17, 0.16)
+        p.on_verify(2, 1, [16], [16])
+        p.on_shadow(2, 0, [4], [4], 4)
+
+    p = Planner(_served_cascade(), k_max=16, patience=3)
+    p.on_call(2, "verify", 1, 1, 0.09)  # the prefill
+    answers, leaders = [], []
+    for _ in range(6):
+        answers.append((p(1), p.last_reason))
+        leaders.append(p.explain(1)[0][0])
+        cascade_round(p)
+    assert [why for _, why in answers] == ["warmup"] * 2 + ["ranked"] * 4
+    assert all(plan.levels == (0, 2) for plan in leaders[1:])  # the n-gram alone leads every ranking
+    assert all(plan == p.default_plan for plan, _ in answers[:4])  # held through two rankings it lost
+    assert answers[4][0].levels == (0, 2)  # ... and left at the third

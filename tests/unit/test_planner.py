@@ -1029,7 +1029,7 @@ def model_tree_levels(shape: TreeShape | None = None) -> list[Level]:
 
 
 def model_tree_planner(draft_per_token: float = 0.0005, target_per_token: float = 0.001) -> Planner:
-    p = Planner(model_tree_levels(), k_choices=(4,), decay=0.95, patience=2)
+    p = Planner(model_tree_levels(), k_choices=(4,), decay=0.95, patience=2, warmup=0)  # no drafter calls fed
     p.costs[0] = StepCost(prior=(0.005, draft_per_token, 0.0))  # the drafter: a fixed cost and a cost per token fed
     p.costs[1] = StepCost(prior=(0.05, target_per_token, 0.0))
     return p
