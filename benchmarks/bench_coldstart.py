@@ -9,7 +9,8 @@ pass: what a server that has just started sees; `adaptive-old`: the planner as i
 deaf to the feed's shadow lookups and extrapolating its step-cost slopes, with an engine of its own;
 `adaptive-unaged`: verifications priced against the plain step now, not the one measured then;
 `adaptive-calibrated`: the goodput model's prices corrected by what each plan family's rounds delivered;
-`adaptive-prior-start`: warm-up on the plan the priors rank best, which the first ranking replaces at once),
+`adaptive-prior-start`: warm-up on the plan the priors rank best, which the first ranking replaces at once;
+`adaptive-no-replay`: shadow lookups once per round at its end, not replayed over the round's tokens),
 `none` (plain
 decoding), `ngram`, `draft`, `cascade` (fixed plans at the levels' configured K). Batch 1, greedy: per workload,
 prompt by prompt, every mode runs the same prompt before the next prompt starts (order rotated per prompt), each
@@ -52,7 +53,8 @@ from specray.spec.params import SamplingParams
 
 FIXED = ("none", "ngram", "draft", "cascade")
 PEERS = ("vllm_plain", "vllm_ngram")
-ADAPTIVE = ("adaptive", "adaptive-old", "adaptive-unaged", "adaptive-calibrated", "adaptive-prior-start")
+ADAPTIVE = ("adaptive", "adaptive-old", "adaptive-unaged", "adaptive-calibrated", "adaptive-prior-start",
+            "adaptive-no-replay")
 
 
 class Recorder:
@@ -101,10 +103,10 @@ class LoggedPlanner(Planner):
         self.record.on_verify(level, lower, draft_lens, accepted, list(asked))
         super().on_drafted(level, lower, draft_lens, accepted, asked)
 
-    def on_shadow(self, level, lower, draft_lens, accepted, asked):
+    def on_shadow(self, level, lower, draft_lens, accepted, asked, latest=None):
         self.log.append({"ev": "shadow", "level": level, "lower": lower, "lens": list(draft_lens),
                          "acc": list(accepted)})
-        super().on_shadow(level, lower, draft_lens, accepted, asked)
+        super().on_shadow(level, lower, draft_lens, accepted, asked, latest)
 
     def on_native(self, level, draft_lens, accepted):
         self.record.on_native(level, draft_lens, accepted)
@@ -125,7 +127,7 @@ class BeforeColdStartFix(LoggedPlanner):
     """The planner as it was before shadow lookups and optimistic step sizes (`adaptive-old`): it ignores the
     former, and its step-cost fits never know the sizes measured, so they extrapolate their fitted slope."""
 
-    def on_shadow(self, level, lower, draft_lens, accepted, asked):
+    def on_shadow(self, level, lower, draft_lens, accepted, asked, latest=None):
         pass
 
     def on_call(self, level, kind, batch, tokens, seconds):
@@ -204,7 +206,9 @@ class PriorStart(LoggedPlanner):
 
 
 _PLANNERS = {"adaptive": LoggedPlanner, "adaptive-old": BeforeColdStartFix, "adaptive-unaged": UnagedSlopes,
-             "adaptive-calibrated": Calibrated, "adaptive-prior-start": PriorStart}
+             "adaptive-calibrated": Calibrated, "adaptive-prior-start": PriorStart, "adaptive-no-replay": LoggedPlanner}
+#: modes whose engine's feed replays no shadow lookups over a round's tokens (`PlannerFeed.replay`)
+_NO_REPLAY = ("adaptive-no-replay",)
 
 
 async def _generate(engine, planner, tok, stop_ids, ids: list[int], max_tokens: int, spec) -> tuple[int, float]:
@@ -232,7 +236,8 @@ def main() -> int:
                     help="adaptive-old: the planner before the cold-start fix (no shadow lookups, fitted slopes "
                          "extrapolated); adaptive-unaged: verifications priced against the plain step priced now; "
                          "adaptive-calibrated: priced by the plans' own rounds too (policy.calibrate); "
-                         "adaptive-prior-start: warm-up on the priors' best plan, left at the first ranking")
+                         "adaptive-prior-start: warm-up on the priors' best plan, left at the first ranking; "
+                         "adaptive-no-replay: shadow lookups once per round, not replayed over its tokens")
     ap.add_argument("--repeats", type=int, default=1, help="passes over every workload (a fresh planner each)")
     ap.add_argument("--prompts", choices=["bench", "served"], default="bench",
                     help="bench: `specray bench`'s sample sets; served: benchmarks/prompts.py (bench_serve's)")
@@ -304,6 +309,8 @@ def main() -> int:
             for m in args.modes:  # a fresh planner per pass: the cold start is what is measured
                 if m in ADAPTIVE:
                     engine = CascadeEngine(levels, overlap=overlap)
+                    if m in _NO_REPLAY:
+                        engine.feed.replay = 0
                     planner = _PLANNERS[m](levels, k_max=pol.k_max, **kwargs)
                     live[m] = (engine, planner.attach(engine))
                     if args.warm_request:

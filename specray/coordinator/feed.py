@@ -22,7 +22,13 @@ accepted there (the same greedy tokens; at temperature > 0 a deterministic draft
 probability that the target samples it). A `ShadowObserver` (the planner) gets those as
 `on_shadow(level, 0, draft_lens, accepted, asked)`, so the n-gram's acceptance on the text being generated now is
 measured while it is switched off: a level measured on an earlier request (a short chat prompt with nothing to
-copy) is not left priced at that request's acceptance until an exploration round happens to try it.
+copy) is not left priced at that request's acceptance until an exploration round happens to try it. The lookups
+replay the lookup's own rounds over the tokens a round committed: after a draft is checked, the next lookup drafts
+from where the n-gram's next round would have started (past the accepted tokens and the target's one), on the text
+before it, and is checked at once, up to `SHADOW_REPLAY` lookups a round. Looked up once per round, a cascade's
+rounds of a dozen tokens sampled the text one point per round, where the lookup's own rounds are many one-token
+rounds on text it cannot copy and one per copied span: the n-gram's chains were priced at about twice the tokens per
+round their rounds then committed (on code editing), and the planner left the cascade for them.
 
 Confidence-stopped drafts: a model level with `Level.confidence` > 0 ends a row's draft after a token it is unsure
 of, so it often drafts fewer tokens than the round asked for. A `StopObserver` (the planner) gets the target's
@@ -65,13 +71,16 @@ if TYPE_CHECKING:
     from specray.engine.protocol import VerifyResult
     from specray.spec.tree import DraftTree
 
-__all__ = ["SHADOW_LOOKUPS", "CatchUpObserver", "Hears", "HostObserver", "NativeObserver", "Observer", "PlannerFeed",
-           "ShadowObserver", "StopObserver", "TreeObserver", "TreeProposeObserver", "TreeWalk", "Verified",
-           "fed_lengths", "tree_walk"]
+__all__ = ["SHADOW_LOOKUPS", "SHADOW_REPLAY", "CatchUpObserver", "Hears", "HostObserver", "NativeObserver",
+           "Observer", "PlannerFeed", "ShadowObserver", "StopObserver", "TreeObserver", "TreeProposeObserver",
+           "TreeWalk", "Verified", "fed_lengths", "tree_walk"]
 
 #: at most this many rows of a round start a shadow lookup (an n-gram scan of the row's text each): a sample of the
 #: batch measures the same acceptance, and the coordinator's work per round stays bounded at large batches
 SHADOW_LOOKUPS = 4
+#: at most this many lookups in all per round replay the lookup's rounds over the tokens the round committed
+#: (`PlannerFeed.shadowed`); past them, a row's next lookup drafts from the end of the round's text
+SHADOW_REPLAY = 16
 #: a round's own time is reported when one of this many rounds before it ran the same kind (`PlannerFeed.hosted`)
 HOST_RECENT = 4
 
@@ -90,7 +99,7 @@ class NativeObserver(Protocol):
 @runtime_checkable
 class ShadowObserver(Protocol):
     def on_shadow(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
-                  asked: int) -> None: ...
+                  asked: int, latest: Sequence[bool] | None = None) -> None: ...
 
 
 @runtime_checkable
@@ -239,6 +248,9 @@ class PlannerFeed:
         first = self.levels[0]
         #: the n-gram level 0 that shadow lookups consult (None: level 0 is a model or a suffix level)
         self._lookup = first.ngram if len(self.levels) > 1 and first.ngram is not None else None
+        #: most lookups a round's shadow replay makes over all its rows (`shadowed`): a bound on the coordinator's
+        #: work per round, which on a GPU step is a share of the step
+        self.replay = SHADOW_REPLAY
         #: the drafting levels of the latest rounds `hosted` was told of
         self._kinds: deque[tuple[int, ...]] = deque(maxlen=HOST_RECENT)
 
@@ -251,8 +263,11 @@ class PlannerFeed:
 
     def shadowed(self, rows: Sequence[Seq], plan: Plan) -> None:
         """After a round over `rows` (its tokens committed): check each row's pending shadow draft against the text
-        committed since it, and look a new one up where none is pending (module docstring). A round in which the
-        target verified the n-gram's own drafts measures it directly: its rows' shadows are dropped."""
+        committed since it, and replay the lookup's rounds over the rest of that text: a lookup where the n-gram's
+        next round would have started (after the accepted tokens and the target's own), checked at once where the
+        text after it is committed, until a draft runs past the committed text (pending) or `replay` lookups were
+        made this round (module docstring). A round in which the target verified the n-gram's own drafts measures
+        it directly: its rows' shadows are dropped."""
         if self._lookup is None:
             return
         shadows = [ob for ob, hears in self.listening() if hears.shadow]
@@ -265,31 +280,66 @@ class PlannerFeed:
         asked = max(1, self.levels[0].k)
         lens: list[int] = []
         accepted: list[int] = []
-        looked = 0
+        latest: list[bool] = []
+        replayed = rows_looked = 0
         for s in rows:
+            whole: bool | None = None  # the row's latest resolved draft accepted whole (None: none resolved)
+            at = len(s.tokens)  # where the row's next lookup drafts from
             if s.shadow is not None:
-                start, draft = s.shadow
-                after = s.tokens[start:start + len(draft)]
-                n = 0
-                while n < len(after) and after[n] == draft[n]:
-                    n += 1
-                if n < len(after) or n == len(draft):  # a token differs, or the whole draft was committed
-                    lens.append(len(draft))
-                    accepted.append(n)
-                    s.shadow = None
-                elif s.finished:  # ended inside the draft: nothing to say about the rest
-                    s.shadow = None
-            if s.shadow is None and not s.finished and s.remaining > 1 and looked < SHADOW_LOOKUPS:
-                looked += 1
-                draft = self._lookup.propose_text(s.lookup_text(), asked)
-                if draft:
-                    s.shadow = (len(s.tokens), list(draft))
-                else:  # no match: a round that would have emitted one token
-                    lens.append(0)
-                    accepted.append(0)
+                if s.shadow[1]:
+                    whole, at = self._resolve(s, lens, accepted)
+                elif s.shadow[0] <= len(s.tokens) or s.finished:  # a lookup due at a position now committed
+                    at, s.shadow = s.shadow[0], None
+            if s.shadow is None and not s.finished and s.remaining > 1 and rows_looked < SHADOW_LOOKUPS:
+                rows_looked += 1
+                text = s.lookup_text()
+                while True:
+                    if at > len(s.tokens):  # the lookup's next round starts after a token not yet committed
+                        s.shadow = (at, [])
+                        break
+                    if at < len(s.tokens) and replayed >= self.replay:
+                        at = len(s.tokens)  # out of lookups: the next one drafts from the end of the round's text
+                    end = at == len(s.tokens)
+                    replayed += not end
+                    draft = self._lookup.propose_text(text, asked, upto=at)
+                    if not draft:  # no match: a round that would have emitted one token
+                        lens.append(0)
+                        accepted.append(0)
+                        whole, at = False, at + 1
+                        continue
+                    s.shadow = (at, list(draft))
+                    if end:  # open: nothing committed after it yet
+                        break
+                    got, at = self._resolve(s, lens, accepted)
+                    if got is None:  # runs past the committed text: open
+                        break
+                    whole = got
+            if whole is not None:
+                latest.append(whole)
         if lens:
             for ob in shadows:
-                ob.on_shadow(len(self.levels) - 1, 0, lens, accepted, asked)
+                ob.on_shadow(len(self.levels) - 1, 0, lens, accepted, asked, latest)
+
+    @staticmethod
+    def _resolve(s: Seq, lens: list[int], accepted: list[int]) -> tuple[bool | None, int]:
+        """Check row `s`'s pending shadow draft against its committed text: (whether the draft was accepted whole,
+        None while it is still open; where the lookup's next round would draft from). A resolved draft is appended
+        to `lens` / `accepted` and cleared."""
+        assert s.shadow is not None
+        start, draft = s.shadow
+        after = s.tokens[start:start + len(draft)]
+        n = 0
+        while n < len(after) and after[n] == draft[n]:
+            n += 1
+        if n < len(after) or n == len(draft):  # a token differs, or the whole draft was committed
+            lens.append(len(draft))
+            accepted.append(n)
+            s.shadow = None
+            # the round would have committed the n accepted tokens and the target's next one
+            return n == len(draft), start + n + 1
+        if s.finished:  # ended inside the draft: nothing to say about the rest
+            s.shadow = None
+        return None, len(s.tokens)
 
     def hosted(self, plan: Plan, batch: int, seconds: float) -> None:
         """A round of `plan` over `batch` rows spent `seconds` outside its workers' calls (`HostObserver`), told only

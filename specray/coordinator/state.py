@@ -226,7 +226,8 @@ class Seq:
     #: the target's log-probabilities of the output tokens, one per token (`SamplingParams.logprobs` set)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     #: a draft of the n-gram level 0 that no round verified (len(tokens) it continues, its tokens), checked against
-    #: the text committed after it (`specray.coordinator.feed.PlannerFeed.shadowed`)
+    #: the text committed after it (`specray.coordinator.feed.PlannerFeed.shadowed`); no tokens: the lookup is due
+    #: where the text reaches that length (its next round starts after a token not yet committed)
     shadow: tuple[int, list[int]] | None = None
     #: `tokens` in the n-gram search's form, caught up when looked up (`lookup_text`)
     _text: TokenText = field(default_factory=TokenText, repr=False)

@@ -294,18 +294,21 @@ class Measurements:
             stops.observe([t for t, _ in went], [g for _, g in went])
 
     def on_shadow(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
-                  asked: int) -> None:
+                  asked: int, latest: Sequence[bool] | None = None) -> None:
         """Drafts of lookup level `lower` that no round verified, checked against the text `level` committed after
         them (`PlannerFeed.shadowed`): its acceptance is measured as a round of the pair would have measured it,
         so a switched-off n-gram's price follows the text being generated now instead of what it was when it last
         ran, and so do how far its drafts go where it caps them by their match (`stops`) and the rows' state (a row
-        whose whole shadow draft matched is copying: `hot_share`). The pair still counts as unmeasured for
-        exploration: what its rounds cost (a step feeding K + 1 tokens) is only measured by running them."""
+        whose whole shadow draft matched is copying: `hot_share`; `latest`: per row, whether its latest draft here
+        was, where a row's drafts were replayed over a round's tokens; default: one draft per row). The pair still
+        counts as unmeasured for exploration: what its rounds cost (a step feeding K + 1 tokens) is only measured by
+        running them."""
         with self.lock:
             self._stopped(lower, draft_lens, [asked] * len(draft_lens))
             self._observe(level, lower, draft_lens, accepted, asked, ran=False)
             if (level, lower) in self.hot:  # the rows' state, as a round of the pair would have left it
-                self.row_hot[(level, lower)] = (self.clock, _whole(draft_lens, accepted))
+                self.row_hot[(level, lower)] = (self.clock, list(latest) if latest is not None else
+                                                _whole(draft_lens, accepted))
 
     def _observe(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int], asked: int | None,
                  ran: bool) -> None:

@@ -522,8 +522,8 @@ class Planner:
         self.measurements.on_native(level, draft_lens, accepted)
 
     def on_shadow(self, level: int, lower: int, draft_lens: Sequence[int], accepted: Sequence[int],
-                  asked: int) -> None:
-        self.measurements.on_shadow(level, lower, draft_lens, accepted, asked)
+                  asked: int, latest: Sequence[bool] | None = None) -> None:
+        self.measurements.on_shadow(level, lower, draft_lens, accepted, asked, latest)
 
     def on_tree(self, level: int, lower: int, width: int, walks: Sequence[TreeWalk]) -> None:
         self.measurements.on_tree(level, lower, width, walks)

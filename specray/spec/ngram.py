@@ -57,20 +57,20 @@ _W = array(_CODE).itemsize
 
 
 def _search(data: bytes | bytearray, k: int, min_n: int, max_n: int, occurrence: str,
-            max_spec_factor: float = 0.0) -> list[int]:
-    """`propose_ngram` over the text as fixed-width bytes: the search runs in C (`bytes.find` / `rfind`), not a
-    Python loop over the text, since a row's whole context is scanned every round and contexts run to thousands
-    of tokens."""
-    n_tokens = len(data) // _W
+            max_spec_factor: float = 0.0, upto: int | None = None) -> list[int]:
+    """`propose_ngram` over the text as fixed-width bytes (its first `upto` tokens where given): the search runs in
+    C (`bytes.find` / `rfind`), not a Python loop over the text, since a row's whole context is scanned every round
+    and contexts run to thousands of tokens."""
+    n_tokens = len(data) // _W if upto is None else min(upto, len(data) // _W)
     if k <= 0 or n_tokens < 2:
         return []
     end = _W * (n_tokens - 1)  # an earlier occurrence ends before the last token (it may overlap the suffix)
     for n in range(min(max_n, n_tokens - 1), min_n - 1, -1):
-        start = _find(data, data[_W * (n_tokens - n):], end, occurrence == "earliest")
+        start = _find(data, data[_W * (n_tokens - n): _W * n_tokens], end, occurrence == "earliest")
         if start >= 0:
             if max_spec_factor > 0:
                 k = min(k, max(1, int(max_spec_factor * n)))
-            return array(_CODE, data[_W * (start + n): _W * (start + n + k)]).tolist()
+            return array(_CODE, data[_W * (start + n): _W * min(start + n + k, n_tokens)]).tolist()
     return []
 
 
@@ -144,8 +144,12 @@ class NgramConfig:
         return propose_ngram(tokens, kk, self.prompt_lookup_min, self.prompt_lookup_max, self.occurrence,
                              self.max_spec_factor)
 
-    def propose_text(self, text: TokenText, k: int | None = None, tail: Sequence[int] = ()) -> list[int]:
-        """`propose` over `text` followed by `tail`, without converting the text again."""
+    def propose_text(self, text: TokenText, k: int | None = None, tail: Sequence[int] = (),
+                     upto: int | None = None) -> list[int]:
+        """`propose` over `text` followed by `tail`, without converting the text again; `upto`: over the text's
+        first `upto` tokens only (what the lookup drafted at that point, without copying the prefix: the feed's
+        shadow lookups replay a round's committed tokens)."""
         kk = self.num_speculative_tokens if k is None else k
         data = text.data + array(_CODE, tail).tobytes() if tail else text.data
-        return _search(data, kk, self.prompt_lookup_min, self.prompt_lookup_max, self.occurrence, self.max_spec_factor)
+        return _search(data, kk, self.prompt_lookup_min, self.prompt_lookup_max, self.occurrence, self.max_spec_factor,
+                       upto)

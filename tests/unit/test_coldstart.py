@@ -29,7 +29,7 @@ class Recorder:
     def on_verify(self, level, lower, draft_lens, accepted) -> None:
         self.verified.append((level, lower, list(draft_lens), list(accepted)))
 
-    def on_shadow(self, level, lower, draft_lens, accepted, asked) -> None:
+    def on_shadow(self, level, lower, draft_lens, accepted, asked, latest=None) -> None:
         self.shadows.append((level, lower, list(draft_lens), list(accepted), asked))
 
 
@@ -62,7 +62,7 @@ def test_a_shadow_draft_is_checked_against_the_committed_text():
     s.commit([9])  # differs at the third token: 2 accepted; the next lookup ([..., 4, 9]) finds nothing
     feed.shadowed([s], PLAIN)
     assert rec.shadows == [(1, 0, [4, 0], [2, 0], 4)]
-    assert s.shadow is None
+    assert s.shadow == (11, [])  # that lookup's round would emit one token: the next lookup is due after it
 
 
 def test_a_shadow_draft_committed_whole_counts_every_token():
@@ -102,6 +102,99 @@ def test_shadow_lookups_per_round_are_bounded_and_need_a_listener():
     s = _seq([1, 2, 3, 4, 5, 1, 2])
     quiet.shadowed([s], PLAIN)
     assert s.shadow is None  # nobody listens: no lookup at all
+
+
+def _copying_text(rng: np.random.Generator, n: int) -> list[int]:
+    """Tokens of a small vocabulary in which spans of the text so far recur (copies) between fresh tokens."""
+    out = [int(t) for t in rng.integers(0, 12, 6)]
+    while len(out) < n:
+        if rng.random() < 0.5:
+            start = int(rng.integers(0, len(out) - 2))
+            out += out[start:start + int(rng.integers(2, 12))]
+        else:
+            out += [int(t) for t in rng.integers(0, 12, int(rng.integers(1, 5)))]
+    return out[:n]
+
+
+def _lookup_rounds(ngram: NgramConfig, text: list[int], start: int) -> list[tuple[int, int]]:
+    """(drafted, accepted) of each round the lookup alone would run over `text` from `start` (greedy: the text is
+    the target's), until a draft runs past the text: what its own rounds would measure."""
+    out, at = [], start
+    while at < len(text):
+        draft = ngram.propose(text[:at])
+        after = text[at:at + len(draft)]
+        n = 0
+        while n < len(after) and after[n] == draft[n]:
+            n += 1
+        if draft and n == len(after) < len(draft):
+            break
+        out.append((len(draft), n))
+        at += n + 1
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 13, 40])
+def test_shadow_lookups_measure_the_lookups_own_rounds_whatever_a_round_commits(chunk: int):
+    """A cascade's round commits a dozen tokens; looked up once per round, the n-gram was measured at the cascade's
+    round starts, a sample of the text by the cascade's rounds and not by its own (many one-token rounds where
+    nothing matches, one round per copied span), and its chains were priced at twice what their rounds then
+    committed. Replayed over each round's tokens, the shadows are exactly the lookup's own rounds, whatever each
+    round commits."""
+    rng = np.random.default_rng(chunk)
+    feed, rec = _feed()
+    feed.replay = 10**6
+    ngram = feed.levels[0].ngram
+    prompt, output = 30, 170
+    text = _copying_text(rng, prompt + output)
+    s = _seq(text[:prompt], max_tokens=10**6)
+    feed.shadowed([s], PLAIN)  # the lookup at the prompt's end
+    for i in range(prompt, len(text), chunk):
+        s.commit(text[i:i + chunk])
+        feed.shadowed([s], PLAIN)
+    got = [(n, a) for _lv, _lo, lens, acc, _k in rec.shadows for n, a in zip(lens, acc)]
+    want = _lookup_rounds(ngram, text, prompt)
+    assert got == want[:len(got)] and len(want) - len(got) <= 1  # the last may wait for a token not yet committed
+    assert sum(a + 1 for _n, a in want) > len(want) + 10  # the text has copies the lookup accepts
+
+
+def test_shadow_replay_is_bounded_per_round_and_reports_each_rows_latest_state():
+    feed, rec = _feed()
+    feed.replay = 3
+    looked = []
+
+    class Counting:
+        def propose_text(self, text, k, upto=None):
+            looked.append(upto)
+            return feed.levels[0].ngram.propose_text(text, k, upto=upto)
+
+    feed._lookup = Counting()
+    rng = np.random.default_rng(0)
+    text = _copying_text(rng, 130)
+    s = _seq(text[:30], max_tokens=10**6)
+    feed.shadowed([s], PLAIN)
+    looked.clear()
+    s.commit(text[30:130])  # one round of 100 tokens
+    feed.shadowed([s], PLAIN)
+    replayed = [u for u in looked if u < len(s.tokens)]
+    assert len(replayed) <= 3 and len(looked) <= 4  # the replay's lookups, then one from the round's end at most
+    # the state a later round of the pair starts from: the row's latest resolved draft
+    levels, lens, acc, latest = [], [], [], []
+
+    class States(Recorder):
+        def on_shadow(self, level, lower, draft_lens, accepted, asked, latest_=None) -> None:
+            lens.extend(draft_lens)
+            acc.extend(accepted)
+            latest.append(list(latest_))
+
+    feed2, _ = _feed()
+    feed2.observers[:] = [States()]
+    s2 = _seq([1, 2, 3, 4, 5, 1, 2], max_tokens=50)
+    feed2.shadowed([s2], PLAIN)  # drafts [3, 4, 5, 1]
+    s2.commit([3, 9, 7, 7, 7, 7])  # 1 accepted, then replayed from the 9 on
+    feed2.shadowed([s2], PLAIN)
+    assert lens[0] == 4 and acc[0] == 1 and len(lens) >= 2
+    assert latest[-1] == [lens[-1] > 0 and acc[-1] == lens[-1]]
+    del levels
 
 
 def test_the_engine_feeds_shadows_on_plain_rounds_that_match_an_ngram_rounds_acceptance():

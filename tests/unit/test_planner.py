@@ -728,7 +728,7 @@ class Recorder:
     def on_verify(self, level, lower, draft_lens, accepted) -> None:
         self.calls.setdefault((level, lower), []).append((list(draft_lens), list(accepted), False))
 
-    def on_shadow(self, level, lower, draft_lens, accepted, asked) -> None:
+    def on_shadow(self, level, lower, draft_lens, accepted, asked, latest=None) -> None:
         self.calls.setdefault((level, lower), []).append((list(draft_lens), list(accepted), True))
 
 
