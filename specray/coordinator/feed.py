@@ -27,8 +27,8 @@ replay the lookup's own rounds over the tokens a round committed: after a draft 
 from where the n-gram's next round would have started (past the accepted tokens and the target's one), on the text
 before it, and is checked at once, up to `SHADOW_REPLAY` lookups a round. Looked up once per round, a cascade's
 rounds of a dozen tokens sampled the text one point per round, where the lookup's own rounds are many one-token
-rounds on text it cannot copy and one per copied span: the n-gram's chains were priced at about twice the tokens per
-round their rounds then committed (on code editing), and the planner left the cascade for them.
+rounds on text it cannot copy and one per copied span: on code editing the n-gram's chains were priced at half again
+the tokens per round their own rounds commit, and the planner left the cascade for them.
 
 Confidence-stopped drafts: a model level with `Level.confidence` > 0 ends a row's draft after a token it is unsure
 of, so it often drafts fewer tokens than the round asked for. A `StopObserver` (the planner) gets the target's
