@@ -206,6 +206,11 @@ class Measurements:
         with self.lock:
             if caught <= 0 or level not in self.costs or batch <= 0:
                 return
+            if level == self.top:
+                # the target reads new rows' prompts: the rows' copy state (`hot_share`) was their predecessors'.
+                # Kept, a request that ended in a copy priced the next one's lookup chains at a copy's acceptance
+                # for its first rounds, and on a long prompt that choice held (the drafter's catch-up grows)
+                self.row_hot.clear()
             native = kind == "native" and self.native_cost is not None and level == self.top
             fit = self.native_cost if native and self.native_cost is not None else self.costs[level]
             if not fit.n_obs:

@@ -683,3 +683,25 @@ def test_the_configured_warm_up_plan_is_left_only_with_patience():
     assert all(plan.levels == (0, 2) for plan in leaders[1:])  # the n-gram alone leads every ranking
     assert all(plan == p.default_plan for plan, _ in answers[:4])  # held through two rankings it lost
     assert answers[4][0].levels == (0, 2)  # ... and left at the third
+
+
+def test_a_new_requests_prefill_forgets_the_rows_copy_state():
+    """The lookup's chains are priced by the rows' state (a row whose whole draft was accepted is copying:
+    `hot_share`). Served at batch 1 a request that ended in a copy left that state to the next request, whose
+    prefill does not move the planner's clock: its first ranking priced the n-gram alone at a copy's acceptance (3.7
+    tokens a round on extraction text whose rounds commit 1.5) and the request ran without the cascade. The target's
+    catch-up on new rows' text forgets the state."""
+    p = Planner([Level("ngram", ngram=NgramConfig(8, 1, 4), k=8), Level("t", worker=FakeWorker("t", vocab=8))],
+                k_max=8)
+    for q in (1, 5, 9):
+        for _ in range(3):
+            p.on_call(1, "verify", 1, q, 0.1 + 0.05 * q)
+    for whole in ([True] * 4 + [False] * 6) * 2 + [True] * 3:  # the last request's last rounds: a copy
+        p.on_call(1, "verify", 1, 5, 0.35)
+        p.on_verify(1, 0, [4], [4 if whole else 0])
+    plan = Plan((0, 1), (8,))
+    assert p.measurements.hot_share((1, 0)) == 1.0
+    copying = p.pricing.expected_length(plan, 1)
+    p.on_catch_up(1, "verify", 1, 1, 300, 0.9)  # the next request's prefill
+    assert p.measurements.hot_share((1, 0)) is None
+    assert p.pricing.expected_length(plan, 1) < 0.7 * copying
