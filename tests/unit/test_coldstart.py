@@ -178,7 +178,7 @@ def test_shadow_replay_is_bounded_per_round_and_reports_each_rows_latest_state()
     replayed = [u for u in looked if u < len(s.tokens)]
     assert len(replayed) <= 3 and len(looked) <= 4  # the replay's lookups, then one from the round's end at most
     # the state a later round of the pair starts from: the row's latest resolved draft
-    levels, lens, acc, latest = [], [], [], []
+    lens, acc, latest = [], [], []
 
     class States(Recorder):
         def on_shadow(self, level, lower, draft_lens, accepted, asked, latest_=None) -> None:
@@ -194,7 +194,6 @@ def test_shadow_replay_is_bounded_per_round_and_reports_each_rows_latest_state()
     feed2.shadowed([s2], PLAIN)
     assert lens[0] == 4 and acc[0] == 1 and len(lens) >= 2
     assert latest[-1] == [lens[-1] > 0 and acc[-1] == lens[-1]]
-    del levels
 
 
 def test_the_engine_feeds_shadows_on_plain_rounds_that_match_an_ngram_rounds_acceptance():
